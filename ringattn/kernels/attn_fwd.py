@@ -1,0 +1,118 @@
+"""Forward attention kernel: exp2 online softmax over K/V tiles (FlashAttention-2 scheme).
+
+One program computes one (BLOCK_M, HEAD_DIM) tile of the output for one (batch, q head).
+The key loop runs in two stages: tiles that every row of the Q tile may fully see (no
+mask at all), then the tiles that need the causal or the sequence-end mask. Tiles
+wholly above the causal diagonal are never visited. See docs/design.md.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LN2, _key_range
+
+
+
+@triton.jit
+def _attn_fwd_tiles(
+    acc, l_i, m_i, q,
+    k_base, v_base, stride_kn, stride_vn,
+    offs_m, offs_d, mask_d,
+    start_n, end_n, seqlen_k, causal_shift, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) over key tiles [start_n, end_n).
+
+    MASKED tiles mask keys past seqlen_k and (CAUSAL) keys after row + causal_shift with -inf;
+    rows whose keys are all masked keep m_i = -inf and contribute nothing.
+    """
+    for n0 in range(start_n, end_n, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
+        else:
+            kv_mask = mask_d[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if MASKED:
+            visible = offs_n[None, :] < seqlen_k
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked row: exp2(-inf - 0) = 0
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    seqlen_q, seqlen_k, num_heads_q, qk_scale,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile; Lse[b, h, m] in natural log.
+
+    Shapes: Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), Out like Q,
+    Lse (B, Hq, Sq) fp32 contiguous. qk_scale = softmax_scale * log2(e).
+    CAUSAL is aligned bottom-right: row i sees keys j <= i + (Sk - Sq).
+    """
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // num_heads_q).to(tl.int64)
+    off_hq = off_bh % num_heads_q
+    off_hk = (off_hq // GROUP_SIZE).to(tl.int64)
+    off_hq = off_hq.to(tl.int64)
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_m = offs_m < seqlen_q
+
+    q_ptrs = Q + off_b * stride_qb + off_hq * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    causal_shift = seqlen_k - seqlen_q
+    full_end, end_n = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+
+    acc, l_i, m_i = _attn_fwd_tiles(
+        acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,
+        0, full_end, seqlen_k, causal_shift, qk_scale,
+        BLOCK_N, False, CAUSAL, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attn_fwd_tiles(
+        acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,
+        full_end, end_n, seqlen_k, causal_shift, qk_scale,
+        BLOCK_N, True, CAUSAL, DOT_PRECISION,
+    )
+
+    empty = l_i == 0.0  # every key masked: output 0, lse -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+
+    o_ptrs = Out + off_b * stride_ob + off_hq * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(Lse + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=mask_m)

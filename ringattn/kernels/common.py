@@ -1,0 +1,27 @@
+"""Pieces shared by the forward and backward kernels: log-base constants and causal key ranges."""
+
+import triton
+import triton.language as tl
+
+LN2 = tl.constexpr(0.6931471805599453)  # log2 units -> natural log
+LOG2E = tl.constexpr(1.4426950408889634)  # natural log -> log2 units
+
+
+@triton.jit
+def _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key tiles a Q tile visits: (full_end, end_n).
+
+    Keys [0, full_end) are visible to every row of the tile (full_end is a multiple of BLOCK_N);
+    keys [full_end, end_n) need the sequence-end or causal mask; keys from end_n on are seen by
+    no row. Causal is aligned bottom-right: row i sees keys j <= i + seqlen_k - seqlen_q.
+    """
+    if CAUSAL:
+        causal_shift = seqlen_k - seqlen_q
+        full_end = tl.minimum(start_m * BLOCK_M + causal_shift + 1, seqlen_k)
+        end_n = tl.minimum((start_m + 1) * BLOCK_M + causal_shift, seqlen_k)
+    else:
+        full_end = seqlen_k
+        end_n = seqlen_k
+    full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
+    end_n = tl.maximum(end_n, 0)
+    return full_end, end_n

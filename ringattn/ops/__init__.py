@@ -1,0 +1,36 @@
+"""Attention ops: Triton launchers, their pure-PyTorch references and the fp32 state merge.
+
+An `AttnOps` bundles the three block operations the ring needs, so the ring loop never
+knows whether it runs the compiled kernel, the interpreted kernel or the reference.
+"""
+
+from typing import NamedTuple, Callable
+
+from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd
+from .attn_ref import attn_bwd_preprocess_ref, attn_bwd_ref, attn_fwd_ref
+from .merge import merge_attn_states_
+
+
+class AttnOps(NamedTuple):
+    """Block operations with the signatures of attn_fwd, attn_bwd and attn_bwd_preprocess."""
+
+    fwd: Callable
+    bwd: Callable
+    bwd_preprocess: Callable
+
+
+KERNEL_OPS = AttnOps(attn_fwd, attn_bwd, attn_bwd_preprocess)
+REFERENCE_OPS = AttnOps(attn_fwd_ref, attn_bwd_ref, attn_bwd_preprocess_ref)
+
+__all__ = [
+    "AttnOps",
+    "KERNEL_OPS",
+    "REFERENCE_OPS",
+    "attn_bwd",
+    "attn_bwd_preprocess",
+    "attn_bwd_preprocess_ref",
+    "attn_bwd_ref",
+    "attn_fwd",
+    "attn_fwd_ref",
+    "merge_attn_states_",
+]

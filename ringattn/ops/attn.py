@@ -1,0 +1,217 @@
+"""Launchers of the attention kernels: validate, allocate, pick a launch config, launch.
+
+The pure-PyTorch twins with the same signatures live in ops/attn_ref.py.
+Layout everywhere: q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse, delta (B, Hq, Sq) fp32,
+natural log. Causal masking is aligned bottom-right (row i sees keys j <= i + Sk - Sq).
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
+from ..kernels.attn_fwd import _attn_fwd_kernel
+from .validation import check_attn_inputs, check_runnable_device
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and compiler hints of one launch."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    """Head dim rounded up to a power of two of at least 16 (tl.dot's smallest K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _fwd_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    if device.type != "cuda":  # interpreter: few large tiles, numpy does the work
+        return LaunchConfig(32, 32, 4, 1)
+    if dtype == torch.float32:
+        return LaunchConfig(64, 32, 4, 2) if block_d <= 128 else LaunchConfig(32, 32, 4, 1)
+    if block_d <= 64:
+        return LaunchConfig(128, 64, 4, 3)
+    if block_d <= 128:
+        return LaunchConfig(128, 64, 8, 3)
+    return LaunchConfig(64, 64, 8, 2)
+
+
+def _bwd_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    if device.type != "cuda":
+        return LaunchConfig(32, 32, 4, 1)
+    if dtype == torch.float32:
+        return LaunchConfig(32, 32, 4, 1)
+    if block_d <= 64:
+        return LaunchConfig(64, 64, 4, 2)
+    if block_d <= 128:
+        return LaunchConfig(64, 64, 8, 2)
+    return LaunchConfig(32, 32, 4, 1)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full fp32 ("ieee"), never tf32: exactness over speed for fp32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _device_guard(t: torch.Tensor):
+    """Launch on t's GPU, whichever device is current."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention forward.
+
+    Args:
+        q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D), Hq % Hkv == 0; any strides, last dim contiguous
+            preferred (otherwise copied). D a multiple of 8 up to 256; fp16, bf16 or fp32.
+        softmax_scale: multiplies q k^T before the softmax.
+        causal: bottom-right aligned causal mask.
+        out_dtype: dtype of out (default q.dtype); the ring asks for fp32.
+    Returns:
+        out (B, Sq, Hq, D) and lse (B, Hq, Sq) fp32 natural log; rows that see no key get out 0, lse -inf.
+    Raises:
+        ValueError, TypeError: bad shapes, dtypes or devices (see check_attn_inputs).
+        RuntimeError: tensors on a device the kernels cannot run on.
+    """
+    check_attn_inputs(q, k, v)
+    check_runnable_device(q)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    block_d = _padded_head_dim(head_dim)
+    cfg = _fwd_config(block_d, q.dtype, q.device)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * heads_q)
+    with _device_guard(q):
+        _attn_fwd_kernel[grid](
+            q, k, v, out, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            seqlen_q, seqlen_k, heads_q, softmax_scale * LOG2E,
+            GROUP_SIZE=heads_q // heads_k,
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return out, lse
+
+
+def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dout * out) in fp32: out, dout (B, Sq, Hq, D) -> delta (B, Hq, Sq)."""
+    out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout)
+    batch, seqlen_q, heads_q, head_dim = out.shape
+    delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=out.device)
+    block_m = 64
+    grid = (triton.cdiv(seqlen_q, block_m), batch * heads_q)
+    with _device_guard(out):
+        _attn_bwd_preprocess_kernel[grid](
+            out, dout, delta,
+            out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            seqlen_q, heads_q,
+            HEAD_DIM=head_dim, BLOCK_D=_padded_head_dim(head_dim), BLOCK_M=block_m,
+        )
+    return delta
+
+
+def attn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    delta: torch.Tensor | None = None,
+    dq_acc: torch.Tensor | None = None,
+    dk_acc: torch.Tensor | None = None,
+    dv_acc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused attention backward: gradients of out = softmax(q k^T * scale) v.
+
+    Args:
+        dout, out: (B, Sq, Hq, D); q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D).
+        lse: (B, Hq, Sq) fp32 natural log, the softmax normaliser of each row; in the ring it is the
+            global one, so P computed here is this block's slice of the global softmax.
+        delta: (B, Hq, Sq) fp32 rowsum(dout * out); computed from out and dout when None.
+        dq_acc, dk_acc, dv_acc: optional buffers shaped like q, k, v (the ring passes fp32
+            accumulators); when given, the gradients are added to them in place and they are returned.
+            All three or none.
+    Returns:
+        (dq, dk, dv), new tensors in q's dtype unless accumulators were given.
+    """
+    check_attn_inputs(q, k, v)
+    check_runnable_device(q)
+    q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    lse = lse.contiguous()
+    delta = attn_bwd_preprocess(out, dout) if delta is None else delta.contiguous()
+    accumulate = dq_acc is not None
+    if accumulate != (dk_acc is not None) or accumulate != (dv_acc is not None):
+        raise ValueError("dq_acc, dk_acc and dv_acc must be given together or not at all")
+    if accumulate:
+        for name, acc, ref in (("dq_acc", dq_acc, q), ("dk_acc", dk_acc, k), ("dv_acc", dv_acc, v)):
+            if acc.shape != ref.shape or acc.stride(-1) != 1:
+                raise ValueError(f"{name} must have shape {tuple(ref.shape)} with a contiguous last dim")
+        dq, dk, dv = dq_acc, dk_acc, dv_acc
+    else:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    block_d = _padded_head_dim(head_dim)
+    cfg = _bwd_config(block_d, q.dtype, q.device)
+    common = dict(
+        GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal), ACCUMULATE=accumulate,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    qk_scale = softmax_scale * LOG2E
+    with _device_guard(q):
+        _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * heads_k)](
+            q, k, v, dout, lse, delta, dk, dv,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale,
+            **common,
+        )
+        _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * heads_q)](
+            q, k, v, dout, lse, delta, dq,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale,
+            **common,
+        )
+    return dq, dk, dv

@@ -1,0 +1,99 @@
+"""Pure-PyTorch references of the attention launchers in ops/attn.py, same signatures.
+
+They materialise the (Sq, Sk) score matrix and repeat K/V heads for GQA: O(S^2) memory,
+meant for tests, for small CPU rings and as the float64 ground truth. They compute in the
+dtype of their inputs (upcast the inputs for a float64 reference).
+"""
+
+import torch
+
+
+def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """(B, Sk, Hkv, D) -> (B, Sk, Hq, D) by repeating each kv head over its query group."""
+    return t.repeat_interleave(heads_q // t.shape[2], dim=2)
+
+
+def _reduce_kv(t: torch.Tensor, heads_k: int) -> torch.Tensor:
+    """(B, Sk, Hq, D) -> (B, Sk, Hkv, D) by summing each query group."""
+    batch, seqlen, heads_q, head_dim = t.shape
+    return t.view(batch, seqlen, heads_k, heads_q // heads_k, head_dim).sum(dim=3)
+
+
+def causal_visible(seqlen_q: int, seqlen_k: int, device: torch.device) -> torch.Tensor:
+    """(Sq, Sk) bool: row i sees key j iff j <= i + Sk - Sq (bottom-right aligned)."""
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    return cols <= rows + (seqlen_k - seqlen_q)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, causal: bool) -> torch.Tensor:
+    """Scaled scores (B, Hq, Sq, Sk) in q's dtype, -inf where masked."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q, _expand_kv(k, q.shape[2])) * softmax_scale
+    if causal:
+        s = s.masked_fill(~causal_visible(q.shape[1], k.shape[1], q.device), float("-inf"))
+    return s
+
+
+def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(s - lse) with rows of lse = -inf (no visible key) giving 0, never NaN."""
+    lse_safe = lse.masked_fill(lse == float("-inf"), float("inf"))
+    return torch.exp(s - lse_safe[..., None].to(s.dtype))
+
+
+def attn_fwd_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of attn_fwd: out (B, Sq, Hq, D) in out_dtype (default q.dtype), lse (B, Hq, Sq) fp32
+    (float64 for float64 inputs)."""
+    s = _scores(q, k, softmax_scale, causal)
+    stat_dtype = torch.promote_types(q.dtype, torch.float32)
+    lse = torch.logsumexp(s.to(stat_dtype), dim=-1)  # -inf for rows with no visible key
+    p = _probs(s.to(stat_dtype), lse).to(v.dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.shape[2]))
+    return out.to(out_dtype or q.dtype), lse
+
+
+def attn_bwd_preprocess_ref(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """Reference of attn_bwd_preprocess: delta (B, Hq, Sq) = rowsum(dout * out), fp32 or wider."""
+    stat_dtype = torch.promote_types(out.dtype, torch.float32)
+    return (dout.to(stat_dtype) * out.to(stat_dtype)).sum(-1).transpose(1, 2).contiguous()
+
+
+def attn_bwd_ref(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    delta: torch.Tensor | None = None,
+    dq_acc: torch.Tensor | None = None,
+    dk_acc: torch.Tensor | None = None,
+    dv_acc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of attn_bwd: P = exp(s - lse); dV = P^T dO; dS = P (dO V^T - delta);
+    dQ = scale dS K; dK = scale dS^T Q. Accumulators, when given, are added to in place."""
+    heads_q, heads_k = q.shape[2], k.shape[2]
+    stat_dtype = torch.promote_types(q.dtype, torch.float32)
+    if delta is None:
+        delta = attn_bwd_preprocess_ref(out, dout)
+    p = _probs(_scores(q, k, softmax_scale, causal).to(stat_dtype), lse.to(stat_dtype))
+    dout_c = dout.to(stat_dtype)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout_c)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout_c, _expand_kv(v, heads_q).to(stat_dtype))
+    ds = p * (dp - delta[..., None].to(stat_dtype)) * softmax_scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, _expand_kv(k, heads_q).to(stat_dtype))
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(stat_dtype))
+    grads = (dq, _reduce_kv(dk, heads_k), _reduce_kv(dv, heads_k))
+    if dq_acc is None:
+        return tuple(g.to(q.dtype) for g in grads)
+    for acc, g in zip((dq_acc, dk_acc, dv_acc), grads):
+        acc.add_(g.to(acc.dtype))
+    return dq_acc, dk_acc, dv_acc

@@ -1,0 +1,66 @@
+"""Input checks shared by the launchers and the public functions: clear errors, raised early."""
+
+import os
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Check q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D) for the attention ops.
+
+    Raises:
+        TypeError: a non-tensor, a dtype that is not fp16/bf16/fp32, or dtypes that differ.
+        ValueError: wrong ranks, mismatched batch/length/head/dim sizes, Hq not divisible by Hkv,
+            an empty sequence, a head dim that is not a multiple of 8 up to 256, or devices that differ.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[3]}")
+    if seqlen_q == 0 or k.shape[1] == 0:
+        raise ValueError(f"sequence lengths must be positive, got q {seqlen_q}, k/v {k.shape[1]}")
+    if batch == 0 or heads_q == 0 or k.shape[2] == 0:
+        raise ValueError(f"batch and head counts must be positive, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if heads_q % k.shape[2] != 0:
+        raise ValueError(f"q's head count {heads_q} must be divisible by k/v's head count {k.shape[2]} (GQA/MQA)")
+    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def check_runnable_device(t: torch.Tensor) -> None:
+    """Raise RuntimeError when a Triton kernel cannot run on t's device in this process."""
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise RuntimeError(
+        f"ringattn's Triton kernels need CUDA tensors, got a tensor on {t.device}; to run them on the "
+        "CPU set TRITON_INTERPRET=1 in the environment before ringattn is imported"
+    )
+
+
+def default_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """softmax_scale, or 1 / sqrt(head_dim) when None; raises ValueError for a non-positive or non-finite scale."""
+    if softmax_scale is None:
+        return head_dim**-0.5
+    scale = float(softmax_scale)
+    if not (scale > 0.0 and scale != float("inf")):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    return scale

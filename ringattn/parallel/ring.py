@@ -1,0 +1,98 @@
+"""Op-agnostic ring attention forward and backward loops (schedule in docs/design.md).
+
+Forward: at step t, rank r computes its queries against the K/V block of rank r - t while
+the block for step t + 1 is in flight, and merges (out, lse) in fp32.
+Backward: K/V travel the ring again together with fp32 dK/dV accumulators; each rank adds
+its contribution to the accumulators of the block in hand and passes them on, so after W
+steps (and one last hop) every rank holds the full gradient of its own K/V. dQ accumulates
+locally in fp32.
+"""
+
+import torch
+
+from ..ops import AttnOps, merge_attn_states_
+from .comm import RingComm
+from .schedule import BlockMode, contiguous_block_mode, kv_source_rank
+
+
+def ring_attn_forward(
+    comm: RingComm,
+    ops: AttnOps,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's shard of global attention, contiguous layout.
+
+    Args:
+        q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards.
+    Returns:
+        out (B, S_local, Hq, D) fp32 and lse (B, Hq, S_local) fp32.
+    """
+    batch, seqlen, heads_q, head_dim = q.shape
+    out = torch.zeros((batch, seqlen, heads_q, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    for step in range(comm.world_size):
+        last = step == comm.world_size - 1
+        if not last:
+            k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
+            comm.commit()
+        mode = contiguous_block_mode(comm.rank, kv_source_rank(comm.rank, step, comm.world_size), causal)
+        if mode is not BlockMode.SKIP:
+            block_out, block_lse = ops.fwd(
+                q, k_cur, v_cur, softmax_scale, mode is BlockMode.CAUSAL, out_dtype=torch.float32
+            )
+            merge_attn_states_(out, lse, block_out, block_lse)
+        if not last:
+            comm.wait()
+            k_cur, v_cur = k_next, v_next
+    return out, lse
+
+
+def ring_attn_backward(
+    comm: RingComm,
+    ops: AttnOps,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of this rank's q, k, v shards, contiguous layout.
+
+    Args:
+        dout, out: (B, S_local, Hq, D); q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D);
+        lse: (B, Hq, S_local) fp32, the global normaliser from the forward.
+    Returns:
+        dq, dk, dv in fp32, shaped like q, k, v.
+    """
+    delta = ops.bwd_preprocess(out, dout)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk_cur = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv_cur = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    for step in range(comm.world_size):
+        last = step == comm.world_size - 1
+        if not last:
+            k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
+            comm.commit()
+        mode = contiguous_block_mode(comm.rank, kv_source_rank(comm.rank, step, comm.world_size), causal)
+        if mode is not BlockMode.SKIP:
+            ops.bwd(
+                dout, q, k_cur, v_cur, out, lse, softmax_scale, mode is BlockMode.CAUSAL,
+                delta=delta, dq_acc=dq, dk_acc=dk_cur, dv_acc=dv_cur,
+            )
+        if not last:
+            comm.wait()
+            k_cur, v_cur = k_next, v_next
+        if comm.world_size > 1:  # hand the accumulators on; the last hop brings each rank its own
+            dk_cur, dv_cur = comm.send_recv(dk_cur), comm.send_recv(dv_cur)
+            comm.commit()
+            comm.wait()
+    return dq, dk_cur, dv_cur
