@@ -6,17 +6,17 @@ dtype of their inputs (upcast the inputs for a float64 reference).
 """
 
 import torch
+from einops import reduce, repeat
 
 
 def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
     """(B, Sk, Hkv, D) -> (B, Sk, Hq, D) by repeating each kv head over its query group."""
-    return t.repeat_interleave(heads_q // t.shape[2], dim=2)
+    return repeat(t, "b s h d -> b s (h g) d", g=heads_q // t.shape[2])
 
 
 def _reduce_kv(t: torch.Tensor, heads_k: int) -> torch.Tensor:
     """(B, Sk, Hq, D) -> (B, Sk, Hkv, D) by summing each query group."""
-    batch, seqlen, heads_q, head_dim = t.shape
-    return t.view(batch, seqlen, heads_k, heads_q // heads_k, head_dim).sum(dim=3)
+    return reduce(t, "b s (h g) d -> b s h d", "sum", h=heads_k)
 
 
 def causal_visible(seqlen_q: int, seqlen_k: int, device: torch.device) -> torch.Tensor:
