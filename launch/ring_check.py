@@ -1,0 +1,329 @@
+"""Ring attention over one long sequence split across all ranks: check it, then time it.
+
+    bash launch/torchrun.sh launch/ring_check.py [options]
+    NPROC=2 bash launch/torchrun.sh launch/ring_check.py --seqlen 1024 --kv-heads 1 --no-causal
+
+One rank per GPU over NCCL when CUDA is available, else CPU ranks over gloo with the Triton
+kernels in the interpreter (TRITON_INTERPRET=1; launch/torchrun.sh sets it, and so does this
+script when it finds no GPU).
+
+Every rank builds the same global q, k, v, dout (batch, seqlen, heads, head_dim) from a fixed
+seed and keeps its contiguous shard: rank r holds tokens [r * S / W, (r + 1) * S / W).
+
+CHECK: each rank's out, lse, dq, dk, dv from `ringattn.ring_attn_func` must obey the tolerance
+rule of ringattn.testing against the pure-PyTorch reference (ringattn.ops.attn_fwd_ref /
+attn_bwd_ref) run on the whole sequence in high precision (float64 on the CPU and for fp32
+inputs, float32 for fp16/bf16 on the GPU): at most 2x the error of the same reference run in the
+input dtype. The single-device kernel `ringattn.flash_attn_func` on the whole sequence is held
+to the same rule. A failure on any rank makes every rank exit with status 1.
+
+TIMING: after warm-up, `--iters` forward and `--iters` forward+backward passes; rank 0 prints
+each rank's median time, global tokens/s, TFLOP/s and peak memory.
+"""
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+CHECKED = ("out", "lse", "dq", "dk", "dv")
+
+
+def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Check and time ring attention over all ranks (defaults depend on GPU / CPU).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    default_seqlen = (4096 if on_gpu else 128) * world_size
+    parser.add_argument("--seqlen", type=int, default=default_seqlen, help="global sequence length")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=16 if on_gpu else 4, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    parser.add_argument("--head-dim", type=int, default=128 if on_gpu else 64)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16" if on_gpu else "fp32")
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--iters", type=int, default=20 if on_gpu else 2, help="timed iterations per phase")
+    parser.add_argument("--warmup", type=int, default=5 if on_gpu else 1, help="untimed iterations per phase")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.kv_heads = args.kv_heads or args.heads
+    problems = []
+    if args.seqlen <= 0 or args.seqlen % world_size:
+        problems.append(f"--seqlen {args.seqlen} must be a positive multiple of the world size {world_size}")
+    if min(args.batch, args.heads, args.kv_heads) <= 0 or args.heads % args.kv_heads:
+        problems.append(f"--heads {args.heads} must be a positive multiple of --kv-heads {args.kv_heads}")
+    if args.iters <= 0 or args.warmup < 0:
+        problems.append("--iters must be positive and --warmup non-negative")
+    if problems:
+        if os.environ.get("RANK", "0") == "0":
+            parser.error("; ".join(problems))  # exits with status 2
+        sys.exit(2)
+    return args
+
+
+def log(*parts) -> None:
+    """Print on rank 0 only."""
+    if dist.get_rank() == 0:
+        print(*parts, flush=True)
+
+
+def progress(phase: str, i: int, n: int) -> None:
+    """Rank 0 rewrites one stderr line per iteration."""
+    if dist.get_rank() == 0:
+        end = "\n" if i == n else ""
+        print(f"\r  {phase}: {i}/{n}", end=end, file=sys.stderr, flush=True)
+
+
+def make_inputs(args, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Global q, dout (B, S, H, D) and k, v (B, S, Hkv, D), the same on every rank."""
+    gen = torch.Generator().manual_seed(args.seed)
+    dtype = DTYPES[args.dtype]
+    q_shape = (args.batch, args.seqlen, args.heads, args.head_dim)
+    kv_shape = (args.batch, args.seqlen, args.kv_heads, args.head_dim)
+    shapes = (q_shape, kv_shape, kv_shape, q_shape)
+    return tuple(torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes)
+
+
+def reference(q, k, v, dout, softmax_scale: float, causal: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """attn_fwd_ref + attn_bwd_ref on the whole sequence, computed in `dtype`.
+
+    The reference materialises (S, S) scores, so it runs one (batch, query head) at a time:
+    peak memory about 6 * S^2 elements of `dtype` (or fp32, whichever is wider). Gradients
+    accumulate in that wider type across the query heads of a K/V group, as the unchunked
+    reference does, and are rounded to `dtype` at the end.
+    q, dout (B, S, H, D); k, v (B, S, Hkv, D) -> out, dq (B, S, H, D), lse (B, H, S), dk, dv (B, S, Hkv, D).
+    """
+    from ringattn.ops import attn_bwd_ref, attn_fwd_ref
+
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    batch, _, heads, _ = q.shape
+    group = heads // k.shape[2]
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, heads, q.shape[1]), dtype=acc_dtype, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
+    for b in range(batch):
+        for h in range(heads):
+            bs, hs, ks = slice(b, b + 1), slice(h, h + 1), slice(h // group, h // group + 1)
+            qh, kh, vh, dh = q[bs, :, hs], k[bs, :, ks], v[bs, :, ks], dout[bs, :, hs]
+            out_h, lse_h = attn_fwd_ref(qh, kh, vh, softmax_scale, causal)
+            attn_bwd_ref(
+                dh, qh, kh, vh, out_h, lse_h, softmax_scale, causal,
+                dq_acc=dq[bs, :, hs], dk_acc=dk[bs, :, ks], dv_acc=dv[bs, :, ks],
+            )  # fmt: skip
+            out[bs, :, hs], lse[bs, hs] = out_h, lse_h
+    return {"out": out, "lse": lse, "dq": dq.to(dtype), "dk": dk.to(dtype), "dv": dv.to(dtype)}
+
+
+def local_slice(name: str, t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous shard of a global tensor (the sequence dim is 2 for lse, else 1)."""
+    dim = 2 if name == "lse" else 1
+    n = t.shape[dim] // world_size
+    return t.narrow(dim, rank * n, n)
+
+
+def check(args, device: torch.device, ref_dtype: torch.dtype) -> list[dict]:
+    """Run ring and flash attention fwd + bwd once and hold both to the tolerance rule.
+
+    Returns one row per checked tensor: name, ring error, flash error, allowed error, failure messages.
+    """
+    import ringattn
+    from ringattn.testing import check_close, max_abs_error, tolerance
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    scale = args.head_dim**-0.5
+    q, k, v, dout = make_inputs(args, device)
+
+    shards = [local_slice("q", t, rank, world_size).detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ringattn.ring_attn_func(*shards, causal=args.causal, return_lse=True)
+    out.backward(local_slice("out", dout, rank, world_size))
+    ring = {"out": out, "lse": lse, "dq": shards[0].grad, "dk": shards[1].grad, "dv": shards[2].grad}
+
+    full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out_f, lse_f = ringattn.flash_attn_func(*full, causal=args.causal, return_lse=True)
+    out_f.backward(dout)
+    flash = {"out": out_f, "lse": lse_f, "dq": full[0].grad, "dk": full[1].grad, "dv": full[2].grad}
+
+    ref = reference(q, k, v, dout, scale, args.causal, ref_dtype)
+    plain = reference(q, k, v, dout, scale, args.causal, q.dtype)
+
+    rows = []
+    for name in CHECKED:
+        ref_s, plain_s = (local_slice(name, t[name], rank, world_size) for t in (ref, plain))
+        flash_s = local_slice(name, flash[name], rank, world_size)
+        row = {"name": name, "failures": []}
+        for label, ours in (("ring", ring[name]), ("flash", flash_s)):
+            try:
+                check_close(f"rank {rank} {label} {name}", ours, plain_s, ref_s)
+            except AssertionError as e:
+                row["failures"].append(str(e))
+            row[label] = max_abs_error(ours, ref_s)
+        row["plain"], row["allowed"] = max_abs_error(plain_s, ref_s), tolerance(plain_s, ref_s)
+        rows.append(row)
+    return rows
+
+
+def time_phase(phase: str, step: Callable[[], None], iters: int, warmup: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of `iters` calls of step() after `warmup` untimed calls."""
+    for i in range(warmup):
+        step()
+        progress(f"{phase} warm-up", i + 1, warmup)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    if device.type == "cuda":  # events only: no host sync until the loop is done
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for i, (start, end) in enumerate(events):
+            start.record()
+            step()
+            end.record()
+            progress(phase, i + 1, iters)
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in events]
+    times = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        progress(phase, i + 1, iters)
+    return times
+
+
+def benchmark(args, device: torch.device) -> dict:
+    """Median ms of ring forward and forward+backward on this rank's shard, and its peak memory."""
+    import ringattn
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = (local_slice("q", t, rank, world_size) for t in make_inputs(args, device))
+    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def fwd():
+        with torch.no_grad():
+            ringattn.ring_attn_func(q, k, v, causal=args.causal)
+
+    def fwd_bwd():
+        for t in (q, k, v):
+            t.grad = None
+        ringattn.ring_attn_func(q, k, v, causal=args.causal).backward(dout)
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    result = {
+        "fwd_ms": statistics.median(time_phase("forward", fwd, args.iters, args.warmup, device)),
+        "fwd_bwd_ms": statistics.median(time_phase("forward+backward", fwd_bwd, args.iters, args.warmup, device)),
+    }
+    if device.type == "cuda":
+        result["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    else:  # the process's lifetime peak RSS, the check included (KiB on Linux)
+        result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    return result
+
+
+def attention_flops(args) -> float:
+    """Matmul FLOPs of one global forward: 2 matmuls of 2*B*H*S^2*D, halved when causal."""
+    flops = 4 * args.batch * args.heads * args.seqlen**2 * args.head_dim
+    return flops / 2 if args.causal else flops
+
+
+def main() -> int:
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by ringattn, in the functions above)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args = parse_args(world_size, on_gpu)
+
+    if on_gpu:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references stay fp32
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+
+    import triton
+
+    import ringattn
+
+    dtype = DTYPES[args.dtype]
+    ref_dtype = torch.float64 if device.type == "cpu" or dtype == torch.float32 else torch.float32
+    local = args.seqlen // world_size
+    log(
+        f"ring_check: {world_size} rank(s), {dist.get_backend()} on "
+        f"{torch.cuda.get_device_name(device) if on_gpu else 'cpu (Triton interpreter)'}; "
+        f"torch {torch.__version__}, triton {triton.__version__}, ringattn {ringattn.__version__}\n"
+        f"  seqlen {args.seqlen} global ({local} per rank), batch {args.batch}, heads {args.heads}, "
+        f"kv heads {args.kv_heads}, head dim {args.head_dim}, {args.dtype}, "
+        f"{'causal' if args.causal else 'not causal'}\n"
+        f"  reference in {str(ref_dtype).removeprefix('torch.')}; timing: {args.warmup} warm-up + "
+        f"{args.iters} timed iterations per phase"
+    )
+    if not on_gpu and dtype == torch.bfloat16:
+        log("  note: triton's interpreter multiplies bf16 tl.dot operands as raw bits: bf16 on the CPU fails the check")
+
+    t0 = time.perf_counter()
+    log("[1/2] check: ring_attn_func and flash_attn_func fwd + bwd vs the reference")
+    rows = check(args, device, ref_dtype)
+    failed = torch.tensor([float(any(r["failures"] for r in rows))], device=device)
+    dist.all_reduce(failed)
+    all_rows = [None] * world_size
+    dist.all_gather_object(all_rows, rows)
+    log(f"  {'rank':>4} {'tensor':>6} {'ring err':>10} {'flash err':>10} {'plain err':>10} {'allowed':>10}")
+    for r, rank_rows in enumerate(all_rows):
+        for row in rank_rows:
+            status = "FAIL" if row["failures"] else "ok"
+            log(
+                f"  {r:>4} {row['name']:>6} {row['ring']:>10.3e} {row['flash']:>10.3e} "
+                f"{row['plain']:>10.3e} {row['allowed']:>10.3e}  {status}"
+            )
+    log(f"  (errors are max |x - reference| on each rank's shard; check took {time.perf_counter() - t0:.1f} s)")
+    if failed.item():
+        log(f"FAILED: {int(failed.item())} rank(s) outside the tolerance rule:")
+        for rank_rows in all_rows:
+            for row in rank_rows:
+                for message in row["failures"]:
+                    log(f"  {message}")
+        dist.destroy_process_group()
+        return 1
+    log("  all checks passed")
+
+    log(f"[2/2] timing ring_attn_func on {world_size} rank(s)")
+    result = benchmark(args, device)
+    results = [None] * world_size
+    dist.all_gather_object(results, result)
+    tokens = args.batch * args.seqlen
+    flops = attention_flops(args)
+    header = f"  {'rank':>4} {'fwd ms':>10} {'fwd+bwd ms':>11} {'fwd tok/s':>11} {'f+b tok/s':>11}"
+    log(header + (f" {'fwd TFLOP/s':>12} {'f+b TFLOP/s':>12}" if on_gpu else "") + f" {'peak MiB':>9}")
+    for r, res in enumerate(results):
+        fwd_s, fwd_bwd_s = res["fwd_ms"] / 1e3, res["fwd_bwd_ms"] / 1e3
+        line = (
+            f"  {r:>4} {res['fwd_ms']:>10.2f} {res['fwd_bwd_ms']:>11.2f} "
+            f"{tokens / fwd_s:>11.4g} {tokens / fwd_bwd_s:>11.4g}"
+        )
+        if on_gpu:
+            line += f" {flops / fwd_s / 1e12:>12.1f} {3.5 * flops / fwd_bwd_s / 1e12:>12.1f}"
+        log(line + f" {res['peak_mib']:>9.1f}")
+    log(
+        "  (tokens/s and TFLOP/s count the whole global sequence per pass, backward as 2.5x forward; peak: "
+        + ("torch.cuda.max_memory_allocated while timing)" if on_gpu else "the process's max RSS)")
+    )
+    log(f"ring_check: passed, {time.perf_counter() - t0:.1f} s after the configuration")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
