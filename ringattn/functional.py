@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .ops import KERNEL_OPS, attn_bwd, attn_fwd
-from .ops.validation import check_attn_inputs, default_softmax_scale
+from .ops.validation import check_attn_inputs, check_runnable_device, default_softmax_scale
 from .parallel import RingComm, ring_attn_backward, ring_attn_forward
 
 LAYOUTS = ("contiguous",)
@@ -89,9 +89,10 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
 
     Raises:
         ValueError, TypeError: bad inputs, an unknown layout, a device the backend cannot carry.
-        RuntimeError: torch.distributed is not initialised.
+        RuntimeError: torch.distributed is not initialised; a device the kernels cannot run on.
     """
     check_attn_inputs(q, k, v)
+    check_runnable_device(q)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if q.shape[1] != k.shape[1]:
@@ -139,7 +140,8 @@ def ring_attn_func(
         attention output; with return_lse also lse (batch, nheads, S_local) fp32, natural log.
     Raises:
         ValueError, TypeError: bad local inputs, raised before any communication.
-        RuntimeError: torch.distributed not initialised.
+        RuntimeError: torch.distributed not initialised, or tensors on a device the kernels
+            cannot run on (CPU tensors need TRITON_INTERPRET=1 before ringattn is imported).
     """
     check_ring_inputs(q, k, v, group, layout)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])

@@ -2,14 +2,17 @@
 
 The error of ringattn's result against a high-precision reference (float64, or fp32 on the
 GPU) may be at most 2x the error of a plain PyTorch implementation computed in the same
-dtype as ringattn's inputs, plus a floor of a few fp32 ulps of the reference's magnitude
-(for cases where the plain implementation happens to be exact).
+dtype as ringattn's inputs, plus a floor of FLOOR_ULPS fp32 ulps of the reference's magnitude
+(at least 1), or of a given scale. The floor covers cases where the plain implementation is
+exact by structure (e.g. one key: its softmax gradient is 0 identically, while the
+FlashAttention-2 form dP - delta cancels two fp32 dot products): a dot product of n rounded
+terms is off by about sqrt(n) ulps, and 16 covers head dims up to 256.
 """
 
 import torch
 
 ERROR_RATIO = 2.0
-FLOOR_ULPS = 8.0
+FLOOR_ULPS = 16.0
 
 
 def max_abs_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -24,19 +27,32 @@ def max_abs_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (x[finite] - ref[finite]).abs().max().item()
 
 
-def tolerance(pt: torch.Tensor, ref: torch.Tensor) -> float:
-    """Allowed max-abs error: 2 x the plain implementation's error + FLOOR_ULPS fp32 ulps of max |ref|."""
-    finite = ref.detach()[torch.isfinite(ref.detach())]
-    scale = finite.abs().max().item() if finite.numel() else 0.0
+def magnitude(t: torch.Tensor) -> float:
+    """max |t| over finite entries (0 when there are none)."""
+    finite = t.detach()[torch.isfinite(t.detach())]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+def tolerance(pt: torch.Tensor, ref: torch.Tensor, scale: float | None = None) -> float:
+    """Allowed max-abs error: 2 x the plain implementation's error + FLOOR_ULPS fp32 ulps of
+    max(scale, 1); scale defaults to max |ref|."""
+    scale = magnitude(ref) if scale is None else scale
     floor = FLOOR_ULPS * torch.finfo(torch.float32).eps * max(scale, 1.0)
     return ERROR_RATIO * max_abs_error(pt, ref) + floor
 
 
-def check_close(name: str, ours: torch.Tensor, pt: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """Return (error, allowed) for `ours`; raise AssertionError naming the tensor when error > allowed."""
+def check_close(
+    name: str, ours: torch.Tensor, pt: torch.Tensor, ref: torch.Tensor, scale: float | None = None
+) -> tuple[float, float]:
+    """Return (error, allowed) for `ours`; raise AssertionError naming the tensor when error > allowed.
+
+    scale: magnitude of the terms `ours` is summed from, for the floor (default max |ref|). For
+    gradients pass the largest of the three gradients' magnitudes: a gradient that is zero by
+    structure (dq, dk with one key) is still a sum of O(dv)-sized fp32 terms.
+    """
     if ours.shape != ref.shape:
         raise AssertionError(f"{name}: shape {tuple(ours.shape)} != reference shape {tuple(ref.shape)}")
-    err, allowed = max_abs_error(ours, ref), tolerance(pt, ref)
+    err, allowed = max_abs_error(ours, ref), tolerance(pt, ref, scale)
     if not err <= allowed:
         raise AssertionError(
             f"{name}: max abs error {err:.3e} vs reference exceeds {allowed:.3e} "

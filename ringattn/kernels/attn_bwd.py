@@ -16,28 +16,42 @@ import triton.language as tl
 from .common import LOG2E, _key_range
 
 
-
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    Out, DOut, Delta,
-    stride_ob, stride_os, stride_oh,
-    stride_dob, stride_dos, stride_doh,
-    seqlen_q, num_heads_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    Out,
+    DOut,
+    Delta,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    seqlen_q,
+    num_heads_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """Delta[b, h, m] = sum_d Out[b, m, h, d] * DOut[b, m, h, d] in fp32; Delta (B, Hq, Sq)."""
     start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // num_heads_q).to(tl.int64)
-    off_h = (off_bh % num_heads_q).to(tl.int64)
+    off_h = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    off_bh = off_b * num_heads_q + off_h
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DOut + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                 mask=mask, other=0.0).to(tl.float32)
-    tl.store(Delta + off_bh.to(tl.int64) * seqlen_q + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+    o = tl.load(
+        Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DOut + off_b * stride_dob + off_h * stride_doh + offs_m[:, None].to(tl.int64) * stride_dos + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    tl.store(Delta + off_bh * seqlen_q + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -52,11 +66,27 @@ def _load_row_stats(lse_base, delta_base, offs_m, seqlen_q):
 
 @triton.jit
 def _attn_bwd_dkdv_tiles(
-    dk, dv, k, v,
-    q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
-    offs_n, offs_d, mask_d,
-    start_m, end_m, seqlen_q, causal_shift, qk_scale,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    stride_qm,
+    stride_dom,
+    offs_n,
+    offs_d,
+    mask_d,
+    start_m,
+    end_m,
+    seqlen_q,
+    causal_shift,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dK (unscaled) and dV of one K/V tile over Q tiles [start_m, end_m).
 
@@ -65,8 +95,8 @@ def _attn_bwd_dkdv_tiles(
     for m0 in range(start_m, end_m, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_mask = (offs_m[:, None] < seqlen_q) & mask_d[None, :]
-        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_mask, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=row_mask, other=0.0)
+        q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :], mask=row_mask, other=0.0)
+        do = tl.load(do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :], mask=row_mask, other=0.0)
         lse2, delta = _load_row_stats(lse_base, delta_base, offs_m, seqlen_q)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s - lse2[:, None])
@@ -81,18 +111,45 @@ def _attn_bwd_dkdv_tiles(
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh,
-    stride_dkb, stride_dks, stride_dkh,
-    stride_dvb, stride_dvs, stride_dvh,
-    seqlen_q, seqlen_k, num_heads_k, qk_scale, sm_scale,
+    Q,
+    K,
+    V,
+    DOut,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    seqlen_q,
+    seqlen_k,
+    num_heads_k,
+    qk_scale,
+    sm_scale,
     GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) for one BLOCK_N tile of keys of one (batch, kv head).
 
@@ -100,9 +157,8 @@ def _attn_bwd_dkdv_kernel(
     share this kv head are summed in registers, so no two programs write the same rows.
     """
     start_n = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // num_heads_k).to(tl.int64)
-    off_hk = (off_bh % num_heads_k).to(tl.int64)
+    off_hk = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
     num_heads_q = num_heads_k * GROUP_SIZE
 
     n0 = start_n * BLOCK_N
@@ -110,10 +166,16 @@ def _attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
-    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    k = tl.load(
+        K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None].to(tl.int64) * stride_vs + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -134,19 +196,59 @@ def _attn_bwd_dkdv_kernel(
         do_base = DOut + off_b * stride_dob + off_hq * stride_doh
         row_offset = (off_b * num_heads_q + off_hq) * seqlen_q
         dk, dv = _attn_bwd_dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, Lse + row_offset, Delta + row_offset, stride_qs, stride_dos,
-            offs_n, offs_d, mask_d, start_m, masked_end, seqlen_q, causal_shift, qk_scale,
-            BLOCK_M, True, DOT_PRECISION,
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            Lse + row_offset,
+            Delta + row_offset,
+            stride_qs,
+            stride_dos,
+            offs_n,
+            offs_d,
+            mask_d,
+            start_m,
+            masked_end,
+            seqlen_q,
+            causal_shift,
+            qk_scale,
+            BLOCK_M,
+            True,
+            DOT_PRECISION,
         )
         dk, dv = _attn_bwd_dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, Lse + row_offset, Delta + row_offset, stride_qs, stride_dos,
-            offs_n, offs_d, mask_d, full_start, seqlen_q, seqlen_q, causal_shift, qk_scale,
-            BLOCK_M, False, DOT_PRECISION,
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            Lse + row_offset,
+            Delta + row_offset,
+            stride_qs,
+            stride_dos,
+            offs_n,
+            offs_d,
+            mask_d,
+            full_start,
+            seqlen_q,
+            seqlen_q,
+            causal_shift,
+            qk_scale,
+            BLOCK_M,
+            False,
+            DOT_PRECISION,
         )
 
     dk = dk * sm_scale
-    dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
-    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :]
+    dk_ptrs = (
+        DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None].to(tl.int64) * stride_dks + offs_d[None, :]
+    )
+    dv_ptrs = (
+        DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None].to(tl.int64) * stride_dvs + offs_d[None, :]
+    )
     if ACCUMULATE:
         dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0)
         dv += tl.load(dv_ptrs, mask=kv_mask, other=0.0)
@@ -156,11 +258,26 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_tiles(
-    dq, q, do, lse2, delta,
-    k_base, v_base, stride_kn, stride_vn,
-    offs_m, offs_d, mask_d,
-    start_n, end_n, seqlen_k, causal_shift, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_d,
+    mask_d,
+    start_n,
+    end_n,
+    seqlen_k,
+    causal_shift,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) of one Q tile over key tiles [start_n, end_n)."""
@@ -170,8 +287,8 @@ def _attn_bwd_dq_tiles(
             kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
         else:
             kv_mask = mask_d[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
@@ -187,35 +304,65 @@ def _attn_bwd_dq_tiles(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh,
-    stride_dqb, stride_dqs, stride_dqh,
-    seqlen_q, seqlen_k, num_heads_q, qk_scale, sm_scale,
+    Q,
+    K,
+    V,
+    DOut,
+    Lse,
+    Delta,
+    DQ,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    seqlen_q,
+    seqlen_k,
+    num_heads_q,
+    qk_scale,
+    sm_scale,
     GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head)."""
     start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // num_heads_q).to(tl.int64)
-    off_hq = off_bh % num_heads_q
+    off_hq = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
     off_hk = (off_hq // GROUP_SIZE).to(tl.int64)
     off_hq = off_hq.to(tl.int64)
+    off_bh = off_b * num_heads_q + off_hq
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     row_mask = (offs_m[:, None] < seqlen_q) & mask_d[None, :]
-    q = tl.load(Q + off_b * stride_qb + off_hq * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=row_mask, other=0.0)
-    do = tl.load(DOut + off_b * stride_dob + off_hq * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                 mask=row_mask, other=0.0)
-    row_offset = off_bh.to(tl.int64) * seqlen_q
+    q = tl.load(
+        Q + off_b * stride_qb + off_hq * stride_qh + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DOut + off_b * stride_dob + off_hq * stride_doh + offs_m[:, None].to(tl.int64) * stride_dos + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+    row_offset = off_bh * seqlen_q
     lse2, delta = _load_row_stats(Lse + row_offset, Delta + row_offset, offs_m, seqlen_q)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
@@ -225,16 +372,56 @@ def _attn_bwd_dq_kernel(
     full_end, end_n = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
 
     dq = _attn_bwd_dq_tiles(
-        dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,
-        0, full_end, seqlen_k, causal_shift, qk_scale, BLOCK_N, False, CAUSAL, DOT_PRECISION,
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        stride_ks,
+        stride_vs,
+        offs_m,
+        offs_d,
+        mask_d,
+        0,
+        full_end,
+        seqlen_k,
+        causal_shift,
+        qk_scale,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        DOT_PRECISION,
     )
     dq = _attn_bwd_dq_tiles(
-        dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,
-        full_end, end_n, seqlen_k, causal_shift, qk_scale, BLOCK_N, True, CAUSAL, DOT_PRECISION,
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        stride_ks,
+        stride_vs,
+        offs_m,
+        offs_d,
+        mask_d,
+        full_end,
+        end_n,
+        seqlen_k,
+        causal_shift,
+        qk_scale,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        DOT_PRECISION,
     )
 
     dq = dq * sm_scale
-    dq_ptrs = DQ + off_b * stride_dqb + off_hq * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
+    dq_ptrs = (
+        DQ + off_b * stride_dqb + off_hq * stride_dqh + offs_m[:, None].to(tl.int64) * stride_dqs + offs_d[None, :]
+    )
     if ACCUMULATE:
         dq += tl.load(dq_ptrs, mask=row_mask, other=0.0)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_mask)

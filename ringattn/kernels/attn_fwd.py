@@ -12,14 +12,27 @@ import triton.language as tl
 from .common import LN2, _key_range
 
 
-
 @triton.jit
 def _attn_fwd_tiles(
-    acc, l_i, m_i, q,
-    k_base, v_base, stride_kn, stride_vn,
-    offs_m, offs_d, mask_d,
-    start_n, end_n, seqlen_k, causal_shift, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_d,
+    mask_d,
+    start_n,
+    end_n,
+    seqlen_k,
+    causal_shift,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) over key tiles [start_n, end_n).
@@ -33,8 +46,8 @@ def _attn_fwd_tiles(
             kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
         else:
             kv_mask = mask_d[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             visible = offs_n[None, :] < seqlen_k
@@ -56,16 +69,34 @@ def _attn_fwd_tiles(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    seqlen_q, seqlen_k, num_heads_q, qk_scale,
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    seqlen_q,
+    seqlen_k,
+    num_heads_q,
+    qk_scale,
     GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile; Lse[b, h, m] in natural log.
 
@@ -74,18 +105,18 @@ def _attn_fwd_kernel(
     CAUSAL is aligned bottom-right: row i sees keys j <= i + (Sk - Sq).
     """
     start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // num_heads_q).to(tl.int64)
-    off_hq = off_bh % num_heads_q
+    off_hq = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
     off_hk = (off_hq // GROUP_SIZE).to(tl.int64)
     off_hq = off_hq.to(tl.int64)
+    off_bh = off_b * num_heads_q + off_hq
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     mask_m = offs_m < seqlen_q
 
-    q_ptrs = Q + off_b * stride_qb + off_hq * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    q_ptrs = Q + off_b * stride_qb + off_hq * stride_qh + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
@@ -98,14 +129,48 @@ def _attn_fwd_kernel(
     full_end, end_n = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
 
     acc, l_i, m_i = _attn_fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,
-        0, full_end, seqlen_k, causal_shift, qk_scale,
-        BLOCK_N, False, CAUSAL, DOT_PRECISION,
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_ks,
+        stride_vs,
+        offs_m,
+        offs_d,
+        mask_d,
+        0,
+        full_end,
+        seqlen_k,
+        causal_shift,
+        qk_scale,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        DOT_PRECISION,
     )
     acc, l_i, m_i = _attn_fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,
-        full_end, end_n, seqlen_k, causal_shift, qk_scale,
-        BLOCK_N, True, CAUSAL, DOT_PRECISION,
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_ks,
+        stride_vs,
+        offs_m,
+        offs_d,
+        mask_d,
+        full_end,
+        end_n,
+        seqlen_k,
+        causal_shift,
+        qk_scale,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        DOT_PRECISION,
     )
 
     empty = l_i == 0.0  # every key masked: output 0, lse -inf
@@ -113,6 +178,6 @@ def _attn_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
-    o_ptrs = Out + off_b * stride_ob + off_hq * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    o_ptrs = Out + off_b * stride_ob + off_hq * stride_oh + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-    tl.store(Lse + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=mask_m)
+    tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=mask_m)

@@ -4,7 +4,8 @@ An `AttnOps` bundles the three block operations the ring needs, so the ring loop
 knows whether it runs the compiled kernel, the interpreted kernel or the reference.
 """
 
-from typing import NamedTuple, Callable
+from collections.abc import Callable
+from typing import NamedTuple
 
 from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd
 from .attn_ref import attn_bwd_preprocess_ref, attn_bwd_ref, attn_fwd_ref

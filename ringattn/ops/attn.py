@@ -59,7 +59,8 @@ def _bwd_config(block_d: int, dtype: torch.dtype, device: torch.device) -> Launc
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs multiply in full fp32 ("ieee"), never tf32: exactness over speed for fp32."""
+    """fp32 inputs multiply in full fp32 ("ieee"), never tf32: exactness over speed for fp32.
+    (fp16/bf16 dots ignore the setting.)"""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -103,38 +104,67 @@ def attn_fwd(
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
     block_d = _padded_head_dim(head_dim)
     cfg = _fwd_config(block_d, q.dtype, q.device)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * heads_q)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)
     with _device_guard(q):
         _attn_fwd_kernel[grid](
-            q, k, v, out, lse,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            seqlen_q, seqlen_k, heads_q, softmax_scale * LOG2E,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            seqlen_q,
+            seqlen_k,
+            heads_q,
+            softmax_scale * LOG2E,
             GROUP_SIZE=heads_q // heads_k,
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            CAUSAL=bool(causal),
+            DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return out, lse
 
 
 def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """delta = rowsum(dout * out) in fp32: out, dout (B, Sq, Hq, D) -> delta (B, Hq, Sq)."""
+    check_runnable_device(out)
     out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout)
     batch, seqlen_q, heads_q, head_dim = out.shape
     delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=out.device)
     block_m = 64
-    grid = (triton.cdiv(seqlen_q, block_m), batch * heads_q)
+    grid = (triton.cdiv(seqlen_q, block_m), heads_q, batch)
     with _device_guard(out):
         _attn_bwd_preprocess_kernel[grid](
-            out, dout, delta,
-            out.stride(0), out.stride(1), out.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            seqlen_q, heads_q,
-            HEAD_DIM=head_dim, BLOCK_D=_padded_head_dim(head_dim), BLOCK_M=block_m,
+            out,
+            dout,
+            delta,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            dout.stride(0),
+            dout.stride(1),
+            dout.stride(2),
+            seqlen_q,
+            heads_q,
+            HEAD_DIM=head_dim,
+            BLOCK_D=_padded_head_dim(head_dim),
+            BLOCK_M=block_m,
         )
     return delta
 
@@ -187,31 +217,81 @@ def attn_bwd(
     block_d = _padded_head_dim(head_dim)
     cfg = _bwd_config(block_d, q.dtype, q.device)
     common = dict(
-        GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal), ACCUMULATE=accumulate,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_SIZE=heads_q // heads_k,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        CAUSAL=bool(causal),
+        ACCUMULATE=accumulate,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     qk_scale = softmax_scale * LOG2E
     with _device_guard(q):
-        _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * heads_k)](
-            q, k, v, dout, lse, delta, dk, dv,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2),
-            seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale,
+        _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch)](
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dk,
+            dv,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            dout.stride(0),
+            dout.stride(1),
+            dout.stride(2),
+            dk.stride(0),
+            dk.stride(1),
+            dk.stride(2),
+            dv.stride(0),
+            dv.stride(1),
+            dv.stride(2),
+            seqlen_q,
+            seqlen_k,
+            heads_k,
+            qk_scale,
+            softmax_scale,
             **common,
         )
-        _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * heads_q)](
-            q, k, v, dout, lse, delta, dq,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale,
+        _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dq,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            dout.stride(0),
+            dout.stride(1),
+            dout.stride(2),
+            dq.stride(0),
+            dq.stride(1),
+            dq.stride(2),
+            seqlen_q,
+            seqlen_k,
+            heads_q,
+            qk_scale,
+            softmax_scale,
             **common,
         )
     return dq, dk, dv

@@ -94,6 +94,6 @@ def attn_bwd_ref(
     grads = (dq, _reduce_kv(dk, heads_k), _reduce_kv(dv, heads_k))
     if dq_acc is None:
         return tuple(g.to(q.dtype) for g in grads)
-    for acc, g in zip((dq_acc, dk_acc, dv_acc), grads):
+    for acc, g in zip((dq_acc, dk_acc, dv_acc), grads, strict=True):
         acc.add_(g.to(acc.dtype))
     return dq_acc, dk_acc, dv_acc

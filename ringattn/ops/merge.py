@@ -10,9 +10,7 @@ A side with lse = -inf (no visible key) has weight 0; both sides -inf stay (0, -
 import torch
 
 
-def merge_attn_states_(
-    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
-) -> None:
+def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Merge (block_out, block_lse) into the running state (out, lse), in place.
 
     Args:

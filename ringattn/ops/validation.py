@@ -6,6 +6,7 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+MAX_GRID_DIM = 65535  # batch and heads are CUDA grid dimensions 2 and 1
 
 
 def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -20,7 +21,9 @@ def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}"
+            )
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -36,20 +39,37 @@ def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
         raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[3]}")
     if seqlen_q == 0 or k.shape[1] == 0:
         raise ValueError(f"sequence lengths must be positive, got q {seqlen_q}, k/v {k.shape[1]}")
-    if batch == 0 or heads_q == 0 or k.shape[2] == 0:
-        raise ValueError(f"batch and head counts must be positive, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not (0 < batch <= MAX_GRID_DIM and 0 < heads_q <= MAX_GRID_DIM and k.shape[2] > 0):
+        raise ValueError(
+            f"batch and head counts must be from 1 to {MAX_GRID_DIM}, got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     if heads_q % k.shape[2] != 0:
         raise ValueError(f"q's head count {heads_q} must be divisible by k/v's head count {k.shape[2]} (GQA/MQA)")
     if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}")
 
 
+# Triton picks interpreter or compiler when a kernel is decorated, i.e. when ringattn is imported.
+KERNELS_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def check_runnable_device(t: torch.Tensor) -> None:
-    """Raise RuntimeError when a Triton kernel cannot run on t's device in this process."""
-    if t.device.type == "cuda":
+    """Raise when the Triton kernels cannot run on t in this process.
+
+    Raises:
+        RuntimeError: t is not a CUDA tensor and the kernels were not built for the interpreter.
+        TypeError: a bfloat16 CPU tensor (the Triton interpreter computes bfloat16 wrongly).
+    """
+    if t.device.type == "cuda" and not KERNELS_INTERPRETED:
         return
-    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if t.device.type == "cpu" and KERNELS_INTERPRETED:
+        if t.dtype == torch.bfloat16:
+            raise TypeError("bfloat16 is not supported by the Triton interpreter on the CPU; use float32 or float16")
         return
+    if KERNELS_INTERPRETED:
+        raise RuntimeError(
+            f"ringattn was imported with TRITON_INTERPRET=1: its kernels take CPU tensors, got {t.device}"
+        )
     raise RuntimeError(
         f"ringattn's Triton kernels need CUDA tensors, got a tensor on {t.device}; to run them on the "
         "CPU set TRITON_INTERPRET=1 in the environment before ringattn is imported"

@@ -15,6 +15,11 @@ from .comm import RingComm
 from .schedule import BlockMode, contiguous_block_mode, kv_source_rank
 
 
+def _state_dtype(q: torch.Tensor) -> torch.dtype:
+    """Running state and gradient accumulators: fp32, or the inputs' dtype if wider (float64 checks)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def ring_attn_forward(
     comm: RingComm,
     ops: AttnOps,
@@ -29,11 +34,12 @@ def ring_attn_forward(
     Args:
         q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards.
     Returns:
-        out (B, S_local, Hq, D) fp32 and lse (B, Hq, S_local) fp32.
+        out (B, S_local, Hq, D) and lse (B, Hq, S_local), both fp32 (float64 for float64 inputs).
     """
     batch, seqlen, heads_q, head_dim = q.shape
-    out = torch.zeros((batch, seqlen, heads_q, head_dim), dtype=torch.float32, device=q.device)
-    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+    state_dtype = _state_dtype(q)
+    out = torch.zeros((batch, seqlen, heads_q, head_dim), dtype=state_dtype, device=q.device)
+    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=state_dtype, device=q.device)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(comm.world_size):
         last = step == comm.world_size - 1
@@ -43,7 +49,7 @@ def ring_attn_forward(
         mode = contiguous_block_mode(comm.rank, kv_source_rank(comm.rank, step, comm.world_size), causal)
         if mode is not BlockMode.SKIP:
             block_out, block_lse = ops.fwd(
-                q, k_cur, v_cur, softmax_scale, mode is BlockMode.CAUSAL, out_dtype=torch.float32
+                q, k_cur, v_cur, softmax_scale, mode is BlockMode.CAUSAL, out_dtype=state_dtype
             )
             merge_attn_states_(out, lse, block_out, block_lse)
         if not last:
@@ -70,12 +76,13 @@ def ring_attn_backward(
         dout, out: (B, S_local, Hq, D); q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D);
         lse: (B, Hq, S_local) fp32, the global normaliser from the forward.
     Returns:
-        dq, dk, dv in fp32, shaped like q, k, v.
+        dq, dk, dv in fp32 (float64 for float64 inputs), shaped like q, k, v.
     """
     delta = ops.bwd_preprocess(out, dout)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk_cur = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv_cur = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    state_dtype = _state_dtype(q)
+    dq = torch.zeros(q.shape, dtype=state_dtype, device=q.device)
+    dk_cur = torch.zeros(k.shape, dtype=state_dtype, device=k.device)
+    dv_cur = torch.zeros(v.shape, dtype=state_dtype, device=v.device)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(comm.world_size):
         last = step == comm.world_size - 1
@@ -85,8 +92,18 @@ def ring_attn_backward(
         mode = contiguous_block_mode(comm.rank, kv_source_rank(comm.rank, step, comm.world_size), causal)
         if mode is not BlockMode.SKIP:
             ops.bwd(
-                dout, q, k_cur, v_cur, out, lse, softmax_scale, mode is BlockMode.CAUSAL,
-                delta=delta, dq_acc=dq, dk_acc=dk_cur, dv_acc=dv_cur,
+                dout,
+                q,
+                k_cur,
+                v_cur,
+                out,
+                lse,
+                softmax_scale,
+                mode is BlockMode.CAUSAL,
+                delta=delta,
+                dq_acc=dq,
+                dk_acc=dk_cur,
+                dv_acc=dv_cur,
             )
         if not last:
             comm.wait()

@@ -1,0 +1,156 @@
+"""The fused kernels (through flash_attn_func and the launchers) against a float64 reference."""
+
+import pytest
+import torch
+
+import ringattn
+from ringattn.ops import attn_bwd, attn_bwd_ref, attn_fwd, attn_fwd_ref
+from ringattn.testing import check_close, magnitude
+from tests.utils import DEVICE, DTYPES, dtype_id, make_qkv, reference_attention
+
+SEQLENS = [(1, 1), (17, 17), (97, 97), (129, 129), (17, 97), (97, 17), (129, 1)]
+HEAD_DIMS = [32, 40, 64, 128]
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+
+
+def _check_against_reference(q, k, v, dout, softmax_scale, causal, out, lse, dq, dk, dv):
+    ref = reference_attention(q, k, v, dout, softmax_scale, causal, torch.float64)
+    pt = reference_attention(q, k, v, dout, softmax_scale, causal, q.dtype)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    scales = (None, None, grad_scale, grad_scale, grad_scale)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, ours, p, r, scale in zip(names, (out, lse, dq, dk, dv), pt, ref, scales, strict=True):
+        check_close(name, ours, p, r, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads_q,heads_k", HEADS, ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=[f"D{d}" for d in HEAD_DIMS])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS, ids=[f"Sq{a}-Sk{b}" for a, b in SEQLENS])
+def test_flash_attn_matches_reference(seqlen_q, seqlen_k, head_dim, heads_q, heads_k, causal, dtype):
+    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, seed=seqlen_q + head_dim)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    out.backward(dout)
+    assert out.dtype == dtype and q.grad.dtype == dtype and k.grad.dtype == dtype
+    _check_against_reference(q, k, v, dout, head_dim**-0.5, causal, out, lse, q.grad, k.grad, v.grad)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softmax_scale_is_applied(causal):
+    q, k, v, dout = make_qkv(1, 33, 33, 2, 2, 64, DTYPES[0], seed=3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.flash_attn_func(q, k, v, softmax_scale=0.3, causal=causal, return_lse=True)
+    out.backward(dout)
+    _check_against_reference(q, k, v, dout, 0.3, causal, out, lse, q.grad, k.grad, v.grad)
+
+
+def test_any_strides_give_the_contiguous_result():
+    """q, k, v sliced out of one packed (B, S, 3, H, D) tensor and a (B, H, S, D) transposed dout."""
+    dtype = DTYPES[0]
+    qkv = torch.randn(2, 45, 3, 4, 64, device=DEVICE, dtype=dtype)
+    q, k, v = qkv.unbind(dim=2)
+    dout = torch.randn(2, 4, 45, 64, device=DEVICE, dtype=dtype).transpose(1, 2)
+    assert not q.is_contiguous() and not dout.is_contiguous()
+    out, lse = attn_fwd(q, k, v, 0.125, True)
+    grads = attn_bwd(dout, q, k, v, out, lse, 0.125, True)
+    q_c, k_c, v_c, dout_c = (t.contiguous() for t in (q, k, v, dout))
+    out_c, lse_c = attn_fwd(q_c, k_c, v_c, 0.125, True)
+    grads_c = attn_bwd(dout_c, q_c, k_c, v_c, out_c, lse_c, 0.125, True)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    for g, g_c in zip(grads, grads_c, strict=True):
+        assert torch.equal(g, g_c)
+
+
+def test_rows_that_see_no_key_give_zeros_not_nan():
+    """Causal with Sq > Sk: the first Sq - Sk rows see no key (bottom-right alignment)."""
+    q, k, v, dout = make_qkv(1, 70, 20, 2, 1, 32, DTYPES[0], seed=5)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    out.backward(dout)
+    for t in (out, q.grad, k.grad, v.grad):
+        assert torch.isfinite(t).all()
+    assert (out[:, :50] == 0).all() and (q.grad[:, :50] == 0).all()
+    assert (lse[:, :, :50] == float("-inf")).all() and torch.isfinite(lse[:, :, 50:]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_accumulates_into_given_buffers(causal):
+    """The ring relies on attn_bwd adding to its fp32 accumulators rather than overwriting them."""
+    q, k, v, dout = make_qkv(1, 40, 50, 4, 2, 32, DTYPES[0], seed=7)
+    out, lse = attn_fwd(q, k, v, 0.2, causal)
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, 0.2, causal)
+    accs = [torch.randn(t.shape, device=DEVICE, dtype=torch.float32) for t in (q, k, v)]
+    start = [a.clone() for a in accs]
+    returned = attn_bwd(dout, q, k, v, out, lse, 0.2, causal, dq_acc=accs[0], dk_acc=accs[1], dv_acc=accs[2])
+    for acc, s, g, r in zip(accs, start, (dq, dk, dv), returned, strict=True):
+        assert r is acc
+        torch.testing.assert_close(acc, s + g.float(), rtol=0, atol=4 * torch.finfo(g.dtype).eps * g.abs().max())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_reference_bwd_matches_autograd(causal):
+    """attn_bwd_ref's closed-form gradients equal autograd through attn_fwd_ref (float64)."""
+    q, k, v, dout = make_qkv(2, 23, 31, 6, 2, 16, torch.float64, seed=11)
+    out, lse, dq, dk, dv = reference_attention(q, k, v, dout, 0.25, causal, torch.float64)
+    for g, g_ref in zip(attn_bwd_ref(dout, q, k, v, out, lse, 0.25, causal), (dq, dk, dv), strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
+
+
+def test_reference_fwd_rows_without_keys():
+    q, k, v, _ = make_qkv(1, 5, 2, 1, 1, 8, torch.float64, seed=1)
+    out, lse = attn_fwd_ref(q, k, v, 1.0, True)
+    assert (out[:, :3] == 0).all() and (lse[:, :, :3] == float("-inf")).all()
+
+
+def _bad(**over):
+    shapes = dict(q=(1, 8, 4, 32), k=(1, 8, 2, 32), v=(1, 8, 2, 32))
+    dtypes = dict(q=DTYPES[0], k=DTYPES[0], v=DTYPES[0])
+    for name, value in over.items():
+        if isinstance(value, torch.dtype):
+            dtypes[name] = value
+        else:
+            shapes[name] = value
+    return [torch.zeros(shapes[n], dtype=dtypes[n], device=DEVICE) for n in ("q", "k", "v")]
+
+
+@pytest.mark.parametrize(
+    "inputs,error,match",
+    [
+        (_bad(q=(8, 4, 32)), ValueError, "q must have 4 dimensions"),
+        (_bad(k=(1, 8, 2, 32, 1)), ValueError, "k must have 4 dimensions"),
+        (_bad(q=torch.int32), TypeError, "q must be float16, bfloat16 or float32"),
+        (_bad(v=torch.float64), TypeError, "v must be float16, bfloat16 or float32"),
+        (_bad(k=torch.float16 if DTYPES[0] != torch.float16 else torch.bfloat16), TypeError, "share one dtype"),
+        (_bad(q=(1, 8, 3, 32), k=(1, 8, 2, 32), v=(1, 8, 2, 32)), ValueError, "divisible"),
+        (_bad(q=(1, 8, 4, 36), k=(1, 8, 2, 36), v=(1, 8, 2, 36)), ValueError, "multiple of 8"),
+        (_bad(q=(1, 8, 4, 264), k=(1, 8, 2, 264), v=(1, 8, 2, 264)), ValueError, "multiple of 8"),
+        (_bad(q=(1, 8, 4, 64)), ValueError, "head dim 64"),
+        (_bad(k=(2, 8, 2, 32), v=(2, 8, 2, 32)), ValueError, "batch size"),
+        (_bad(v=(1, 9, 2, 32)), ValueError, "same shape"),
+        (_bad(q=(1, 0, 4, 32)), ValueError, "positive"),
+    ],
+    ids=["q-3d", "k-5d", "int", "fp64", "mixed", "heads", "dim36", "dim264", "dim-mismatch", "batch", "kv", "empty"],
+)
+def test_bad_inputs_raise_clear_errors(inputs, error, match):
+    with pytest.raises(error, match=match):
+        ringattn.flash_attn_func(*inputs)
+
+
+def test_bad_softmax_scale_raises():
+    with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+        ringattn.flash_attn_func(*_bad(), softmax_scale=-1.0)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs compiled kernels")
+def test_cpu_tensors_with_compiled_kernels_raise():
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        ringattn.flash_attn_func(*(t.cpu() for t in _bad()))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter runs on the CPU")
+def test_bfloat16_in_the_interpreter_raises():
+    """Regression: the Triton interpreter computed bfloat16 attention wrongly (lse ~ 1e10), silently."""
+    with pytest.raises(TypeError, match="bfloat16 is not supported by the Triton interpreter"):
+        ringattn.flash_attn_func(*_bad(q=torch.bfloat16, k=torch.bfloat16, v=torch.bfloat16))

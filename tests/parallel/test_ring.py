@@ -1,0 +1,133 @@
+"""Ring attention on W spawned ranks against single-device float64 attention on the whole sequence."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringattn
+from ringattn.ops import REFERENCE_OPS
+from ringattn.parallel import RingComm, ring_attn_backward, ring_attn_forward
+from ringattn.testing import check_close, magnitude
+from tests.distributed import run_ranks
+from tests.utils import dtype_id, make_qkv, reference_attention
+
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+def _backends(world_size):
+    """gloo on CPU (fp32, interpreted kernels) always; NCCL (bf16, fp16) when there are enough GPUs."""
+    enough = torch.cuda.device_count() >= world_size
+    reason = f"NCCL ring needs {world_size} GPUs, found {torch.cuda.device_count()}"
+    params = [pytest.param("gloo", torch.float32, id="gloo-float32")]
+    for dtype in (torch.bfloat16, torch.float16):
+        params.append(
+            pytest.param(
+                "nccl", dtype, id=f"nccl-{dtype_id(dtype)}", marks=pytest.mark.skipif(not enough, reason=reason)
+            )
+        )
+    return params
+
+
+def _device(rank, backend):
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def _shard(t, rank, seqlen_local):
+    return t[:, rank * seqlen_local : (rank + 1) * seqlen_local]
+
+
+def _ring_matches_reference(rank, world_size, backend, dtype, seqlen_local, heads_q, heads_k, head_dim, causal):
+    seqlen = seqlen_local * world_size
+    device = _device(rank, backend)
+    q, k, v, dout = make_qkv(2, seqlen, seqlen, heads_q, heads_k, head_dim, dtype, device=device, seed=seqlen)
+    q_l, k_l, v_l = (_shard(t, rank, seqlen_local).detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.ring_attn_func(q_l, k_l, v_l, causal=causal, return_lse=True)
+    out.backward(_shard(dout, rank, seqlen_local))
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert q_l.grad.dtype == dtype and k_l.grad.dtype == dtype and v_l.grad.dtype == dtype
+
+    scale = head_dim**-0.5
+    ref = reference_attention(q, k, v, dout, scale, causal, torch.float64)
+    pt = reference_attention(q, k, v, dout, scale, causal, dtype)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+
+    def local(i, t):  # lse is (B, H, S); the rest (B, S, H, D)
+        return t[:, :, rank * seqlen_local : (rank + 1) * seqlen_local] if i == 1 else _shard(t, rank, seqlen_local)
+
+    ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        check_close(f"rank {rank} {name}", ours[i], local(i, pt[i]), local(i, ref[i]), None if i < 2 else grad_scale)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
+@pytest.mark.parametrize("backend,dtype", _backends(4))
+def test_ring_matches_single_device_reference(backend, dtype, world_size, causal):
+    """S_local = 37 is not a multiple of any block size; GQA (4 q heads, 2 kv heads), D = 40."""
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    run_ranks(_ring_matches_reference, world_size, backend, dtype, 37, 4, 2, 40, causal, backend=backend)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ring_mqa_matches_single_device_reference(causal):
+    run_ranks(_ring_matches_reference, 3, "gloo", torch.float32, 33, 4, 1, 64, causal)
+
+
+class CountingComm(RingComm):
+    """RingComm that counts the tensors it sends."""
+
+    def __init__(self, group=None):
+        super().__init__(group)
+        self.sent = 0
+
+    def send_recv(self, to_send, recv_buffer=None):
+        self.sent += 1
+        return super().send_recv(to_send, recv_buffer)
+
+
+def _ring_loops_are_exact_in_float64(rank, world_size, causal):
+    seqlen_local = 11
+    q, k, v, dout = make_qkv(1, seqlen_local * world_size, seqlen_local * world_size, 4, 2, 8, torch.float64, "cpu", 9)
+    q_l, k_l, v_l, dout_l = (_shard(t, rank, seqlen_local) for t in (q, k, v, dout))
+    comm = CountingComm()
+    out, lse = ring_attn_forward(comm, REFERENCE_OPS, q_l, k_l, v_l, 0.5, causal)
+    sent_fwd = comm.sent
+    dq, dk, dv = ring_attn_backward(comm, REFERENCE_OPS, dout_l, q_l, k_l, v_l, out, lse, 0.5, causal)
+    sent_bwd = comm.sent - sent_fwd
+    ref = reference_attention(q, k, v, dout, 0.5, causal, torch.float64)
+    for ours, r in zip((out, dq, dk, dv), (ref[0], ref[2], ref[3], ref[4]), strict=True):
+        torch.testing.assert_close(ours.double(), _shard(r, rank, seqlen_local), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        lse.double(), ref[1][:, :, rank * seqlen_local : (rank + 1) * seqlen_local], rtol=0, atol=1e-12
+    )
+    # forward: k and v for W - 1 hops; backward: k, v for W - 1 hops and dk, dv for W hops
+    assert sent_fwd == 2 * (world_size - 1)
+    assert sent_bwd == 2 * (world_size - 1) + (2 * world_size if world_size > 1 else 0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ring_loops_with_reference_ops_are_exact(causal):
+    """The ring's schedule and merge alone, free of kernel rounding: float64 reference block ops
+    must reproduce float64 attention to 1e-12, and the loops send the expected number of tensors."""
+    run_ranks(_ring_loops_are_exact_in_float64, 4, causal)
+
+
+def _bad_layout_raises_before_communication(rank, world_size):
+    q = torch.zeros(1, 8, 2, 32)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ringattn.ring_attn_func(q, q, q, layout="striped")
+    with pytest.raises(ValueError, match="same local sequence length"):
+        ringattn.ring_attn_func(q, q[:, :4], q[:, :4])
+    return True
+
+
+def test_bad_ring_inputs_raise_on_every_rank():
+    assert run_ranks(_bad_layout_raises_before_communication, 2) == [True, True]
+
+
+def test_ring_without_process_group_raises():
+    assert not dist.is_initialized()
+    q = torch.zeros(1, 8, 2, 32)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ringattn.ring_attn_func(q, q, q)

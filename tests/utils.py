@@ -1,0 +1,39 @@
+"""Helpers shared by the tests: devices, dtypes, inputs and the reference attention."""
+
+import torch
+
+from ringattn.ops import attn_fwd_ref
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# The interpreter runs fp32; on a GPU the kernels are checked in the training dtypes.
+DTYPES = [torch.float32] if DEVICE.type == "cpu" else [torch.bfloat16, torch.float16]
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, device=DEVICE, seed=0):
+    """Random q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) and dout like q, drawn fresh for every seed."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    q = rand(batch, seqlen_q, heads_q, head_dim)
+    k = rand(batch, seqlen_k, heads_k, head_dim)
+    v = rand(batch, seqlen_k, heads_k, head_dim)
+    dout = rand(batch, seqlen_q, heads_q, head_dim)
+    return q, k, v, dout
+
+
+def reference_attention(q, k, v, dout, softmax_scale, causal, dtype):
+    """Plain PyTorch attention (attn_fwd_ref + autograd) with inputs cast to `dtype`.
+
+    Returns out, lse, dq, dk, dv, all computed in `dtype` (float64 for the ground truth,
+    the inputs' own dtype for the plain implementation of the tolerance rule).
+    """
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = attn_fwd_ref(q, k, v, softmax_scale, causal)
+    out.backward(dout.to(dtype))
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
