@@ -9,23 +9,17 @@ from ringattn.ops import REFERENCE_OPS
 from ringattn.parallel import RingComm, ring_attn_backward, ring_attn_forward
 from ringattn.testing import check_close, magnitude
 from tests.distributed import run_ranks
-from tests.utils import dtype_id, make_qkv, reference_attention
+from tests.utils import make_qkv, reference_attention
 
 WORLD_SIZES = [1, 2, 3, 4]
 
 
-def _backends(world_size):
-    """gloo on CPU (fp32, interpreted kernels) always; NCCL (bf16, fp16) when there are enough GPUs."""
-    enough = torch.cuda.device_count() >= world_size
-    reason = f"NCCL ring needs {world_size} GPUs, found {torch.cuda.device_count()}"
-    params = [pytest.param("gloo", torch.float32, id="gloo-float32")]
-    for dtype in (torch.bfloat16, torch.float16):
-        params.append(
-            pytest.param(
-                "nccl", dtype, id=f"nccl-{dtype_id(dtype)}", marks=pytest.mark.skipif(not enough, reason=reason)
-            )
-        )
-    return params
+# gloo on CPU (fp32, interpreted kernels) always; NCCL (bf16, fp16) when there are enough GPUs.
+BACKENDS = [
+    pytest.param("gloo", torch.float32, id="gloo-float32"),
+    pytest.param("nccl", torch.bfloat16, id="nccl-bfloat16"),
+    pytest.param("nccl", torch.float16, id="nccl-float16"),
+]
 
 
 def _device(rank, backend):
@@ -61,11 +55,11 @@ def _ring_matches_reference(rank, world_size, backend, dtype, seqlen_local, head
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
-@pytest.mark.parametrize("backend,dtype", _backends(4))
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
 def test_ring_matches_single_device_reference(backend, dtype, world_size, causal):
     """S_local = 37 is not a multiple of any block size; GQA (4 q heads, 2 kv heads), D = 40."""
     if backend == "nccl" and torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs")
+        pytest.skip(f"NCCL ring needs {world_size} GPUs, found {torch.cuda.device_count()}")
     run_ranks(_ring_matches_reference, world_size, backend, dtype, 37, 4, 2, 40, causal, backend=backend)
 
 
