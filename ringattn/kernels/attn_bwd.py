@@ -16,7 +16,7 @@ import triton.language as tl
 from .common import LOG2E, _key_range
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q"])  # one compile for every length
 def _attn_bwd_preprocess_kernel(
     Out,
     DOut,
@@ -109,7 +109,7 @@ def _attn_bwd_dkdv_tiles(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_dkdv_kernel(
     Q,
     K,
@@ -302,7 +302,7 @@ def _attn_bwd_dq_tiles(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_dq_kernel(
     Q,
     K,

@@ -51,10 +51,8 @@ def _bwd_config(block_d: int, dtype: torch.dtype, device: torch.device) -> Launc
         return LaunchConfig(32, 32, 4, 1)
     if dtype == torch.float32:
         return LaunchConfig(32, 32, 4, 1)
-    if block_d <= 64:
+    if block_d <= 128:  # H200, D=128, bf16, S=8k: 4 warps 375 TFLOP/s vs 8 warps 174 (launch/ sweep, docs/performance.md)
         return LaunchConfig(64, 64, 4, 2)
-    if block_d <= 128:
-        return LaunchConfig(64, 64, 8, 2)
     return LaunchConfig(32, 32, 4, 1)
 
 
