@@ -1,0 +1,205 @@
+"""Side-by-side attention kernel benchmark on one GPU: ringattn vs PyTorch SDPA (flash, cuDNN) and
+compiled FlexAttention, same inputs, same process (protocol: shared/BENCHMARKING.md).
+
+    PYTHONPATH=. python3 launch/bench_kernel.py --out docs/benchmarks/kernel_h200.json
+    PYTHONPATH=. python3 launch/bench_kernel.py --seqlens 4096 --head-dims 128 --out /tmp/k.json  # a subset
+
+bf16, H = 32, B * S = 32768 tokens. Every provider's output is checked against an fp32
+reference (on a slice of heads) before it is timed. Timing: triton.testing.do_bench, median.
+TFLOP/s: forward 4 B Hq S^2 D (x 0.5 causal), forward+backward 3.5 x that. peak_bytes is the
+peak memory allocated during the timed calls above what was allocated before (inputs excluded).
+Writes a JSON list of records plus an env record, and prints a markdown table with ratios.
+"""
+
+import argparse
+import json
+import platform
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+import ringattn
+from ringattn.ops import attn_fwd_ref
+
+TOKENS = 32768
+HEADS = 32
+
+
+def _sdpa(backend: SDPBackend) -> Callable:
+    def run(q, k, v, causal):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
+    return run
+
+
+def _flex() -> Callable:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    masks: dict = {}
+
+    def causal_mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def run(q, k, v, causal):
+        block_mask = None
+        if causal:
+            key = (q.shape[2], k.shape[2])
+            if key not in masks:
+                masks[key] = create_block_mask(causal_mask, None, None, key[0], key[1], device=q.device)
+            block_mask = masks[key]
+        return compiled(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+
+    return run
+
+
+def _ringattn(q, k, v, causal):
+    return ringattn.flash_attn_func(q, k, v, causal=causal)
+
+
+# provider -> (function, layout): "bshd" is (B, S, H, D), "bhsd" is (B, H, S, D)
+PROVIDERS = {
+    "ringattn": (_ringattn, "bshd"),
+    "sdpa_flash": (_sdpa(SDPBackend.FLASH_ATTENTION), "bhsd"),
+    "sdpa_cudnn": (_sdpa(SDPBackend.CUDNN_ATTENTION), "bhsd"),
+    "flex": (None, "bhsd"),  # compiled lazily
+}
+
+
+def check_output(out_bshd: torch.Tensor, q, k, v, causal) -> float:
+    """Relative L2 error of heads 0..1 of batch 0 against an fp32 reference; raises above 1e-2."""
+    heads_k = k.shape[2]
+    group = q.shape[2] // heads_k
+    q_s, k_s, v_s = q[:1, :, : 2 * group].float(), k[:1, :, :2].float(), v[:1, :, :2].float()
+    ref, _ = attn_fwd_ref(q_s, k_s, v_s, q.shape[-1] ** -0.5, causal)
+    got = out_bshd[:1, :, : 2 * group].float()
+    err = ((got - ref).norm() / ref.norm()).item()
+    if not err < 1e-2:
+        raise AssertionError(f"output off the fp32 reference: relative error {err:.2e}")
+    return err
+
+
+def measure(fn: Callable, layout: str, q, k, v, dout, causal: bool, mode: str) -> dict:
+    """Time one provider on one shape; returns ms and extra peak bytes."""
+    if layout == "bhsd":
+        q, k, v, dout = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))
+    q, k, v = (t.detach().requires_grad_(mode == "fwd+bwd") for t in (q, k, v))
+    if mode == "fwd":
+
+        def step():
+            return fn(q, k, v, causal)
+
+    else:
+
+        def step():
+            fn(q, k, v, causal).backward(dout)
+
+    step()  # compile / warm caches
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ms = do_bench(step, warmup=50, rep=300, grad_to_none=[q, k, v] if mode == "fwd+bwd" else None,
+                  return_mode="median")  # fmt: skip
+    peak = torch.cuda.max_memory_allocated() - before
+    return dict(ms=ms, peak_bytes=int(peak))
+
+
+def flops(batch, seqlen, heads, head_dim, causal, mode) -> float:
+    fwd = 4 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+    return fwd if mode == "fwd" else 3.5 * fwd
+
+
+def shapes(args) -> list[tuple[int, int, int, int, bool]]:
+    """(B, S, Hkv, D, causal) cells: the MHA grid plus GQA (Hkv = 8) at D = 128."""
+    cells = []
+    for head_dim in args.head_dims:
+        for seqlen in args.seqlens:
+            for causal in (False, True):
+                cells.append((TOKENS // seqlen, seqlen, HEADS, head_dim, causal))
+    if 128 in args.head_dims and not args.no_gqa:
+        for seqlen in args.seqlens:
+            for causal in (False, True):
+                cells.append((TOKENS // seqlen, seqlen, 8, 128, causal))
+    return cells
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    parser.add_argument("--no-gqa", action="store_true")
+    parser.add_argument("--out", default=None, help="JSON path")
+    args = parser.parse_args()
+
+    env = dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               cuda=torch.version.cuda, python=platform.python_version(), dtype="bfloat16", tokens=TOKENS)  # fmt: skip
+    records = []
+    fns = {name: fn for name, (fn, _) in PROVIDERS.items()}
+    if "flex" in args.providers:
+        fns["flex"] = _flex()
+    for batch, seqlen, heads_k, head_dim, causal in shapes(args):
+        gen = torch.Generator(device="cuda").manual_seed(seqlen + head_dim)
+        q, dout = (torch.randn(batch, seqlen, HEADS, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+                   for _ in range(2))  # fmt: skip
+        k, v = (torch.randn(batch, seqlen, heads_k, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+                for _ in range(2))  # fmt: skip
+        for provider in args.providers:
+            fn, layout = fns[provider], PROVIDERS[provider][1]
+            base = dict(provider=provider, B=batch, S=seqlen, H=HEADS, Hkv=heads_k, D=head_dim, causal=causal)
+            try:
+                qq, kk, vv = (t.transpose(1, 2).contiguous() for t in (q, k, v)) if layout == "bhsd" else (q, k, v)
+                out = fn(qq, kk, vv, causal)
+                check_output(out.transpose(1, 2) if layout == "bhsd" else out, q, k, v, causal)
+                del out
+            except Exception as exc:  # a backend that refuses the shape is recorded, not fatal
+                records.append(dict(base, mode="fwd", error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                print(f"{provider:10} S{seqlen:>6} D{head_dim} Hkv{heads_k} causal={causal}: {records[-1]['error']}")
+                continue
+            for mode in args.modes:
+                try:
+                    result = measure(fn, layout, q, k, v, dout, causal, mode)
+                except Exception as exc:
+                    records.append(dict(base, mode=mode, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                    continue
+                tflops = flops(batch, seqlen, HEADS, head_dim, causal, mode) / result["ms"] / 1e9
+                records.append(dict(base, mode=mode, tflops=tflops, **result))
+                print(f"{provider:10} S{seqlen:>6} D{head_dim} Hkv{heads_k:>2} causal={causal!s:5} {mode:8} "
+                      f"{result['ms']:8.3f} ms {tflops:6.1f} TFLOP/s peak +{result['peak_bytes'] / 2**20:8.1f} MiB",
+                      flush=True)  # fmt: skip
+            torch.cuda.empty_cache()
+        if args.out:  # after every cell, so a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump([env, *records], f, indent=1)
+    print(markdown_table(records))
+
+
+def markdown_table(records: list[dict]) -> str:
+    """One row per (D, Hkv, causal, S, mode): TFLOP/s of each provider and ringattn's ratio to each."""
+    timed = [r for r in records if "tflops" in r]
+    providers = sorted({r["provider"] for r in timed}, key=list(PROVIDERS).index)
+    others = [p for p in providers if p != "ringattn"]
+    head = ["D", "Hkv", "causal", "S", "mode", *providers, *(f"ours/{p}" for p in others)]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    cells: dict = {}
+    for r in timed:
+        cells.setdefault((r["D"], r["Hkv"], r["causal"], r["S"], r["mode"]), {})[r["provider"]] = r["tflops"]
+    for key in sorted(cells):
+        row = cells[key]
+        vals = [f"{row[p]:.0f}" if p in row else "-" for p in providers]
+        ratios = [f"{row['ringattn'] / row[p]:.2f}" if "ringattn" in row and p in row else "-" for p in others]
+        d, hkv, causal, s, mode = key
+        lines.append(
+            "| " + " | ".join([str(d), str(hkv), "yes" if causal else "no", str(s), mode, *vals, *ratios]) + " |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
