@@ -1,6 +1,16 @@
 """ringattn: exact ring attention over sequences sharded across ranks, with fused Triton kernels."""
 
 from .functional import flash_attn_func, ring_attn_func
+from .parallel.layout import LAYOUTS, pad_to_multiple, position_ids, shard, shard_indices, unshard
 
-__all__ = ["flash_attn_func", "ring_attn_func"]
+__all__ = [
+    "LAYOUTS",
+    "flash_attn_func",
+    "pad_to_multiple",
+    "position_ids",
+    "ring_attn_func",
+    "shard",
+    "shard_indices",
+    "unshard",
+]
 __version__ = "0.1.0"

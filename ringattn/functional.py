@@ -9,9 +9,7 @@ import torch.distributed as dist
 
 from .ops import KERNEL_OPS, attn_bwd, attn_fwd
 from .ops.validation import check_attn_inputs, check_runnable_device, default_softmax_scale
-from .parallel import RingComm, ring_attn_backward, ring_attn_forward
-
-LAYOUTS = ("contiguous",)
+from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
 
 
 class FlashAttnFunction(torch.autograd.Function):
@@ -67,11 +65,11 @@ class RingAttnFunction(torch.autograd.Function):
     """Ring attention over the ranks of a process group; forward and backward each go round the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, group):
-        out, lse = ring_attn_forward(RingComm(group), KERNEL_OPS, q, k, v, softmax_scale, causal)
+    def forward(ctx, q, k, v, softmax_scale, causal, group, layout):
+        out, lse = ring_attn_forward(RingComm(group), KERNEL_OPS, q, k, v, softmax_scale, causal, layout)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.causal, ctx.group = softmax_scale, causal, group
+        ctx.softmax_scale, ctx.causal, ctx.group, ctx.layout = softmax_scale, causal, group, layout
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -79,26 +77,27 @@ class RingAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attn_backward(
-            RingComm(ctx.group), KERNEL_OPS, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal
+            RingComm(ctx.group), KERNEL_OPS, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout
         )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str) -> None:
     """Local checks before any communication: shapes and dtypes, layout, the group and its backend.
 
     Raises:
-        ValueError, TypeError: bad inputs, an unknown layout, a device the backend cannot carry.
+        ValueError, TypeError: bad inputs, an unknown layout, an odd local length with "zigzag",
+            a device the backend cannot carry.
         RuntimeError: torch.distributed is not initialised; a device the kernels cannot run on.
     """
     check_attn_inputs(q, k, v)
     check_runnable_device(q)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_layout(layout)
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"q, k and v must hold the same local sequence length in a ring, got q {q.shape[1]}, k/v {k.shape[1]}"
         )
+    check_local_seqlen(q.shape[1], layout, name="q.shape[1]")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "ring_attn_func needs torch.distributed initialised (dist.init_process_group); "
@@ -123,8 +122,12 @@ def ring_attn_func(
 ):
     """Exact attention over one global sequence split across the ranks of `group`.
 
-    Every rank of the group calls it with its own shard. With layout "contiguous", group
-    rank r holds global tokens [r * S_local, (r + 1) * S_local).
+    Every rank of the group calls it with its own shard of the global sequence of
+    S = W * S_local tokens (W ranks). With layout "contiguous", group rank r holds global tokens
+    [r * S_local, (r + 1) * S_local). With layout "zigzag", the sequence is cut into 2W chunks
+    of C = S_local / 2 tokens and rank r holds chunk r followed by chunk 2W - 1 - r, which
+    balances causal work over the ranks (docs/design.md, section 4). ringattn.shard,
+    ringattn.unshard and ringattn.position_ids map between full tensors and shards.
 
     Args:
         q: (batch, S_local, nheads, headdim), this rank's shard of the queries.
@@ -133,7 +136,7 @@ def ring_attn_func(
         causal: causal over global positions.
         group: the process group forming the ring (default: the world). NCCL for CUDA
             tensors, gloo for CPU tensors (with TRITON_INTERPRET=1).
-        layout: "contiguous".
+        layout: "contiguous" or "zigzag" (S_local must then be even); all ranks pass the same.
         return_lse: also return this shard's lse.
     Returns:
         out (batch, S_local, nheads, headdim) in q's dtype, this rank's shard of the global
@@ -145,5 +148,5 @@ def ring_attn_func(
     """
     check_ring_inputs(q, k, v, group, layout)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = RingAttnFunction.apply(q, k, v, scale, bool(causal), group)
+    out, lse = RingAttnFunction.apply(q, k, v, scale, bool(causal), group, layout)
     return (out, lse) if return_lse else out

@@ -1,14 +1,39 @@
-"""The ring: communication, the step schedule and the op-agnostic forward/backward loops."""
+"""The ring: communication, sequence layouts, the step schedule and the op-agnostic forward/backward loops."""
 
 from .comm import RingComm
+from .layout import (
+    LAYOUTS,
+    check_layout,
+    check_local_seqlen,
+    check_seqlen,
+    chunks_per_rank,
+    pad_to_multiple,
+    position_ids,
+    shard,
+    shard_indices,
+    shard_ranges,
+    unshard,
+)
 from .ring import ring_attn_backward, ring_attn_forward
-from .schedule import BlockMode, contiguous_block_mode, kv_source_rank
+from .schedule import BlockMode, BlockTask, block_tasks, kv_source_rank
 
 __all__ = [
+    "LAYOUTS",
     "BlockMode",
+    "BlockTask",
     "RingComm",
-    "contiguous_block_mode",
+    "block_tasks",
+    "check_layout",
+    "check_local_seqlen",
+    "check_seqlen",
+    "chunks_per_rank",
     "kv_source_rank",
+    "pad_to_multiple",
+    "position_ids",
     "ring_attn_backward",
     "ring_attn_forward",
+    "shard",
+    "shard_indices",
+    "shard_ranges",
+    "unshard",
 ]

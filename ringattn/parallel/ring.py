@@ -1,7 +1,9 @@
-"""Op-agnostic ring attention forward and backward loops (schedule in docs/design.md).
+"""Op-agnostic ring attention forward and backward loops (schedule in docs/design.md, section 4).
 
 Forward: at step t, rank r computes its queries against the K/V block of rank r - t while
-the block for step t + 1 is in flight, and merges (out, lse) in fp32.
+the block for step t + 1 is in flight, and merges (out, lse) in fp32. Which sub-blocks are
+computed, and with which mask, is the pure function schedule.block_tasks of the layout; the
+loops run its tasks on views of the local tensors and state (no copies).
 Backward: K/V travel the ring again together with fp32 dK/dV accumulators; each rank adds
 its contribution to the accumulators of the block in hand and passes them on, so after W
 steps (and one last hop) every rank holds the full gradient of its own K/V. dQ accumulates
@@ -12,12 +14,17 @@ import torch
 
 from ..ops import AttnOps, merge_attn_states_
 from .comm import RingComm
-from .schedule import BlockMode, contiguous_block_mode, kv_source_rank
+from .schedule import BlockMode, block_tasks, kv_source_rank
 
 
 def _state_dtype(q: torch.Tensor) -> torch.dtype:
     """Running state and gradient accumulators: fp32, or the inputs' dtype if wider (float64 checks)."""
     return torch.promote_types(q.dtype, torch.float32)
+
+
+def _rows(t: torch.Tensor, rows: range, dim: int = 1) -> torch.Tensor:
+    """A view of t's rows `rows` along dim (1 for (B, S, H, D), 2 for (B, H, S))."""
+    return t.narrow(dim, rows.start, len(rows))
 
 
 def ring_attn_forward(
@@ -28,11 +35,13 @@ def ring_attn_forward(
     v: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    layout: str = "contiguous",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's shard of global attention, contiguous layout.
+    """This rank's shard of global attention.
 
     Args:
-        q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards.
+        q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards in `layout`
+            ("contiguous" or "zigzag"; S_local even for "zigzag").
     Returns:
         out (B, S_local, Hq, D) and lse (B, Hq, S_local), both fp32 (float64 for float64 inputs).
     """
@@ -46,12 +55,18 @@ def ring_attn_forward(
         if not last:
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit()
-        mode = contiguous_block_mode(comm.rank, kv_source_rank(comm.rank, step, comm.world_size), causal)
-        if mode is not BlockMode.SKIP:
+        kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
+        for task in block_tasks(layout, comm.rank, kv_rank, comm.world_size, causal, seqlen):
+            qs, kvs = task.q_rows, task.kv_rows
             block_out, block_lse = ops.fwd(
-                q, k_cur, v_cur, softmax_scale, mode is BlockMode.CAUSAL, out_dtype=state_dtype
+                _rows(q, qs),
+                _rows(k_cur, kvs),
+                _rows(v_cur, kvs),
+                softmax_scale,
+                task.mode is BlockMode.CAUSAL,
+                out_dtype=state_dtype,
             )
-            merge_attn_states_(out, lse, block_out, block_lse)
+            merge_attn_states_(_rows(out, qs), _rows(lse, qs, 2), block_out, block_lse)  # in place on views
         if not last:
             comm.wait()
             k_cur, v_cur = k_next, v_next
@@ -69,12 +84,14 @@ def ring_attn_backward(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    layout: str = "contiguous",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of this rank's q, k, v shards, contiguous layout.
+    """Gradients of this rank's q, k, v shards.
 
     Args:
         dout, out: (B, S_local, Hq, D); q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D);
         lse: (B, Hq, S_local) fp32, the global normaliser from the forward.
+        layout: the layout the forward ran with.
     Returns:
         dq, dk, dv in fp32 (float64 for float64 inputs), shaped like q, k, v.
     """
@@ -89,21 +106,22 @@ def ring_attn_backward(
         if not last:
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit()
-        mode = contiguous_block_mode(comm.rank, kv_source_rank(comm.rank, step, comm.world_size), causal)
-        if mode is not BlockMode.SKIP:
+        kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
+        for task in block_tasks(layout, comm.rank, kv_rank, comm.world_size, causal, q.shape[1]):
+            qs, kvs = task.q_rows, task.kv_rows
             ops.bwd(
-                dout,
-                q,
-                k_cur,
-                v_cur,
-                out,
-                lse,
+                _rows(dout, qs),
+                _rows(q, qs),
+                _rows(k_cur, kvs),
+                _rows(v_cur, kvs),
+                _rows(out, qs),
+                _rows(lse, qs, 2),
                 softmax_scale,
-                mode is BlockMode.CAUSAL,
-                delta=delta,
-                dq_acc=dq,
-                dk_acc=dk_cur,
-                dv_acc=dv_cur,
+                task.mode is BlockMode.CAUSAL,
+                delta=_rows(delta, qs, 2),
+                dq_acc=_rows(dq, qs),
+                dk_acc=_rows(dk_cur, kvs),
+                dv_acc=_rows(dv_cur, kvs),
             )
         if not last:
             comm.wait()

@@ -1,16 +1,27 @@
-"""The ring schedule as pure functions: which K/V block a rank holds at each step and how
-that block is computed against the local queries. No communication; unit-tested directly.
+"""The ring schedule as pure functions (docs/design.md, section 4): which K/V block a rank holds
+at each step, and which (query rows, key rows) sub-blocks of it to compute, with which mask.
+No communication; unit-tested directly.
 """
 
 from enum import Enum
+from typing import NamedTuple
+
+from .layout import check_layout, check_local_seqlen, check_rank
 
 
 class BlockMode(Enum):
-    """How one (Q block, K/V block) pair is computed."""
+    """How one (query rows, key rows) sub-block is computed."""
 
     FULL = "full"  # every query sees every key
-    CAUSAL = "causal"  # the diagonal block: bottom-right aligned causal mask
-    SKIP = "skip"  # no query sees any key: not computed
+    CAUSAL = "causal"  # bottom-right aligned causal mask (with equal lengths: local key j <= local query i)
+
+
+class BlockTask(NamedTuple):
+    """One kernel call of a ring step: local query rows of this rank vs local rows of the K/V block in hand."""
+
+    q_rows: range
+    kv_rows: range
+    mode: BlockMode
 
 
 def kv_source_rank(rank: int, step: int, world_size: int) -> int:
@@ -18,11 +29,38 @@ def kv_source_rank(rank: int, step: int, world_size: int) -> int:
     return (rank - step) % world_size
 
 
-def contiguous_block_mode(rank: int, kv_rank: int, causal: bool) -> BlockMode:
-    """Mode of rank's queries against kv_rank's keys in the contiguous layout
-    (rank r holds tokens [r * S_local, (r + 1) * S_local))."""
-    if not causal or kv_rank < rank:
-        return BlockMode.FULL
+def block_tasks(
+    layout: str, rank: int, kv_rank: int, world_size: int, causal: bool, seqlen_local: int
+) -> list[BlockTask]:
+    """The sub-blocks `rank` computes against the K/V block of `kv_rank`; an empty list means skip.
+
+    Rows are local: range(0, seqlen_local) is the whole local shard (see layout.shard_ranges for
+    their global positions). The tasks of all ranks and steps cover each visible (query, key)
+    pair of the global attention matrix exactly once.
+
+    - not causal: the whole block, FULL.
+    - "contiguous", causal: kv_rank < rank: FULL; kv_rank == rank: CAUSAL; kv_rank > rank: skip.
+    - "zigzag", causal (rank r holds chunks c_r, c_{2W-1-r}; C = seqlen_local / 2):
+      kv_rank == r: the whole block, CAUSAL (local order is global order);
+      kv_rank < r: all queries vs the first kv chunk (c_kv_rank, earlier than both query chunks), FULL;
+      kv_rank > r: the second query chunk (c_{2W-1-r}, later than both kv chunks) vs the whole block, FULL.
+      Every rank computes C * (2C + 1) pairs at step 0 and 2 C^2 at every other step.
+
+    Raises:
+        ValueError: unknown layout; an odd seqlen_local with "zigzag"; a rank outside [0, world_size).
+    """
+    check_layout(layout)
+    check_rank(rank, world_size)
+    check_rank(kv_rank, world_size, name="kv_rank")
+    check_local_seqlen(seqlen_local, layout)
+    whole = range(0, seqlen_local)
+    if not causal:
+        return [BlockTask(whole, whole, BlockMode.FULL)]
     if kv_rank == rank:
-        return BlockMode.CAUSAL
-    return BlockMode.SKIP
+        return [BlockTask(whole, whole, BlockMode.CAUSAL)]
+    if layout == "contiguous":
+        return [BlockTask(whole, whole, BlockMode.FULL)] if kv_rank < rank else []
+    chunk = seqlen_local // 2
+    if kv_rank < rank:
+        return [BlockTask(whole, range(0, chunk), BlockMode.FULL)]
+    return [BlockTask(range(chunk, seqlen_local), whole, BlockMode.FULL)]

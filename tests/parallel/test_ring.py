@@ -1,4 +1,5 @@
-"""Ring attention on W spawned ranks against single-device float64 attention on the whole sequence."""
+"""Ring attention on W spawned ranks against single-device float64 attention on the whole sequence,
+in both layouts: each rank's rows of the reference are its shard_indices."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch.distributed as dist
 
 import ringattn
 from ringattn.ops import REFERENCE_OPS
-from ringattn.parallel import RingComm, ring_attn_backward, ring_attn_forward
+from ringattn.parallel import LAYOUTS, RingComm, ring_attn_backward, ring_attn_forward, shard_indices
 from ringattn.testing import check_close, magnitude
 from tests.distributed import run_ranks
 from tests.utils import make_qkv, reference_attention
@@ -26,17 +27,16 @@ def _device(rank, backend):
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
-def _shard(t, rank, seqlen_local):
-    return t[:, rank * seqlen_local : (rank + 1) * seqlen_local]
-
-
-def _ring_matches_reference(rank, world_size, backend, dtype, seqlen_local, heads_q, heads_k, head_dim, causal):
+def _ring_matches_reference(
+    rank, world_size, backend, dtype, seqlen_local, heads_q, heads_k, head_dim, causal, layout="contiguous"
+):
     seqlen = seqlen_local * world_size
     device = _device(rank, backend)
+    idx = shard_indices(seqlen, rank, world_size, layout, device=device)  # this rank's global positions
     q, k, v, dout = make_qkv(2, seqlen, seqlen, heads_q, heads_k, head_dim, dtype, device=device, seed=seqlen)
-    q_l, k_l, v_l = (_shard(t, rank, seqlen_local).detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = ringattn.ring_attn_func(q_l, k_l, v_l, causal=causal, return_lse=True)
-    out.backward(_shard(dout, rank, seqlen_local))
+    q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.ring_attn_func(q_l, k_l, v_l, causal=causal, layout=layout, return_lse=True)
+    out.backward(dout[:, idx])
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert q_l.grad.dtype == dtype and k_l.grad.dtype == dtype and v_l.grad.dtype == dtype
 
@@ -46,11 +46,14 @@ def _ring_matches_reference(rank, world_size, backend, dtype, seqlen_local, head
     grad_scale = max(magnitude(g) for g in ref[2:])
 
     def local(i, t):  # lse is (B, H, S); the rest (B, S, H, D)
-        return t[:, :, rank * seqlen_local : (rank + 1) * seqlen_local] if i == 1 else _shard(t, rank, seqlen_local)
+        return t[:, :, idx] if i == 1 else t[:, idx]
 
     ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         check_close(f"rank {rank} {name}", ours[i], local(i, pt[i]), local(i, ref[i]), None if i < 2 else grad_scale)
+    # the gathered output and lse are the whole sequence's, in global order, on every rank
+    check_close(f"rank {rank} unshard(out)", ringattn.unshard(out, layout=layout), pt[0], ref[0])
+    check_close(f"rank {rank} unshard(lse)", ringattn.unshard(lse, dim=2, layout=layout), pt[1], ref[1])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -68,6 +71,25 @@ def test_ring_mqa_matches_single_device_reference(causal):
     run_ranks(_ring_matches_reference, 3, "gloo", torch.float32, 33, 4, 1, 64, causal)
 
 
+# (world size, q heads, kv heads): GQA on even rings, MQA on the odd one
+ZIGZAG_RINGS = [(2, 4, 2), (3, 4, 1), (4, 4, 2)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "world_size,heads_q,heads_k", ZIGZAG_RINGS, ids=[f"W{w}-Hq{hq}-Hkv{hk}" for w, hq, hk in ZIGZAG_RINGS]
+)
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_zigzag_ring_matches_single_device_reference(backend, dtype, world_size, heads_q, heads_k, causal):
+    """Chunks of 19 tokens (S_local = 38): neither the chunks nor the local shard are block multiples,
+    so the sub-block views start and end inside kernel tiles; D = 40."""
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        pytest.skip(f"NCCL ring needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    run_ranks(
+        _ring_matches_reference, world_size, backend, dtype, 38, heads_q, heads_k, 40, causal, "zigzag", backend=backend
+    )
+
+
 class CountingComm(RingComm):
     """RingComm that counts the tensors it sends."""
 
@@ -80,31 +102,33 @@ class CountingComm(RingComm):
         return super().send_recv(to_send, recv_buffer)
 
 
-def _ring_loops_are_exact_in_float64(rank, world_size, causal):
-    seqlen_local = 11
-    q, k, v, dout = make_qkv(1, seqlen_local * world_size, seqlen_local * world_size, 4, 2, 8, torch.float64, "cpu", 9)
-    q_l, k_l, v_l, dout_l = (_shard(t, rank, seqlen_local) for t in (q, k, v, dout))
-    comm = CountingComm()
-    out, lse = ring_attn_forward(comm, REFERENCE_OPS, q_l, k_l, v_l, 0.5, causal)
-    sent_fwd = comm.sent
-    dq, dk, dv = ring_attn_backward(comm, REFERENCE_OPS, dout_l, q_l, k_l, v_l, out, lse, 0.5, causal)
-    sent_bwd = comm.sent - sent_fwd
-    ref = reference_attention(q, k, v, dout, 0.5, causal, torch.float64)
-    for ours, r in zip((out, dq, dk, dv), (ref[0], ref[2], ref[3], ref[4]), strict=True):
-        torch.testing.assert_close(ours.double(), _shard(r, rank, seqlen_local), rtol=0, atol=1e-12)
-    torch.testing.assert_close(
-        lse.double(), ref[1][:, :, rank * seqlen_local : (rank + 1) * seqlen_local], rtol=0, atol=1e-12
-    )
-    # forward: k and v for W - 1 hops; backward: k, v for W - 1 hops and dk, dv for W hops
-    assert sent_fwd == 2 * (world_size - 1)
-    assert sent_bwd == 2 * (world_size - 1) + (2 * world_size if world_size > 1 else 0)
+def _ring_loops_are_exact_in_float64(rank, world_size, layout):
+    seqlen_local = 14  # zigzag: chunks of 7
+    seqlen = seqlen_local * world_size
+    idx = shard_indices(seqlen, rank, world_size, layout)
+    q, k, v, dout = make_qkv(1, seqlen, seqlen, 4, 2, 8, torch.float64, "cpu", 9)
+    q_l, k_l, v_l, dout_l = (t[:, idx] for t in (q, k, v, dout))
+    for causal in (False, True):
+        comm = CountingComm()
+        out, lse = ring_attn_forward(comm, REFERENCE_OPS, q_l, k_l, v_l, 0.5, causal, layout)
+        sent_fwd = comm.sent
+        dq, dk, dv = ring_attn_backward(comm, REFERENCE_OPS, dout_l, q_l, k_l, v_l, out, lse, 0.5, causal, layout)
+        sent_bwd = comm.sent - sent_fwd
+        ref = reference_attention(q, k, v, dout, 0.5, causal, torch.float64)
+        for ours, r in zip((out, dq, dk, dv), (ref[0], ref[2], ref[3], ref[4]), strict=True):
+            torch.testing.assert_close(ours.double(), r[:, idx], rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse.double(), ref[1][:, :, idx], rtol=0, atol=1e-12)
+        # forward: k and v for W - 1 hops; backward: k, v for W - 1 hops and dk, dv for W hops
+        assert sent_fwd == 2 * (world_size - 1)
+        assert sent_bwd == 2 * (world_size - 1) + (2 * world_size if world_size > 1 else 0)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_ring_loops_with_reference_ops_are_exact(causal):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ring_loops_with_reference_ops_are_exact(layout):
     """The ring's schedule and merge alone, free of kernel rounding: float64 reference block ops
-    must reproduce float64 attention to 1e-12, and the loops send the expected number of tensors."""
-    run_ranks(_ring_loops_are_exact_in_float64, 4, causal)
+    must reproduce float64 attention to 1e-12 (causal and not), and the loops send the expected
+    number of tensors."""
+    run_ranks(_ring_loops_are_exact_in_float64, 4, layout)
 
 
 def _bad_layout_raises_before_communication(rank, world_size):
@@ -113,6 +137,8 @@ def _bad_layout_raises_before_communication(rank, world_size):
         ringattn.ring_attn_func(q, q, q, layout="striped")
     with pytest.raises(ValueError, match="same local sequence length"):
         ringattn.ring_attn_func(q, q[:, :4], q[:, :4])
+    with pytest.raises(ValueError, match=r"q.shape\[1\] = 7 must be divisible by 2 for layout 'zigzag'"):
+        ringattn.ring_attn_func(q[:, :7], q[:, :7], q[:, :7], layout="zigzag")
     return True
 
 

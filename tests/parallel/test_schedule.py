@@ -1,10 +1,12 @@
 """The ring schedule as pure functions, checked without any communication."""
 
 import pytest
+import torch
 
-from ringattn.parallel import BlockMode, contiguous_block_mode, kv_source_rank
+from ringattn.parallel import BlockMode, BlockTask, block_tasks, kv_source_rank, shard_indices
 
-F, C, S = BlockMode.FULL, BlockMode.CAUSAL, BlockMode.SKIP
+F, C = BlockMode.FULL, BlockMode.CAUSAL
+WORLD_SIZES = [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
@@ -25,20 +27,109 @@ def test_blocks_travel_to_the_next_rank():
             )
 
 
+def _table(layout, world_size, causal, seqlen_local):
+    """[rank][step] -> the tasks of that rank at that step."""
+    return [
+        [
+            block_tasks(layout, rank, kv_source_rank(rank, step, world_size), world_size, causal, seqlen_local)
+            for step in range(world_size)
+        ]
+        for rank in range(world_size)
+    ]
+
+
 def test_contiguous_causal_table_w4():
     """Rows: rank; columns: step. Rank r computes its own diagonal block, then blocks of earlier ranks."""
+    whole = range(0, 7)
+    diag, full, skip = [BlockTask(whole, whole, C)], [BlockTask(whole, whole, F)], []
     expected = [
-        [C, S, S, S],
-        [C, F, S, S],
-        [C, F, F, S],
-        [C, F, F, F],
+        [diag, skip, skip, skip],
+        [diag, full, skip, skip],
+        [diag, full, full, skip],
+        [diag, full, full, full],
     ]
-    table = [
-        [contiguous_block_mode(rank, kv_source_rank(rank, step, 4), causal=True) for step in range(4)]
-        for rank in range(4)
-    ]
-    assert table == expected
+    assert _table("contiguous", 4, True, 7) == expected
 
 
-def test_contiguous_non_causal_computes_everything():
-    assert all(contiguous_block_mode(r, s, causal=False) is F for r in range(4) for s in range(4))
+def test_zigzag_causal_table_w4():
+    """Rank r holds chunks (c_r, c_{7-r}); C = 5 rows each. At step 0 the whole block is causal; K/V of an
+    earlier rank s: all queries vs its first chunk c_s; of a later rank: the second query chunk vs all of it."""
+    first, second, whole = range(0, 5), range(5, 10), range(0, 10)
+    diag = [BlockTask(whole, whole, C)]
+    early = [BlockTask(whole, first, F)]  # K/V from s < r
+    late = [BlockTask(second, whole, F)]  # K/V from s > r
+    expected = [  # step:  0     1 (kv r-1)  2 (kv r-2)  3 (kv r-3)
+        [diag, late, late, late],  # rank 0: kv 3, 2, 1
+        [diag, early, late, late],  # rank 1: kv 0, 3, 2
+        [diag, early, early, late],  # rank 2: kv 1, 0, 3
+        [diag, early, early, early],  # rank 3: kv 2, 1, 0
+    ]
+    assert _table("zigzag", 4, True, 10) == expected
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_non_causal_computes_every_block_whole(layout):
+    whole = range(0, 6)
+    assert all(tasks == [BlockTask(whole, whole, F)] for row in _table(layout, 4, False, 6) for tasks in row)
+
+
+def _area(task: BlockTask) -> int:
+    """(query, key) pairs a task computes: all of them, or those with local key j <= local query i."""
+    n_q, n_k = len(task.q_rows), len(task.kv_rows)
+    if task.mode is F:
+        return n_q * n_k
+    return sum(min(max(i + n_k - n_q + 1, 0), n_k) for i in range(n_q))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
+def test_zigzag_causal_is_balanced_at_every_step(world_size):
+    """The balance claim: every rank computes the same number of (query, key) pairs at every step:
+    C (2C + 1) at step 0 and 2 C^2 at every other step (C = chunk length)."""
+    chunk = 7
+    table = _table("zigzag", world_size, True, 2 * chunk)
+    for step in range(world_size):
+        areas = [sum(_area(t) for t in table[rank][step]) for rank in range(world_size)]
+        assert areas == [chunk * (2 * chunk + 1) if step == 0 else 2 * chunk**2] * world_size, (step, areas)
+
+
+def test_contiguous_causal_is_unbalanced():
+    """The problem zigzag solves: with the contiguous layout rank 0 idles after step 0."""
+    table = _table("contiguous", 4, True, 8)
+    work = [sum(_area(t) for tasks in row for t in tasks) for row in table]
+    assert work == [36, 100, 164, 228]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_tasks_cover_the_attention_matrix_exactly_once(layout, world_size, causal):
+    """Mapping every task's local rows to global positions (layout.shard_indices), the tasks of all
+    ranks and steps cover the global causal lower triangle (or the whole square) once, and nothing else.
+    This also checks that a CAUSAL task's local mask is the global causal mask on its rows."""
+    seqlen_local = 6
+    seqlen = seqlen_local * world_size
+    count = torch.zeros(seqlen, seqlen, dtype=torch.int64)
+    for rank in range(world_size):
+        q_pos = shard_indices(seqlen, rank, world_size, layout)
+        for step in range(world_size):
+            kv_rank = kv_source_rank(rank, step, world_size)
+            kv_pos = shard_indices(seqlen, kv_rank, world_size, layout)
+            for task in block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local):
+                n_q, n_k = len(task.q_rows), len(task.kv_rows)
+                local = torch.ones(n_q, n_k, dtype=torch.int64)
+                if task.mode is C:
+                    local = torch.tril(local, diagonal=n_k - n_q)
+                rows = q_pos[task.q_rows.start : task.q_rows.stop]
+                cols = kv_pos[task.kv_rows.start : task.kv_rows.stop]
+                count[rows[:, None], cols[None, :]] += local
+    expected = torch.ones(seqlen, seqlen, dtype=torch.int64)
+    assert torch.equal(count, torch.tril(expected) if causal else expected)
+
+
+def test_block_tasks_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        block_tasks("striped", 0, 0, 2, True, 8)
+    with pytest.raises(ValueError, match="seqlen_local = 7 must be divisible by 2"):
+        block_tasks("zigzag", 0, 1, 2, True, 7)
+    with pytest.raises(ValueError, match="kv_rank must be in"):
+        block_tasks("zigzag", 0, 2, 2, True, 8)

@@ -1,0 +1,203 @@
+"""Sequence layouts: which global tokens each rank of the ring holds (docs/design.md, section 4).
+
+- "contiguous": the global sequence of S tokens is cut into W equal chunks; group rank r holds
+  chunk r, tokens [r * S / W, (r + 1) * S / W).
+- "zigzag": the sequence is cut into 2W equal chunks c_0 ... c_{2W-1}; rank r holds c_r followed
+  by c_{2W-1-r}. Under a causal mask every rank then does the same work at every ring step.
+
+In both layouts a rank's local tokens are in increasing global order.
+
+The index maps (`shard_ranges`, `shard_indices`) are pure functions of (seqlen, rank, world
+size, layout) and need no process group; `shard`, `unshard` and `position_ids` apply them to
+this process's rank in a group.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout: str) -> None:
+    """Raise ValueError unless `layout` is one of LAYOUTS (the one place layout names are checked)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def chunks_per_rank(layout: str) -> int:
+    """Equal chunks each rank holds: 1 ("contiguous") or 2 ("zigzag"). Raises ValueError for an unknown layout."""
+    check_layout(layout)
+    return 2 if layout == "zigzag" else 1
+
+
+def check_seqlen(seqlen: int, world_size: int, layout: str, name: str = "seqlen") -> None:
+    """Raise ValueError unless the global length `seqlen` splits evenly over `world_size` ranks in `layout`:
+    divisible by W ("contiguous") or 2W ("zigzag"). `name` is the argument named in the message."""
+    multiple = chunks_per_rank(layout) * world_size
+    if seqlen < 0 or seqlen % multiple != 0:
+        how = f"2 x world size {world_size}" if layout == "zigzag" else f"world size {world_size}"
+        raise ValueError(
+            f"{name} = {seqlen} must be a non-negative multiple of {multiple} ({how}) for layout {layout!r}; "
+            "pad the sequence with ringattn.pad_to_multiple"
+        )
+
+
+def check_local_seqlen(seqlen_local: int, layout: str, name: str = "seqlen_local") -> None:
+    """Raise ValueError unless a rank's local length splits into the layout's equal chunks (even for "zigzag")."""
+    chunks = chunks_per_rank(layout)
+    if seqlen_local % chunks != 0:
+        raise ValueError(
+            f"{name} = {seqlen_local} must be divisible by {chunks} for layout {layout!r} "
+            "(each rank holds two equal chunks of the sequence)"
+        )
+
+
+def check_rank(rank: int, world_size: int, name: str = "rank") -> None:
+    """Raise ValueError unless world_size >= 1 and 0 <= rank < world_size."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"{name} must be in [0, world_size) with world_size >= 1, got {rank}, world_size {world_size}")
+
+
+def shard_ranges(seqlen: int, rank: int, world_size: int, layout: str) -> list[range]:
+    """The global token ranges `rank` holds, in local order (pure; no communication).
+
+    Returns [range(r*L, (r+1)*L)] for "contiguous" (L = seqlen / W) and
+    [range(r*C, (r+1)*C), range((2W-1-r)*C, (2W-r)*C)] for "zigzag" (C = seqlen / 2W).
+    Raises:
+        ValueError: unknown layout, rank outside [0, world_size), or seqlen not divisible (check_seqlen).
+    """
+    check_rank(rank, world_size)
+    check_seqlen(seqlen, world_size, layout)
+    chunk = seqlen // (chunks_per_rank(layout) * world_size)
+    chunk_ids = [rank] if layout == "contiguous" else [rank, 2 * world_size - 1 - rank]
+    return [range(c * chunk, (c + 1) * chunk) for c in chunk_ids]
+
+
+def shard_indices(
+    seqlen: int, rank: int, world_size: int, layout: str, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """int64 (seqlen / W,): the global position of each of `rank`'s local tokens (pure; no communication).
+
+    A rank's shard of a full tensor x is x.index_select(dim, shard_indices(...)).
+    Raises ValueError as shard_ranges.
+    """
+    ranges = shard_ranges(seqlen, rank, world_size, layout)
+    return torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64, device=device) for r in ranges])
+
+
+def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "shard, unshard and position_ids need torch.distributed initialised (dist.init_process_group); "
+            "without a process group use shard_indices(seqlen, rank, world_size, layout)"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None, layout: str = "zigzag"):
+    """This rank's shard of a full tensor, along `dim`.
+
+    Every rank holds the same full tensor x; the result is a new contiguous tensor holding the
+    tokens shard_indices(x.shape[dim], rank, W, layout) of x, in that order. Differentiable
+    (gradients flow back to x). Note that ring_attn_func's default layout is "contiguous":
+    pass the same `layout` to both.
+
+    Args:
+        x: any shape; x.shape[dim] is the global length S, divisible by W ("contiguous") or 2W ("zigzag").
+        dim: the sequence dim (1 for (batch, seqlen, nheads, headdim); 2 for an lse (batch, nheads, seqlen)).
+        group: the ring's process group (default: the world).
+    Returns:
+        x's shard, x.shape with S replaced by S / W.
+    Raises:
+        ValueError: unknown layout; S not divisible by W or 2W.
+        RuntimeError: torch.distributed not initialised.
+    """
+    check_layout(layout)
+    rank, world_size = _group_rank_and_size(group)
+    dim = dim % x.dim()
+    check_seqlen(x.shape[dim], world_size, layout, name=f"x.shape[{dim}]")
+    pieces = [x.narrow(dim, r.start, len(r)) for r in shard_ranges(x.shape[dim], rank, world_size, layout)]
+    return torch.cat(pieces, dim).contiguous()
+
+
+def unshard(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None, layout: str = "zigzag"):
+    """Gather every rank's shard and reassemble the full tensor (the inverse of `shard`) along `dim`.
+
+    A collective: every rank of the group calls it with its shard of the same shape, and every
+    rank gets the full tensor. Not differentiable: the result carries no autograd history (use it
+    for checks, logging and evaluation, not inside a loss).
+
+    Args:
+        x_local: this rank's shard; x_local.shape[dim] = S / W (even for "zigzag").
+        dim: the sequence dim.
+        group: the ring's process group (default: the world).
+    Returns:
+        the full tensor, x_local.shape with S / W replaced by S, in global token order.
+    Raises:
+        ValueError: unknown layout; an odd local length with "zigzag".
+        RuntimeError: torch.distributed not initialised.
+    """
+    check_layout(layout)
+    rank, world_size = _group_rank_and_size(group)
+    dim = dim % x_local.dim()
+    seqlen_local = x_local.shape[dim]
+    check_local_seqlen(seqlen_local, layout, name=f"x_local.shape[{dim}]")
+    x_local = x_local.detach().contiguous()
+    gathered = [torch.empty_like(x_local) for _ in range(world_size)]
+    dist.all_gather(gathered, x_local, group=group)
+    seqlen = seqlen_local * world_size
+    pieces = []  # (global start, piece)
+    for r, part in enumerate(gathered):
+        offset = 0
+        for g in shard_ranges(seqlen, r, world_size, layout):
+            pieces.append((g.start, part.narrow(dim, offset, len(g))))
+            offset += len(g)
+    pieces.sort(key=lambda p: p[0])
+    return torch.cat([p for _, p in pieces], dim)
+
+
+def position_ids(
+    seqlen: int,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """int64 (seqlen / W,): the global positions of this rank's tokens, for RoPE and for picking labels.
+
+    Args:
+        seqlen: the global sequence length S, divisible by W ("contiguous") or 2W ("zigzag").
+        group: the ring's process group (default: the world).
+        device: where to create the tensor.
+    Raises:
+        ValueError: unknown layout; S not divisible.
+        RuntimeError: torch.distributed not initialised.
+    """
+    check_layout(layout)
+    rank, world_size = _group_rank_and_size(group)
+    return shard_indices(seqlen, rank, world_size, layout, device=device)
+
+
+def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) -> tuple[torch.Tensor, int]:
+    """Pad x at the end of `dim` with `value` up to the next multiple of `multiple`.
+
+    Use multiple = 2 * W for "zigzag" (W for "contiguous") before `shard`; slice the result back
+    to the returned length after `unshard`. The padding takes part in attention like any token:
+    under a causal mask it comes last, so no original query sees it and the original tokens'
+    outputs are unchanged; without a causal mask every query attends to it and the result changes.
+    Keep padded positions out of the loss (e.g. pad labels with the loss's ignore index).
+
+    Returns:
+        (padded x, original length x.shape[dim]); x itself (no copy) when already a multiple.
+    Raises:
+        ValueError: multiple < 1.
+    """
+    if multiple < 1:
+        raise ValueError(f"multiple must be a positive integer, got {multiple}")
+    dim = dim % x.dim()
+    length = x.shape[dim]
+    extra = -length % multiple
+    if extra == 0:
+        return x, length
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]  # F.pad lists dims from the last one backwards
+    return F.pad(x, pad, value=value), length

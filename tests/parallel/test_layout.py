@@ -1,0 +1,107 @@
+"""Sequence layouts: the pure index maps, padding, and shard / unshard / position_ids on spawned ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringattn
+from ringattn.parallel import LAYOUTS, check_seqlen, shard_ranges
+from tests.distributed import run_ranks
+
+WORLD_SIZES = [1, 2, 3, 4, 5]
+
+
+def test_zigzag_index_map_w4():
+    """16 tokens, 8 chunks of 2: rank r holds c_r then c_{7-r}."""
+    expected = [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    assert [ringattn.shard_indices(16, r, 4, "zigzag").tolist() for r in range(4)] == expected
+    assert shard_ranges(16, 1, 4, "zigzag") == [range(2, 4), range(12, 14)]
+
+
+def test_contiguous_index_map_w3():
+    assert [ringattn.shard_indices(12, r, 3, "contiguous").tolist() for r in range(3)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+    ]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shards_partition_the_sequence_in_increasing_order(layout, world_size):
+    """Every global position is on exactly one rank, each rank holds S / W of them, and local order is
+    global order (the schedule's CAUSAL tasks rely on it)."""
+    seqlen = 2 * world_size * 3
+    shards = [ringattn.shard_indices(seqlen, r, world_size, layout) for r in range(world_size)]
+    assert all(s.dtype == torch.int64 and s.numel() == seqlen // world_size for s in shards)
+    assert all(bool((s[1:] > s[:-1]).all()) for s in shards)
+    assert sorted(torch.cat(shards).tolist()) == list(range(seqlen))
+
+
+def test_index_maps_reject_bad_lengths_layouts_and_ranks():
+    with pytest.raises(ValueError, match=r"seqlen = 10 must be a non-negative multiple of 6 \(2 x world size 3\)"):
+        ringattn.shard_indices(10, 0, 3, "zigzag")
+    with pytest.raises(ValueError, match=r"seqlen = 10 must be a non-negative multiple of 4 \(world size 4\)"):
+        ringattn.shard_indices(10, 0, 4, "contiguous")
+    with pytest.raises(ValueError, match=r"x.shape\[1\] = 9 .* multiple of 4"):
+        check_seqlen(9, 2, "zigzag", name="x.shape[1]")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ringattn.shard_indices(8, 0, 2, "striped")
+    with pytest.raises(ValueError, match="rank must be in"):
+        ringattn.shard_indices(8, 2, 2, "zigzag")
+
+
+def test_pad_to_multiple():
+    x = torch.arange(2 * 10, dtype=torch.int64).view(2, 10)
+    padded, length = ringattn.pad_to_multiple(x, dim=1, multiple=8, value=-100)
+    assert length == 10 and padded.shape == (2, 16)
+    assert torch.equal(padded[:, :10], x) and bool((padded[:, 10:] == -100).all())
+    y = torch.randn(1, 5, 2, 8)
+    padded, length = ringattn.pad_to_multiple(y, dim=-3, multiple=6)
+    assert length == 5 and padded.shape == (1, 6, 2, 8) and torch.equal(padded[:, :5], y)
+    assert bool((padded[:, 5:] == 0).all())
+    same, length = ringattn.pad_to_multiple(y, dim=1, multiple=5)
+    assert same is y and length == 5
+    with pytest.raises(ValueError, match="multiple must be a positive integer"):
+        ringattn.pad_to_multiple(y, 1, 0)
+
+
+def test_helpers_without_process_group_raise():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ringattn.shard(torch.zeros(1, 8))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ringattn.position_ids(8)
+
+
+def _shard_unshard_round_trip(rank, world_size):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4 * world_size * 3, 3, 8, generator=gen)  # (B, S, H, D), the same on every rank
+    lse = torch.randn(2, 3, 4 * world_size * 3, generator=gen)  # (B, H, S)
+    for layout in LAYOUTS:
+        idx = ringattn.shard_indices(x.shape[1], rank, world_size, layout)
+        pos = ringattn.position_ids(x.shape[1], layout=layout)
+        assert torch.equal(pos, idx)
+        x_local = ringattn.shard(x, layout=layout)
+        assert x_local.is_contiguous() and torch.equal(x_local, x[:, idx])
+        assert torch.equal(ringattn.unshard(x_local, layout=layout), x)
+        lse_local = ringattn.shard(lse, dim=-1, layout=layout)
+        assert torch.equal(lse_local, lse[:, :, idx])
+        assert torch.equal(ringattn.unshard(lse_local, dim=2, layout=layout), lse)
+        # shard is differentiable; unshard is not
+        x_req = x.clone().requires_grad_()
+        ringattn.shard(x_req, layout=layout).sum().backward()
+        assert torch.equal(x_req.grad, torch.zeros_like(x).index_fill_(1, idx, 1.0))
+        assert not ringattn.unshard(x_local.requires_grad_(), layout=layout).requires_grad
+    with pytest.raises(ValueError, match=r"x.shape\[1\] = 5 must be a non-negative multiple"):
+        ringattn.shard(torch.zeros(1, 5), layout="zigzag")
+    with pytest.raises(ValueError, match=r"x_local.shape\[1\] = 3 must be divisible by 2"):
+        ringattn.unshard(torch.zeros(1, 3), layout="zigzag")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ringattn.position_ids(8, layout="striped")
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shard_unshard_round_trip_on_ranks(world_size):
+    assert run_ranks(_shard_unshard_round_trip, world_size) == [True] * world_size
