@@ -27,13 +27,14 @@ def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, devic
     return q, k, v, dout
 
 
-def reference_attention(q, k, v, dout, softmax_scale, causal, dtype):
+def reference_attention(q, k, v, dout, softmax_scale, causal, dtype, **doc_ids):
     """Plain PyTorch attention (attn_fwd_ref + autograd) with inputs cast to `dtype`.
 
     Returns out, lse, dq, dk, dv, all computed in `dtype` (float64 for the ground truth,
-    the inputs' own dtype for the plain implementation of the tolerance rule).
+    the inputs' own dtype for the plain implementation of the tolerance rule). doc_ids:
+    q_doc_ids and k_doc_ids for packed documents.
     """
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    out, lse = attn_fwd_ref(q, k, v, softmax_scale, causal)
+    out, lse = attn_fwd_ref(q, k, v, softmax_scale, causal, **doc_ids)
     out.backward(dout.to(dtype))
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad

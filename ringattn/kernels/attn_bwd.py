@@ -1,57 +1,43 @@
 """Backward attention kernels (FlashAttention-2 scheme): P is recomputed from (Q, K, lse).
 
 Three launches, no atomics:
-  _attn_bwd_preprocess_kernel  delta = rowsum(dOut * Out)                  grid (Sq tiles, B * Hq)
-  _attn_bwd_dkdv_kernel        dK, dV for one K/V tile, looping over Q      grid (Sk tiles, B * Hkv)
+  _attn_bwd_preprocess_kernel  delta = rowsum(dOut * Out)                  grid (Sq tiles, Hq, B)
+  _attn_bwd_dkdv_kernel        dK, dV for one K/V tile, looping over Q      grid (Sk tiles, Hkv, B)
                                tiles of every q head of its GQA group
-  _attn_bwd_dq_kernel          dQ for one Q tile, looping over K/V tiles    grid (Sq tiles, B * Hq)
+  _attn_bwd_dq_kernel          dQ for one Q tile, looping over K/V tiles    grid (Sq tiles, Hq, B)
 With ACCUMULATE the gradients are added to what the output buffers hold (the ring's fp32
 accumulators). Rows whose lse is -inf (every key masked) get probability 0 everywhere,
-so they give zero gradients. Derivation in docs/design.md.
+so they give zero gradients. HAS_DOCS masks pairs of different documents and skips tiles
+whose documents do not meet, as in the forward. Derivation in docs/design.md.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, _key_range
+from .common import LOG2E, _doc_span, _key_range
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])  # one compile for every length
 def _attn_bwd_preprocess_kernel(
-    Out,
-    DOut,
-    Delta,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    seqlen_q,
-    num_heads_q,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    Out, DOut, Delta,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    seqlen_q, num_heads_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Delta[b, h, m] = sum_d Out[b, m, h, d] * DOut[b, m, h, d] in fp32; Delta (B, Hq, Sq)."""
     start_m = tl.program_id(0)
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
-    off_bh = off_b * num_heads_q + off_h
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(
-        Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :],
-        mask=mask,
-        other=0.0,
-    ).to(tl.float32)
-    do = tl.load(
-        DOut + off_b * stride_dob + off_h * stride_doh + offs_m[:, None].to(tl.int64) * stride_dos + offs_d[None, :],
-        mask=mask,
-        other=0.0,
-    ).to(tl.float32)
-    tl.store(Delta + off_bh * seqlen_q + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(Out + off_b * stride_ob + off_h * stride_oh + rows * stride_os + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DOut + off_b * stride_dob + off_h * stride_doh + rows * stride_dos + offs_d[None, :], mask=mask,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + (off_b * num_heads_q + off_h) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -65,91 +51,73 @@ def _load_row_stats(lse_base, delta_base, offs_m, seqlen_q):
 
 
 @triton.jit
-def _attn_bwd_dkdv_tiles(
-    dk,
-    dv,
-    k,
-    v,
-    q_base,
-    do_base,
-    lse_base,
-    delta_base,
-    stride_qm,
-    stride_dom,
-    offs_n,
-    offs_d,
-    mask_d,
-    start_m,
-    end_m,
-    seqlen_q,
-    causal_shift,
-    qk_scale,
-    BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+def _attn_bwd_dkdv_tile(
+    dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, QDoc, stride_qm, stride_dom,
+    offs_n, offs_d, mask_d, m0, seqlen_q, causal_shift, qk_scale,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate dK (unscaled) and dV of one K/V tile over Q tiles [start_m, end_m).
+    """Add the Q tile at m0's share to dK (unscaled) and dV of one K/V tile.
 
-    MASKED tiles zero P where key offs_n comes after row + causal_shift.
+    MASKED zeroes P where key offs_n comes after row + causal_shift; DOCS where documents differ.
     """
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_mask = (offs_m[:, None] < seqlen_q) & mask_d[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    q = tl.load(q_base + rows * stride_qm + offs_d[None, :], mask=row_mask, other=0.0)
+    do = tl.load(do_base + rows * stride_dom + offs_d[None, :], mask=row_mask, other=0.0)
+    lse2, delta = _load_row_stats(lse_base, delta_base, offs_m, seqlen_q)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASKED:
+        p = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_shift, p, 0.0)
+    if DOCS:
+        q_doc = tl.load(QDoc + offs_m, mask=offs_m < seqlen_q, other=-1)
+        p = tl.where(q_doc[:, None] == k_doc[None, :], p, 0.0)
+    dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_tiles(
+    dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, lse_base, delta_base, QDoc,
+    stride_qm, stride_dom, offs_n, offs_d, mask_d, start_m, end_m, seqlen_q, causal_shift, qk_scale,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Q tiles [start_m, end_m); DOCS skips tiles whose document span misses [k_doc_first, k_doc_last]."""
     for m0 in range(start_m, end_m, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_mask = (offs_m[:, None] < seqlen_q) & mask_d[None, :]
-        q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :], mask=row_mask, other=0.0)
-        do = tl.load(do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :], mask=row_mask, other=0.0)
-        lse2, delta = _load_row_stats(lse_base, delta_base, offs_m, seqlen_q)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        p = tl.math.exp2(s - lse2[:, None])
-        if MASKED:
-            p = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_shift, p, 0.0)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
+        if DOCS:
+            q_doc_first, q_doc_last = _doc_span(QDoc, m0, seqlen_q, BLOCK_M)
+            if (q_doc_last >= k_doc_first) & (q_doc_first <= k_doc_last):
+                dk, dv = _attn_bwd_dkdv_tile(
+                    dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, QDoc, stride_qm, stride_dom,
+                    offs_n, offs_d, mask_d, m0, seqlen_q, causal_shift, qk_scale,
+                    BLOCK_M, MASKED, DOCS, DOT_PRECISION,
+                )
+        else:
+            dk, dv = _attn_bwd_dkdv_tile(
+                dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, QDoc, stride_qm, stride_dom,
+                offs_n, offs_d, mask_d, m0, seqlen_q, causal_shift, qk_scale,
+                BLOCK_M, MASKED, DOCS, DOT_PRECISION,
+            )
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DOut,
-    Lse,
-    Delta,
-    DK,
-    DV,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    stride_dkb,
-    stride_dks,
-    stride_dkh,
-    stride_dvb,
-    stride_dvs,
-    stride_dvh,
-    seqlen_q,
-    seqlen_k,
-    num_heads_k,
-    qk_scale,
-    sm_scale,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    Q, K, V, DOut, Lse, Delta, DK, DV, QDoc, KDoc,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    seqlen_q, seqlen_k, num_heads_k, qk_scale, sm_scale,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) for one BLOCK_N tile of keys of one (batch, kv head).
 
@@ -166,16 +134,11 @@ def _attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
-    k = tl.load(
-        K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None].to(tl.int64) * stride_ks + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    v = tl.load(
-        V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None].to(tl.int64) * stride_vs + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
+    cols = offs_n[:, None].to(tl.int64)
+    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + cols * stride_ks + offs_d[None, :]
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + cols * stride_vs + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -188,6 +151,14 @@ def _attn_bwd_dkdv_kernel(
     else:
         start_m = 0
         full_start = 0
+    if HAS_DOCS:
+        full_start = seqlen_q  # any tile may cross a document boundary: all through the masked stage
+        k_doc = tl.load(KDoc + offs_n, mask=offs_n < seqlen_k, other=-2)
+        k_doc_first, k_doc_last = _doc_span(KDoc, n0, seqlen_k, BLOCK_N)
+    else:
+        k_doc = offs_n
+        k_doc_first = 0
+        k_doc_last = 0
     masked_end = tl.minimum(full_start, seqlen_q)
 
     for g in range(GROUP_SIZE):
@@ -196,59 +167,19 @@ def _attn_bwd_dkdv_kernel(
         do_base = DOut + off_b * stride_dob + off_hq * stride_doh
         row_offset = (off_b * num_heads_q + off_hq) * seqlen_q
         dk, dv = _attn_bwd_dkdv_tiles(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            Lse + row_offset,
-            Delta + row_offset,
-            stride_qs,
-            stride_dos,
-            offs_n,
-            offs_d,
-            mask_d,
-            start_m,
-            masked_end,
-            seqlen_q,
-            causal_shift,
-            qk_scale,
-            BLOCK_M,
-            True,
-            DOT_PRECISION,
+            dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, Lse + row_offset, Delta + row_offset,
+            QDoc, stride_qs, stride_dos, offs_n, offs_d, mask_d, start_m, masked_end, seqlen_q, causal_shift,
+            qk_scale, BLOCK_M, CAUSAL, HAS_DOCS, DOT_PRECISION,
         )
         dk, dv = _attn_bwd_dkdv_tiles(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            Lse + row_offset,
-            Delta + row_offset,
-            stride_qs,
-            stride_dos,
-            offs_n,
-            offs_d,
-            mask_d,
-            full_start,
-            seqlen_q,
-            seqlen_q,
-            causal_shift,
-            qk_scale,
-            BLOCK_M,
-            False,
-            DOT_PRECISION,
+            dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, Lse + row_offset, Delta + row_offset,
+            QDoc, stride_qs, stride_dos, offs_n, offs_d, mask_d, full_start, seqlen_q, seqlen_q, causal_shift,
+            qk_scale, BLOCK_M, False, False, DOT_PRECISION,
         )
 
     dk = dk * sm_scale
-    dk_ptrs = (
-        DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None].to(tl.int64) * stride_dks + offs_d[None, :]
-    )
-    dv_ptrs = (
-        DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None].to(tl.int64) * stride_dvs + offs_d[None, :]
-    )
+    dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols * stride_dks + offs_d[None, :]
+    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + cols * stride_dvs + offs_d[None, :]
     if ACCUMULATE:
         dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0)
         dv += tl.load(dv_ptrs, mask=kv_mask, other=0.0)
@@ -257,88 +188,68 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attn_bwd_dq_tiles(
-    dq,
-    q,
-    do,
-    lse2,
-    delta,
-    k_base,
-    v_base,
-    stride_kn,
-    stride_vn,
-    offs_m,
-    offs_d,
-    mask_d,
-    start_n,
-    end_n,
-    seqlen_k,
-    causal_shift,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
+def _attn_bwd_dq_tile(
+    dq, q, do, lse2, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn,
+    offs_m, offs_d, mask_d, n0, seqlen_k, causal_shift, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate dQ (unscaled) of one Q tile over key tiles [start_n, end_n)."""
+    """Add the key tile at n0's share to dQ (unscaled) of one Q tile."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kv_mask = ((offs_n[:, None] < seqlen_k) & mask_d[None, :]) if MASKED else mask_d[None, :]
+    k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASKED:
+        visible = offs_n[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+        if DOCS:
+            k_doc = tl.load(KDoc + offs_n, mask=offs_n < seqlen_k, other=-2)
+            visible = visible & (q_doc[:, None] == k_doc[None, :])
+        p = tl.where(visible, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attn_bwd_dq_tiles(
+    dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_kn, stride_vn,
+    offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, causal_shift, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Key tiles [start_n, end_n); DOCS skips tiles whose document span misses [q_doc_first, q_doc_last]."""
     for n0 in range(start_n, end_n, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        if MASKED:
-            kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
+        if DOCS:
+            k_doc_first, k_doc_last = _doc_span(KDoc, n0, seqlen_k, BLOCK_N)
+            if (k_doc_last >= q_doc_first) & (k_doc_first <= q_doc_last):
+                dq = _attn_bwd_dq_tile(
+                    dq, q, do, lse2, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m, offs_d,
+                    mask_d, n0, seqlen_k, causal_shift, qk_scale, BLOCK_N, MASKED, CAUSAL, DOCS, DOT_PRECISION,
+                )
         else:
-            kv_mask = mask_d[None, :]
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.math.exp2(s - lse2[:, None])
-        if MASKED:
-            visible = offs_n[None, :] < seqlen_k
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-            p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+            dq = _attn_bwd_dq_tile(
+                dq, q, do, lse2, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m, offs_d,
+                mask_d, n0, seqlen_k, causal_shift, qk_scale, BLOCK_N, MASKED, CAUSAL, DOCS, DOT_PRECISION,
+            )
     return dq
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DOut,
-    Lse,
-    Delta,
-    DQ,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_dob,
-    stride_dos,
-    stride_doh,
-    stride_dqb,
-    stride_dqs,
-    stride_dqh,
-    seqlen_q,
-    seqlen_k,
-    num_heads_q,
-    qk_scale,
-    sm_scale,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    Q, K, V, DOut, Lse, Delta, DQ, QDoc, KDoc,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    seqlen_q, seqlen_k, num_heads_q, qk_scale, sm_scale,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head)."""
     start_m = tl.program_id(0)
@@ -351,77 +262,42 @@ def _attn_bwd_dq_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    row_mask = (offs_m[:, None] < seqlen_q) & mask_d[None, :]
-    q = tl.load(
-        Q + off_b * stride_qb + off_hq * stride_qh + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :],
-        mask=row_mask,
-        other=0.0,
-    )
-    do = tl.load(
-        DOut + off_b * stride_dob + off_hq * stride_doh + offs_m[:, None].to(tl.int64) * stride_dos + offs_d[None, :],
-        mask=row_mask,
-        other=0.0,
-    )
-    row_offset = off_bh * seqlen_q
-    lse2, delta = _load_row_stats(Lse + row_offset, Delta + row_offset, offs_m, seqlen_q)
+    mask_m = offs_m < seqlen_q
+    row_mask = mask_m[:, None] & mask_d[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    q_ptrs = Q + off_b * stride_qb + off_hq * stride_qh + rows * stride_qs + offs_d[None, :]
+    do_ptrs = DOut + off_b * stride_dob + off_hq * stride_doh + rows * stride_dos + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_mask, other=0.0)
+    do = tl.load(do_ptrs, mask=row_mask, other=0.0)
+    lse2, delta = _load_row_stats(Lse + off_bh * seqlen_q, Delta + off_bh * seqlen_q, offs_m, seqlen_q)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     causal_shift = seqlen_k - seqlen_q
     full_end, end_n = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    if HAS_DOCS:
+        full_end = 0  # any tile may cross a document boundary
+        q_doc = tl.load(QDoc + offs_m, mask=mask_m, other=-1)
+        q_doc_first, q_doc_last = _doc_span(QDoc, start_m * BLOCK_M, seqlen_q, BLOCK_M)
+    else:
+        q_doc = offs_m
+        q_doc_first = 0
+        q_doc_last = 0
 
     dq = _attn_bwd_dq_tiles(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_base,
-        v_base,
-        stride_ks,
-        stride_vs,
-        offs_m,
-        offs_d,
-        mask_d,
-        0,
-        full_end,
-        seqlen_k,
-        causal_shift,
-        qk_scale,
-        BLOCK_N,
-        False,
-        CAUSAL,
-        DOT_PRECISION,
+        dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
+        offs_m, offs_d, mask_d, 0, full_end, seqlen_k, causal_shift, qk_scale,
+        BLOCK_N, False, CAUSAL, False, DOT_PRECISION,
     )
     dq = _attn_bwd_dq_tiles(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_base,
-        v_base,
-        stride_ks,
-        stride_vs,
-        offs_m,
-        offs_d,
-        mask_d,
-        full_end,
-        end_n,
-        seqlen_k,
-        causal_shift,
-        qk_scale,
-        BLOCK_N,
-        True,
-        CAUSAL,
-        DOT_PRECISION,
+        dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
+        offs_m, offs_d, mask_d, full_end, end_n, seqlen_k, causal_shift, qk_scale,
+        BLOCK_N, True, CAUSAL, HAS_DOCS, DOT_PRECISION,
     )
 
     dq = dq * sm_scale
-    dq_ptrs = (
-        DQ + off_b * stride_dqb + off_hq * stride_dqh + offs_m[:, None].to(tl.int64) * stride_dqs + offs_d[None, :]
-    )
+    dq_ptrs = DQ + off_b * stride_dqb + off_hq * stride_dqh + rows * stride_dqs + offs_d[None, :]
     if ACCUMULATE:
         dq += tl.load(dq_ptrs, mask=row_mask, other=0.0)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_mask)

@@ -3,106 +3,98 @@
 One program computes one (BLOCK_M, HEAD_DIM) tile of the output for one (batch, q head).
 The key loop runs in two stages: tiles that every row of the Q tile may fully see (no
 mask at all), then the tiles that need the causal or the sequence-end mask. Tiles
-wholly above the causal diagonal are never visited. See docs/design.md.
+wholly above the causal diagonal are never visited. With document ids (HAS_DOCS, packed
+variable-length sequences) a query row sees only keys of its own document: every tile is
+masked, and tiles whose documents do not meet the Q tile's are skipped. See docs/design.md.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LN2, _key_range
+from .common import LN2, _doc_span, _key_range
+
+
+@triton.jit
+def _attn_fwd_tile(
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+    offs_m, offs_d, mask_d, n0, seqlen_k, causal_shift, qk_scale, q_doc, KDoc,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) by the key tile starting at n0.
+
+    MASKED tiles mask keys past seqlen_k, (CAUSAL) keys after row + causal_shift and (DOCS) keys
+    of other documents with -inf; rows whose keys are all masked keep m_i = -inf and gain nothing.
+    """
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kv_mask = ((offs_n[:, None] < seqlen_k) & mask_d[None, :]) if MASKED else mask_d[None, :]
+    k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    if MASKED:
+        visible = offs_n[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+        if DOCS:
+            k_doc = tl.load(KDoc + offs_n, mask=offs_n < seqlen_k, other=-2)
+            visible = visible & (q_doc[:, None] == k_doc[None, :])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked row: exp2(-inf - 0) = 0
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
 
 
 @triton.jit
 def _attn_fwd_tiles(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_base,
-    v_base,
-    stride_kn,
-    stride_vn,
-    offs_m,
-    offs_d,
-    mask_d,
-    start_n,
-    end_n,
-    seqlen_k,
-    causal_shift,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+    offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, causal_shift, qk_scale,
+    q_doc, q_doc_first, q_doc_last, KDoc,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online-softmax update of (acc, l_i, m_i) over key tiles [start_n, end_n).
-
-    MASKED tiles mask keys past seqlen_k and (CAUSAL) keys after row + causal_shift with -inf;
-    rows whose keys are all masked keep m_i = -inf and contribute nothing.
-    """
+    """Key tiles [start_n, end_n); DOCS skips tiles whose document span misses [q_doc_first, q_doc_last]."""
     for n0 in range(start_n, end_n, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        if MASKED:
-            kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
+        if DOCS:
+            k_doc_first, k_doc_last = _doc_span(KDoc, n0, seqlen_k, BLOCK_N)
+            if (k_doc_last >= q_doc_first) & (k_doc_first <= q_doc_last):
+                acc, l_i, m_i = _attn_fwd_tile(
+                    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, mask_d, n0, seqlen_k,
+                    causal_shift, qk_scale, q_doc, KDoc, BLOCK_N, MASKED, CAUSAL, DOCS, DOT_PRECISION,
+                )
         else:
-            kv_mask = mask_d[None, :]
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        if MASKED:
-            visible = offs_n[None, :] < seqlen_k
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked row: exp2(-inf - 0) = 0
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+            acc, l_i, m_i = _attn_fwd_tile(
+                acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, mask_d, n0, seqlen_k,
+                causal_shift, qk_scale, q_doc, KDoc, BLOCK_N, MASKED, CAUSAL, DOCS, DOT_PRECISION,
+            )
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_fwd_kernel(
-    Q,
-    K,
-    V,
-    Out,
-    Lse,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    seqlen_q,
-    seqlen_k,
-    num_heads_q,
-    qk_scale,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    Q, K, V, Out, Lse, QDoc, KDoc,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    seqlen_q, seqlen_k, num_heads_q, qk_scale,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile; Lse[b, h, m] in natural log.
 
     Shapes: Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), Out like Q,
-    Lse (B, Hq, Sq) fp32 contiguous. qk_scale = softmax_scale * log2(e).
+    Lse (B, Hq, Sq) fp32 contiguous. qk_scale = softmax_scale * log2(e). Grid (Sq tiles, Hq, B).
     CAUSAL is aligned bottom-right: row i sees keys j <= i + (Sk - Sq).
+    HAS_DOCS: QDoc (Sq,) and KDoc (Sk,) int32 document ids, non-decreasing; row i sees key j only
+    if QDoc[i] == KDoc[j].
     """
     start_m = tl.program_id(0)
     off_hq = tl.program_id(1)
@@ -115,9 +107,10 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     mask_m = offs_m < seqlen_q
+    row_mask = mask_m[:, None] & mask_d[None, :]
 
     q_ptrs = Q + off_b * stride_qb + off_hq * stride_qh + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(q_ptrs, mask=row_mask, other=0.0)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
 
@@ -127,50 +120,24 @@ def _attn_fwd_kernel(
 
     causal_shift = seqlen_k - seqlen_q
     full_end, end_n = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    if HAS_DOCS:
+        full_end = 0  # any tile may cross a document boundary
+        q_doc = tl.load(QDoc + offs_m, mask=mask_m, other=-1)
+        q_doc_first, q_doc_last = _doc_span(QDoc, start_m * BLOCK_M, seqlen_q, BLOCK_M)
+    else:
+        q_doc = offs_m
+        q_doc_first = 0
+        q_doc_last = 0
 
     acc, l_i, m_i = _attn_fwd_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_base,
-        v_base,
-        stride_ks,
-        stride_vs,
-        offs_m,
-        offs_d,
-        mask_d,
-        0,
-        full_end,
-        seqlen_k,
-        causal_shift,
-        qk_scale,
-        BLOCK_N,
-        False,
-        CAUSAL,
-        DOT_PRECISION,
+        acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,
+        0, full_end, seqlen_k, causal_shift, qk_scale, q_doc, q_doc_first, q_doc_last, KDoc,
+        BLOCK_N, False, CAUSAL, False, DOT_PRECISION,
     )
     acc, l_i, m_i = _attn_fwd_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_base,
-        v_base,
-        stride_ks,
-        stride_vs,
-        offs_m,
-        offs_d,
-        mask_d,
-        full_end,
-        end_n,
-        seqlen_k,
-        causal_shift,
-        qk_scale,
-        BLOCK_N,
-        True,
-        CAUSAL,
-        DOT_PRECISION,
+        acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,
+        full_end, end_n, seqlen_k, causal_shift, qk_scale, q_doc, q_doc_first, q_doc_last, KDoc,
+        BLOCK_N, True, CAUSAL, HAS_DOCS, DOT_PRECISION,
     )
 
     empty = l_i == 0.0  # every key masked: output 0, lse -inf
@@ -179,5 +146,5 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
     o_ptrs = Out + off_b * stride_ob + off_hq * stride_oh + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_mask)
     tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=mask_m)

@@ -25,3 +25,9 @@ def _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
     end_n = tl.maximum(end_n, 0)
     return full_end, end_n
+
+
+@triton.jit
+def _doc_span(Doc, start, seqlen, BLOCK: tl.constexpr):
+    """(first, last) document id of rows [start, min(start + BLOCK, seqlen)); ids are non-decreasing in rows."""
+    return tl.load(Doc + start), tl.load(Doc + tl.minimum(start + BLOCK, seqlen) - 1)

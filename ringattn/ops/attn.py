@@ -14,7 +14,7 @@ import triton
 
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from ..kernels.attn_fwd import _attn_fwd_kernel
-from .validation import check_attn_inputs, check_runnable_device
+from .validation import check_attn_inputs, check_doc_ids, check_runnable_device
 
 LOG2E = math.log2(math.e)
 
@@ -51,7 +51,7 @@ def _bwd_config(block_d: int, dtype: torch.dtype, device: torch.device) -> Launc
         return LaunchConfig(32, 32, 4, 1)
     if dtype == torch.float32:
         return LaunchConfig(32, 32, 4, 1)
-    if block_d <= 128:  # H200, D=128, bf16, S=8k: 4 warps 375 TFLOP/s vs 8 warps 174 (launch/ sweep, docs/performance.md)
+    if block_d <= 128:  # H200, D=128, bf16: 4 warps 375 TFLOP/s, 8 warps 174 (docs/performance.md)
         return LaunchConfig(64, 64, 4, 2)
     return LaunchConfig(32, 32, 4, 1)
 
@@ -66,6 +66,11 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a (B, S, H, D) tensor whose last dim is contiguous."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
 def _device_guard(t: torch.Tensor):
     """Launch on t's GPU, whichever device is current."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -78,6 +83,8 @@ def attn_fwd(
     softmax_scale: float,
     causal: bool,
     out_dtype: torch.dtype | None = None,
+    q_doc_ids: torch.Tensor | None = None,
+    k_doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward.
 
@@ -87,14 +94,18 @@ def attn_fwd(
         softmax_scale: multiplies q k^T before the softmax.
         causal: bottom-right aligned causal mask.
         out_dtype: dtype of out (default q.dtype); the ring asks for fp32.
+        q_doc_ids, k_doc_ids: optional (Sq,) and (Sk,) int32 document ids, non-decreasing along the
+            rows (packed variable-length sequences): row i sees key j only if their ids are equal
+            (and, with causal, j <= i + Sk - Sq). Both or neither.
     Returns:
         out (B, Sq, Hq, D) and lse (B, Hq, Sq) fp32 natural log; rows that see no key get out 0, lse -inf.
     Raises:
-        ValueError, TypeError: bad shapes, dtypes or devices (see check_attn_inputs).
+        ValueError, TypeError: bad shapes, dtypes or devices (see check_attn_inputs, check_doc_ids).
         RuntimeError: tensors on a device the kernels cannot run on.
     """
     check_attn_inputs(q, k, v)
     check_runnable_device(q)
+    q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -102,40 +113,17 @@ def attn_fwd(
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
     block_d = _padded_head_dim(head_dim)
     cfg = _fwd_config(block_d, q.dtype, q.device)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)
+    has_docs = q_doc_ids is not None
     with _device_guard(q):
-        _attn_fwd_kernel[grid](
-            q,
-            k,
-            v,
-            out,
-            lse,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            seqlen_q,
-            seqlen_k,
-            heads_q,
-            softmax_scale * LOG2E,
-            GROUP_SIZE=heads_q // heads_k,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            CAUSAL=bool(causal),
-            DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+        _attn_fwd_kernel[(triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
+            q, k, v, out, lse, q_doc_ids if has_docs else lse, k_doc_ids if has_docs else lse,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            seqlen_q, seqlen_k, heads_q, softmax_scale * LOG2E,
+            GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=bool(causal), HAS_DOCS=has_docs, DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     return out, lse
 
 
@@ -146,24 +134,11 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     batch, seqlen_q, heads_q, head_dim = out.shape
     delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=out.device)
     block_m = 64
-    grid = (triton.cdiv(seqlen_q, block_m), heads_q, batch)
     with _device_guard(out):
-        _attn_bwd_preprocess_kernel[grid](
-            out,
-            dout,
-            delta,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            dout.stride(0),
-            dout.stride(1),
-            dout.stride(2),
-            seqlen_q,
-            heads_q,
-            HEAD_DIM=head_dim,
-            BLOCK_D=_padded_head_dim(head_dim),
-            BLOCK_M=block_m,
-        )
+        _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, block_m), heads_q, batch)](
+            out, dout, delta, *_strides(out), *_strides(dout), seqlen_q, heads_q,
+            HEAD_DIM=head_dim, BLOCK_D=_padded_head_dim(head_dim), BLOCK_M=block_m,
+        )  # fmt: skip
     return delta
 
 
@@ -180,6 +155,8 @@ def attn_bwd(
     dq_acc: torch.Tensor | None = None,
     dk_acc: torch.Tensor | None = None,
     dv_acc: torch.Tensor | None = None,
+    q_doc_ids: torch.Tensor | None = None,
+    k_doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused attention backward: gradients of out = softmax(q k^T * scale) v.
 
@@ -191,11 +168,13 @@ def attn_bwd(
         dq_acc, dk_acc, dv_acc: optional buffers shaped like q, k, v (the ring passes fp32
             accumulators); when given, the gradients are added to them in place and they are returned.
             All three or none.
+        q_doc_ids, k_doc_ids: document ids as in attn_fwd.
     Returns:
         (dq, dk, dv), new tensors in q's dtype unless accumulators were given.
     """
     check_attn_inputs(q, k, v)
     check_runnable_device(q)
+    q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -214,82 +193,23 @@ def attn_bwd(
 
     block_d = _padded_head_dim(head_dim)
     cfg = _bwd_config(block_d, q.dtype, q.device)
+    has_docs = q_doc_ids is not None
+    docs = (q_doc_ids, k_doc_ids) if has_docs else (lse, lse)
     common = dict(
-        GROUP_SIZE=heads_q // heads_k,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        CAUSAL=bool(causal),
-        ACCUMULATE=accumulate,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal), HAS_DOCS=has_docs, ACCUMULATE=accumulate,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     qk_scale = softmax_scale * LOG2E
     with _device_guard(q):
         _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch)](
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dk,
-            dv,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            dout.stride(0),
-            dout.stride(1),
-            dout.stride(2),
-            dk.stride(0),
-            dk.stride(1),
-            dk.stride(2),
-            dv.stride(0),
-            dv.stride(1),
-            dv.stride(2),
-            seqlen_q,
-            seqlen_k,
-            heads_k,
-            qk_scale,
-            softmax_scale,
-            **common,
-        )
+            q, k, v, dout, lse, delta, dk, dv, *docs,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
+            seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale, **common,
+        )  # fmt: skip
         _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dq,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            dout.stride(0),
-            dout.stride(1),
-            dout.stride(2),
-            dq.stride(0),
-            dq.stride(1),
-            dq.stride(2),
-            seqlen_q,
-            seqlen_k,
-            heads_q,
-            qk_scale,
-            softmax_scale,
-            **common,
-        )
+            q, k, v, dout, lse, delta, dq, *docs,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale, **common,
+        )  # fmt: skip
     return dq, dk, dv

@@ -26,11 +26,13 @@ def causal_visible(seqlen_q: int, seqlen_k: int, device: torch.device) -> torch.
     return cols <= rows + (seqlen_k - seqlen_q)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, causal: bool) -> torch.Tensor:
-    """Scaled scores (B, Hq, Sq, Sk) in q's dtype, -inf where masked."""
+def _scores(q, k, softmax_scale, causal, q_doc_ids=None, k_doc_ids=None) -> torch.Tensor:
+    """Scaled scores (B, Hq, Sq, Sk) in q's dtype, -inf where masked (causal, other document)."""
     s = torch.einsum("bqhd,bkhd->bhqk", q, _expand_kv(k, q.shape[2])) * softmax_scale
     if causal:
         s = s.masked_fill(~causal_visible(q.shape[1], k.shape[1], q.device), float("-inf"))
+    if q_doc_ids is not None:
+        s = s.masked_fill(q_doc_ids[:, None] != k_doc_ids[None, :], float("-inf"))
     return s
 
 
@@ -47,10 +49,12 @@ def attn_fwd_ref(
     softmax_scale: float,
     causal: bool,
     out_dtype: torch.dtype | None = None,
+    q_doc_ids: torch.Tensor | None = None,
+    k_doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of attn_fwd: out (B, Sq, Hq, D) in out_dtype (default q.dtype), lse (B, Hq, Sq) fp32
     (float64 for float64 inputs)."""
-    s = _scores(q, k, softmax_scale, causal)
+    s = _scores(q, k, softmax_scale, causal, q_doc_ids, k_doc_ids)
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
     lse = torch.logsumexp(s.to(stat_dtype), dim=-1)  # -inf for rows with no visible key
     p = _probs(s.to(stat_dtype), lse).to(v.dtype)
@@ -77,6 +81,8 @@ def attn_bwd_ref(
     dq_acc: torch.Tensor | None = None,
     dk_acc: torch.Tensor | None = None,
     dv_acc: torch.Tensor | None = None,
+    q_doc_ids: torch.Tensor | None = None,
+    k_doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of attn_bwd: P = exp(s - lse); dV = P^T dO; dS = P (dO V^T - delta);
     dQ = scale dS K; dK = scale dS^T Q. Accumulators, when given, are added to in place."""
@@ -84,7 +90,7 @@ def attn_bwd_ref(
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
     if delta is None:
         delta = attn_bwd_preprocess_ref(out, dout)
-    p = _probs(_scores(q, k, softmax_scale, causal).to(stat_dtype), lse.to(stat_dtype))
+    p = _probs(_scores(q, k, softmax_scale, causal, q_doc_ids, k_doc_ids).to(stat_dtype), lse.to(stat_dtype))
     dout_c = dout.to(stat_dtype)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout_c)
     dp = torch.einsum("bqhd,bkhd->bhqk", dout_c, _expand_kv(v, heads_q).to(stat_dtype))

@@ -84,3 +84,27 @@ def default_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
     if not (scale > 0.0 and scale != float("inf")):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
     return scale
+
+
+def check_doc_ids(
+    q_doc_ids: torch.Tensor | None, k_doc_ids: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Check optional per-row document ids: (Sq,) and (Sk,) int32 on q's device, both or neither.
+
+    Returns them contiguous. Non-decreasing order is the caller's promise (the kernels skip tiles
+    by their first and last id); it is not checked here, to keep launches free of host syncs.
+    Raises:
+        ValueError, TypeError: one given without the other, wrong shape, dtype or device.
+    """
+    if (q_doc_ids is None) != (k_doc_ids is None):
+        raise ValueError("q_doc_ids and k_doc_ids must be given together or not at all")
+    if q_doc_ids is None:
+        return None, None
+    for name, ids, seqlen in (("q_doc_ids", q_doc_ids, q.shape[1]), ("k_doc_ids", k_doc_ids, k.shape[1])):
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+        if ids.shape != (seqlen,):
+            raise ValueError(f"{name} must have shape ({seqlen},), got {tuple(ids.shape)}")
+        if ids.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {ids.device}")
+    return q_doc_ids.contiguous(), k_doc_ids.contiguous()
