@@ -1,0 +1,118 @@
+"""Packed variable-length documents in the ring: boundaries, per-token document ids, and which
+(query rows, key rows) blocks can meet at all (docs/design.md, "Packed documents").
+
+A packed sequence of S tokens holds documents back to back; `cu_seqlens` (int32, n_docs + 1
+entries, 0 first, S last, strictly increasing) gives their boundaries. Token t belongs to
+document d when cu_seqlens[d] <= t < cu_seqlens[d + 1]. A query sees only keys of its own
+document. Every rank can compute the document ids of every other rank's shard from the
+global cu_seqlens, so ids never travel the ring.
+"""
+
+import torch
+
+from .layout import shard_indices
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> None:
+    """Raise unless `cu_seqlens` is a 1-D int32 tensor of document boundaries of a `total`-token sequence.
+
+    Raises:
+        TypeError: not a tensor, or not int32.
+        ValueError: not 1-D with at least 2 entries, not starting at 0, not strictly increasing
+            (an empty document), or not ending at `total`.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with n_docs + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    bounds = cu_seqlens.cpu()
+    if bounds[0].item() != 0:
+        raise ValueError(f"{name} must start at 0, got {bounds[0].item()}")
+    if not bool((bounds[1:] > bounds[:-1]).all()):
+        raise ValueError(f"{name} must be strictly increasing (documents of length >= 1), got {bounds.tolist()}")
+    if bounds[-1].item() != total:
+        raise ValueError(f"{name} must end at the global length {total}, got {bounds[-1].item()}")
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(total,) int32 document id of every global token, on cu_seqlens' device."""
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
+    return (torch.searchsorted(cu_seqlens[1:], tokens, right=True)).to(torch.int32)
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document boundaries of a packed sequence whose positions restart at 0 at each document.
+
+    Args:
+        position_ids: (S,) or (1, S) integer positions, as packed-sequence trainers pass them.
+    Returns:
+        cu_seqlens (n_docs + 1,) int32 on position_ids' device.
+    Raises:
+        ValueError: not one sequence, or not starting a document at the first token (position 0).
+    """
+    pos = position_ids.reshape(-1) if position_ids.dim() == 2 and position_ids.shape[0] == 1 else position_ids
+    if pos.dim() != 1 or pos.numel() == 0:
+        raise ValueError(f"position_ids must be (S,) or (1, S) with S > 0, got shape {tuple(position_ids.shape)}")
+    if pos[0].item() != 0:
+        raise ValueError(f"position_ids must start a document at the first token (0), got {pos[0].item()}")
+    starts = torch.nonzero(pos == 0).flatten()
+    end = torch.tensor([pos.numel()], device=pos.device)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
+    """Extend the boundaries so the total length is a multiple of `multiple`.
+
+    The padding tokens form one extra document of their own, so they never attend to real tokens
+    (pad the token tensors to the same length, e.g. with ringattn.pad_to_multiple, and leave the
+    padding out of the loss). Returns (padded cu_seqlens, number of padding tokens).
+    """
+    total = int(cu_seqlens[-1].item())
+    pad = (-total) % multiple
+    if pad == 0:
+        return cu_seqlens, 0
+    tail = torch.tensor([total + pad], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    return torch.cat([cu_seqlens, tail]), pad
+
+
+class ShardDocuments:
+    """Document ids of every rank's shard, on the device for the kernels and on the host for
+    deciding, without a device sync, whether a (query rows, key rows) block can meet at all.
+
+    Args:
+        cu_seqlens: global boundaries (checked with check_cu_seqlens).
+        seqlen_local: tokens per rank; the global length is seqlen_local * world_size.
+        world_size, layout: the ring's.
+        device: where the kernels run.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, seqlen_local: int, world_size: int, layout: str, device):
+        total = seqlen_local * world_size
+        ids = document_ids(cu_seqlens.cpu(), total)
+        self.chunk = seqlen_local // 2 if layout == "zigzag" else seqlen_local  # ids are monotone within a chunk
+        self.host = [ids[shard_indices(total, r, world_size, layout)] for r in range(world_size)]
+        self.device = [h.to(device) for h in self.host]
+
+    def ids(self, rank: int, rows: range) -> torch.Tensor:
+        """(len(rows),) int32 device ids of `rank`'s local rows (a view)."""
+        return self.device[rank][rows.start : rows.stop]
+
+    def _spans(self, rank: int, rows: range) -> list[tuple[int, int]]:
+        """(first, last) document id of each piece of `rows` inside one chunk; each piece covers all ids between."""
+        ids, spans = self.host[rank], []
+        start = rows.start
+        while start < rows.stop:
+            stop = min(rows.stop, (start // self.chunk + 1) * self.chunk)
+            spans.append((int(ids[start]), int(ids[stop - 1])))
+            start = stop
+        return spans
+
+    def meet(self, q_rank: int, q_rows: range, kv_rank: int, kv_rows: range) -> bool:
+        """Whether some query row shares a document with some key row."""
+        return any(
+            k_last >= q_first and k_first <= q_last
+            for q_first, q_last in self._spans(q_rank, q_rows)
+            for k_first, k_last in self._spans(kv_rank, kv_rows)
+        )

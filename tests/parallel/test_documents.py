@@ -1,0 +1,73 @@
+"""Packed-document bookkeeping of the ring, as pure functions (no communication)."""
+
+import pytest
+import torch
+
+from ringattn.parallel.documents import (
+    ShardDocuments,
+    check_cu_seqlens,
+    cu_seqlens_from_position_ids,
+    document_ids,
+    pad_cu_seqlens,
+)
+from ringattn.parallel.layout import shard_indices
+
+
+def _cu(*bounds):
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+def test_document_ids_follow_the_boundaries():
+    assert document_ids(_cu(0, 1, 4, 9), 9).tolist() == [0, 1, 1, 1, 2, 2, 2, 2, 2]
+
+
+def test_cu_seqlens_from_position_ids_of_packed_documents():
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])
+    assert cu_seqlens_from_position_ids(pos).tolist() == [0, 3, 4, 8]
+    with pytest.raises(ValueError, match="must start a document"):
+        cu_seqlens_from_position_ids(torch.tensor([1, 2, 0]))
+
+
+def test_padding_is_a_document_of_its_own():
+    padded, pad = pad_cu_seqlens(_cu(0, 5, 11), 8)
+    assert pad == 5 and padded.tolist() == [0, 5, 11, 16]
+    same, none = pad_cu_seqlens(_cu(0, 5, 16), 8)
+    assert none == 0 and same.tolist() == [0, 5, 16]
+
+
+@pytest.mark.parametrize(
+    "cu,error,match",
+    [
+        (_cu(0, 4, 8).long(), TypeError, "must be int32"),
+        ([0, 4, 8], TypeError, "must be a torch.Tensor"),
+        (_cu(0), ValueError, "n_docs \\+ 1 >= 2"),
+        (_cu(1, 4, 8), ValueError, "must start at 0"),
+        (_cu(0, 4, 4, 8), ValueError, "strictly increasing"),
+        (_cu(0, 5, 3, 8), ValueError, "strictly increasing"),
+        (_cu(0, 4, 7), ValueError, "must end at the global length 8"),
+    ],
+    ids=["int64", "list", "short", "start", "empty-doc", "decreasing", "end"],
+)
+def test_bad_cu_seqlens_raise(cu, error, match):
+    with pytest.raises(error, match=match):
+        check_cu_seqlens(cu, 8)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shard_documents_match_global_ids_and_blocks_meet_iff_a_pair_shares_a_document(layout):
+    world_size, seqlen_local = 3, 8
+    total = world_size * seqlen_local
+    cu = _cu(0, 1, 2, 9, 10, 17, 24)  # lengths 1, 1, 7, 1, 7, 7: documents cross rank and chunk boundaries
+    docs = ShardDocuments(cu, seqlen_local, world_size, layout, "cpu")
+    ids = document_ids(cu, total)
+    for rank in range(world_size):
+        assert torch.equal(docs.ids(rank, range(0, seqlen_local)), ids[shard_indices(total, rank, world_size, layout)])
+    halves = [range(0, seqlen_local // 2), range(seqlen_local // 2, seqlen_local), range(0, seqlen_local)]
+    for q_rank in range(world_size):
+        for kv_rank in range(world_size):
+            for q_rows in halves:
+                for kv_rows in halves:
+                    q_ids = docs.ids(q_rank, q_rows)
+                    k_ids = docs.ids(kv_rank, kv_rows)
+                    shares = bool((q_ids[:, None] == k_ids[None, :]).any())
+                    assert docs.meet(q_rank, q_rows, kv_rank, kv_rows) == shares
