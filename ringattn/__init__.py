@@ -14,3 +14,10 @@ __all__ = [
     "unshard",
 ]
 __version__ = "0.1.0"
+
+# the model-level surface: a layer, and the sequence-parallel toolkit (ringattn.sequence_parallel)
+from . import nn  # noqa: E402
+from .nn import RingAttention  # noqa: E402
+from .sequence_parallel import SequenceParallel, ShardedBatch  # noqa: E402
+
+__all__ += ["RingAttention", "SequenceParallel", "ShardedBatch", "nn"]

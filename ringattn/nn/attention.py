@@ -1,0 +1,56 @@
+"""`RingAttention`: ring_attn_func as a module, for models that hold their attention as a layer."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..functional import ring_attn_func
+from ..parallel.layout import check_layout
+
+
+class RingAttention(nn.Module):
+    """Exact attention over one sequence split across the ranks of `group` (ringattn.ring_attn_func).
+
+    No parameters: q, k, v come from the model's own projections. Every rank of the group calls
+    forward with its shard, in the same `layout` its tokens were sharded with
+    (ringattn.SequenceParallel or ringattn.shard); a layout mismatch gives wrong results silently.
+
+    Args:
+        causal: causal over global positions.
+        softmax_scale: defaults to 1 / sqrt(headdim).
+        layout: "contiguous" (default, as ring_attn_func) or "zigzag".
+        group: the process group forming the ring (default: the world).
+    Raises:
+        ValueError: unknown layout.
+    """
+
+    def __init__(
+        self,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        layout: str = "contiguous",
+        group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        check_layout(layout)
+        self.causal, self.softmax_scale, self.layout, self.group = bool(causal), softmax_scale, layout, group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False):
+        """q (batch, S_local, nheads, headdim); k, v (batch, S_local, nheads_k, headdim), nheads % nheads_k == 0.
+
+        Returns out (batch, S_local, nheads, headdim) in q's dtype; with return_lse also
+        lse (batch, nheads, S_local) fp32, natural log. Raises as ring_attn_func.
+        """
+        return ring_attn_func(
+            q, k, v, softmax_scale=self.softmax_scale, causal=self.causal, group=self.group,
+            layout=self.layout, return_lse=return_lse,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        if self.group is None:
+            group = "world"
+        elif dist.is_available() and dist.is_initialized():
+            group = f"{dist.get_world_size(self.group)} ranks"
+        else:
+            group = "given"
+        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, layout={self.layout!r}, group={group}"
