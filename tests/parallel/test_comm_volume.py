@@ -1,0 +1,49 @@
+"""What travels the ring: only K/V at their own head count (GQA/MQA heads are never repeated),
+and exactly the expected number of P2P tensors per forward and backward."""
+
+import torch
+
+from ringattn.ops import REFERENCE_OPS
+from ringattn.parallel import RingComm, ring_attn_backward, ring_attn_forward
+from tests.distributed import run_ranks
+from tests.utils import make_qkv
+
+
+class ByteCountingComm(RingComm):
+    """RingComm that records the bytes and the number of tensors it sends."""
+
+    def __init__(self, group=None):
+        super().__init__(group)
+        self.sent_bytes = 0
+        self.sent_tensors = 0
+
+    def send_recv(self, to_send, recv_buffer=None):
+        self.sent_bytes += to_send.numel() * to_send.element_size()
+        self.sent_tensors += 1
+        return super().send_recv(to_send, recv_buffer)
+
+
+def _bytes_per_pass(rank, world_size, heads_k):
+    """(forward bytes, forward tensors, backward bytes, backward tensors) for Hq = 8, S_local = 16, D = 16, fp32."""
+    q, k, v, dout = make_qkv(1, 16, 16, 8, heads_k, 16, torch.float32, "cpu", seed=rank)
+    comm = ByteCountingComm()
+    out, lse = ring_attn_forward(comm, REFERENCE_OPS, q, k, v, 0.25, True, "zigzag")
+    fwd = (comm.sent_bytes, comm.sent_tensors)
+    ring_attn_backward(comm, REFERENCE_OPS, dout, q, k, v, out, lse, 0.25, True, "zigzag")
+    return fwd + (comm.sent_bytes - fwd[0], comm.sent_tensors - fwd[1])
+
+
+def _volumes(rank, world_size):
+    return {heads_k: _bytes_per_pass(rank, world_size, heads_k) for heads_k in (8, 2, 1)}
+
+
+def test_bytes_sent_are_proportional_to_kv_heads():
+    world_size = 3
+    for volumes in run_ranks(_volumes, world_size):
+        kv_block = 16 * 16 * 4  # S_local x D x fp32 bytes, per kv head
+        for heads_k, (fwd_bytes, fwd_tensors, bwd_bytes, bwd_tensors) in volumes.items():
+            # forward: K and V for W - 1 hops; backward: K and V for W - 1 hops, fp32 dK and dV for W hops
+            assert fwd_tensors == 2 * (world_size - 1) and bwd_tensors == 2 * (world_size - 1) + 2 * world_size
+            assert fwd_bytes == 2 * (world_size - 1) * heads_k * kv_block
+            assert bwd_bytes == (2 * (world_size - 1) + 2 * world_size) * heads_k * kv_block
+        assert volumes[8][0] == 8 * volumes[1][0] and volumes[2][2] == 2 * volumes[1][2]
