@@ -3,7 +3,8 @@
 #
 # Usage:
 #   bash launch/setup.sh          # torch (if missing) + ringattn in editable mode
-#   bash launch/setup.sh --test   # the same, plus the test extras (pytest, pytest-timeout)
+#   bash launch/setup.sh --test   # the same, plus the test extras (pytest, pytest-timeout) and the
+#                                 # Hugging Face extra (transformers), so its integration tests run
 #
 # A machine that already has torch (a CUDA build on a GPU machine, say) keeps it; one that
 # has none gets torch==2.13.0, the CPU build this project is tested with.
@@ -14,7 +15,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 extras=""
 case "${1:-}" in
   "") ;;
-  --test) extras="[test]" ;;
+  --test) extras="[test,hf]" ;;
   -h | --help) usage; exit 0 ;;
   *) echo "usage: bash launch/setup.sh [--test]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,185 @@
+"""Hugging Face transformers: ring attention as an attention implementation, through its public interfaces.
+
+    from ringattn.integrations import hf
+    hf.register(layout="zigzag")                     # once per process, before the model runs
+    model.set_attn_implementation("ringattn")        # or from_pretrained(..., attn_implementation="ringattn")
+    sp = ringattn.SequenceParallel(layout="zigzag")  # the same group and layout
+    batch = sp.shard_batch(input_ids, labels)
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    loss = sp.cross_entropy(logits, batch.labels)
+
+`register` adds an attention function under `name` to transformers' AttentionInterface and a mask
+function to its AttentionMaskInterface. The attention function is called by each attention layer with
+query (batch, heads, S_local, head_dim) and key, value (batch, kv_heads, S_local, head_dim) (GQA: fewer
+K/V heads, passed on unrepeated) and runs ring_attn_func over the group. The mask function makes the
+model build no mask at all: a dense (S_local, S_local) causal mask over local positions would be wrong
+for a shard, and the ring applies the causal mask over global positions itself.
+
+Contract: every rank of the group calls the model on its shard of input_ids with the matching global
+position_ids (ShardedBatch.position_ids) and gets the logits the unsharded model gives at those positions.
+Refused with ValueError: dropout > 0, sliding-window or chunked attention, logit soft-capping, attention
+sinks, position biases, attention masks other than none/all-ones (padding, custom 4-D masks), a KV cache
+holding earlier tokens (generation), output_attentions, and position_ids that are not this rank's global
+positions in the registered layout (which includes packed sequences: those need ring_attn_varlen_func,
+not yet available).
+"""
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ..functional import ring_attn_func
+from ..parallel.layout import check_layout, check_local_seqlen, shard_indices
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "ringattn.integrations.hf needs transformers: pip install 'ringattn[hf]' (or pip install transformers)"
+    ) from e
+
+NAME = "ringattn"
+
+# keyword arguments some models pass to the attention function for features the ring does not compute
+_UNSUPPORTED_KWARGS = {
+    "sliding_window": "sliding-window attention",
+    "attention_chunk_size": "chunked attention",
+    "softcap": "logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "position biases",
+}
+
+
+class RingAttentionForTransformers:
+    """The attention function registered in transformers' AttentionInterface (see the module docstring).
+
+    Called as fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs), the
+    signature of transformers' attention functions; returns (attn_output (batch, S_local, heads,
+    head_dim), None).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, layout: str, name: str):
+        check_layout(layout)
+        self.group, self.layout, self.name = group, layout, name
+        self._checked = None  # (weakref to position_ids, its _version) once they passed the check
+
+    def __repr__(self) -> str:
+        return f"RingAttentionForTransformers(name={self.name!r}, layout={self.layout!r})"
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        self._refuse_unsupported(module, query, key, attention_mask, dropout, kwargs)
+        is_causal = kwargs.get("is_causal")
+        is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None:
+            self._check_position_ids(position_ids, query.shape[2])
+        # (B, H, S, D) -> (B, S, H, D): strided views, no copy
+        out = ring_attn_func(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            softmax_scale=scaling, causal=bool(is_causal), group=self.group, layout=self.layout,
+        )  # fmt: skip
+        return out, None
+
+    def _refuse_unsupported(self, module, query, key, attention_mask, dropout, kwargs) -> None:
+        where = f"attn_implementation={self.name!r} (ring attention)"
+        if dropout:
+            raise ValueError(f"{where} has no attention dropout, got dropout={dropout}; set attention_dropout=0")
+        if kwargs.get("output_attentions"):
+            raise ValueError(f"{where} never forms the attention matrix: output_attentions=True is not supported")
+        for arg, feature in _UNSUPPORTED_KWARGS.items():
+            if kwargs.get(arg) is not None or getattr(module, arg, None) is not None:
+                raise ValueError(f"{where} does not support {feature} ({arg} is set)")
+        if attention_mask is not None:
+            raise ValueError(
+                f"{where} supports no attention mask (it applies the causal mask over global positions itself); "
+                f"got a mask of shape {tuple(attention_mask.shape)}. Pass attention_mask=None, and keep padding "
+                "at the end of the sequence with its labels set to the ignore index"
+            )
+        if key.shape[2] != query.shape[2]:
+            raise ValueError(
+                f"{where} needs queries and keys of the same local length, got {query.shape[2]} and {key.shape[2]}: "
+                "a KV cache holding earlier tokens (generation) and cross-attention are not supported; "
+                "call the model with use_cache=False"
+            )
+
+    def _check_position_ids(self, position_ids: torch.Tensor, seqlen_local: int) -> None:
+        """Raise ValueError unless position_ids (batch or 1, S_local) are this rank's global positions.
+
+        Checked once per position_ids tensor: every layer of one forward gets the same one.
+        """
+        if self._checked is not None and self._checked[0]() is position_ids:
+            if self._checked[1] == position_ids._version:
+                return
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"attn_implementation={self.name!r} needs torch.distributed initialised")
+        rank, world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        check_local_seqlen(seqlen_local, self.layout, name="the local sequence length")
+        expected = shard_indices(seqlen_local * world_size, rank, world_size, self.layout, device=position_ids.device)
+        if position_ids.shape[-1] != seqlen_local or not bool((position_ids == expected).all()):
+            raise ValueError(
+                f"attn_implementation={self.name!r}: position_ids must be this rank's global positions in layout "
+                f"{self.layout!r} (SequenceParallel.shard_batch(...).position_ids, or ringattn.position_ids), "
+                f"the same row for every sample; rank {rank} got {_preview(position_ids)}, expected "
+                f"{_preview(expected)}. Packed sequences (positions restarting inside a row) are not supported yet"
+            )
+        self._checked = (weakref.ref(position_ids), position_ids._version)
+
+
+def _preview(t: torch.Tensor, n: int = 8) -> str:
+    flat = t.reshape(-1, t.shape[-1])[0].tolist()
+    return str(flat) if len(flat) <= n else f"[{', '.join(map(str, flat[:n]))}, ...] ({len(flat)} positions)"
+
+
+def no_mask(*args, attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs) -> None:
+    """The mask function registered in AttentionMaskInterface: build no mask.
+
+    Returns None for no mask or an all-ones 2-D padding mask. Raises ValueError for a padding mask with
+    zeros, and when the model adds its own mask pattern on top of the causal one (transformers then
+    asks for a vmap-built mask): the ring could not apply either.
+    """
+    if use_vmap:
+        raise ValueError(
+            "ring attention computes plain causal (or full) attention: this model adds its own mask pattern "
+            "on top of it, which is not supported"
+        )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "ring attention does not support padding masks: pass attention_mask=None and put padding at the end "
+            "of the sequence with its labels set to the ignore index (SequenceParallel.shard_batch does)"
+        )
+    return None
+
+
+def register(name: str = NAME, *, layout: str = "zigzag", group: dist.ProcessGroup | None = None) -> str:
+    """Register ring attention with transformers under `name` (global to the process; registering again replaces).
+
+    After this, `model.set_attn_implementation(name)` or `from_pretrained(..., attn_implementation=name)`
+    selects it. Shard inputs with the same group and layout (ringattn.SequenceParallel(group, layout)).
+    Register two names to use two layouts or groups side by side.
+
+    Args:
+        name: the attn_implementation name.
+        layout: "zigzag" (default) or "contiguous".
+        group: the sequence-parallel process group (default: the world); looked up at call time.
+    Returns:
+        name.
+    Raises:
+        ValueError: unknown layout.
+    """
+    fn = RingAttentionForTransformers(group, layout, name)
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, no_mask)
+    return name

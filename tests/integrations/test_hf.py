@@ -1,0 +1,149 @@
+"""Hugging Face transformers with attn_implementation="ringattn" on W spawned gloo ranks, against the same
+model with eager attention on the whole sequence in one process.
+
+A tiny random Llama (hidden 64, 2 layers, 4 heads, 2 KV heads: GQA, head dim 16, vocab 97), built from a
+config with the same seed on every rank (no downloads). Each rank feeds its shard of input_ids with the
+global position_ids; its logits, the sequence-parallel loss and the parameter gradients summed over the
+ranks must obey the tolerance rule: eager attention in fp32 is the plain implementation, eager in float64
+the reference.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ringattn.parallel import LAYOUTS
+from tests.distributed import run_ranks
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'hf')")
+
+WORLD_SIZES = [2, 4]
+BATCH, VOCAB, IGNORE = 2, 97, -100
+
+
+def _tiny_llama(seed: int, seqlen: int, **overrides):
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=seqlen, attention_dropout=0.0, tie_word_embeddings=False,
+        **overrides,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def _batch(seqlen: int):
+    """input_ids (B, S) and labels (B, S) with some ignored positions; the same on every rank."""
+    gen = torch.Generator().manual_seed(seqlen)
+    input_ids = torch.randint(0, VOCAB, (BATCH, seqlen), generator=gen)
+    labels = input_ids.clone()
+    labels[0, : seqlen // 3] = IGNORE  # e.g. a prompt left out of the loss
+    labels[1, 5::7] = IGNORE
+    return input_ids, labels
+
+
+def _unsharded(model, input_ids, labels, dtype):
+    """Eager attention on the whole sequence in `dtype`: logits, mean loss over shifted labels, gradients."""
+    model = model.to(dtype)
+    model.set_attn_implementation("eager")
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=input_ids, use_cache=False).logits  # (B, S, V)
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _hf_matches_eager(rank, world_size, layouts):
+    import ringattn
+    from ringattn.integrations import hf
+    from ringattn.testing import check_close
+
+    seqlen = 32 * world_size
+    input_ids, labels = _batch(seqlen)
+    plain = _unsharded(_tiny_llama(0, seqlen), input_ids, labels, torch.float32)
+    ref = _unsharded(_tiny_llama(0, seqlen), input_ids, labels, torch.float64)
+
+    for layout in layouts:
+        name = hf.register(f"ringattn-{layout}", layout=layout)
+        sp = ringattn.SequenceParallel(layout=layout)
+        model = _tiny_llama(0, seqlen)
+        model.set_attn_implementation(name)
+        batch = sp.shard_batch(input_ids, labels)
+        pos = batch.position_ids[0]  # (S_local,) this rank's global positions
+
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        loss = sp.cross_entropy(out.logits, batch.labels)
+        loss.backward()
+        sp.sync_gradients(model)
+        where = f"{layout} rank {rank}"
+        check_close(f"{where} logits", out.logits, plain[0][:, pos], ref[0][:, pos])
+        check_close(f"{where} loss", loss, plain[1], ref[1])
+        for n, p in model.named_parameters():
+            check_close(f"{where} grad {n}", p.grad, plain[2][n], ref[2][n])
+        # the full logits, gathered, on every rank
+        check_close(f"{where} gathered logits", sp.gather(out.logits.detach()), plain[0], ref[0])
+
+        # transformers' own loss with pre-shifted labels and the global token count: this rank's share
+        count = (batch.labels != IGNORE).sum()
+        dist.all_reduce(count)
+        with torch.no_grad():
+            hf_loss = model(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                labels=batch.labels, shift_labels=batch.labels, num_items_in_batch=count,
+            ).loss  # fmt: skip
+        dist.all_reduce(hf_loss)
+        check_close(f"{where} transformers loss, summed", hf_loss, plain[1], ref[1])
+
+        if layout == "zigzag" or world_size == 2:
+            _refusals(model, batch, name, rank)
+    return True
+
+
+def _refusals(model, batch, name, rank):
+    """What the ring cannot compute raises ValueError with a message, before any communication."""
+    ids, pos = batch.input_ids, batch.position_ids
+    with pytest.raises(ValueError, match="position_ids must be this rank's global positions"):
+        # rank 0's positions are 0..S_local-1 only in the contiguous layout; every rank tries a wrong row
+        wrong = pos + 1
+        model(input_ids=ids, position_ids=wrong, use_cache=False)
+    with pytest.raises(ValueError, match="does not support padding masks"):
+        mask = torch.ones_like(ids)
+        mask[:, -1] = 0
+        model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(input_ids=ids, position_ids=pos, use_cache=False, output_attentions=True)
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="no attention dropout"):
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    model.eval()  # dropout is 0 outside training: runs
+    model(input_ids=ids, position_ids=pos, use_cache=False, attention_mask=torch.ones_like(ids))
+    model.model.layers[0].self_attn.sliding_window = 16
+    with pytest.raises(ValueError, match="sliding-window"):
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
+def test_llama_ring_matches_eager(world_size):
+    """Both layouts in one set of ranks (spawning ranks that import transformers is the slow part)."""
+    assert run_ranks(_hf_matches_eager, world_size, LAYOUTS, timeout=600) == [True] * world_size
+
+
+def test_attn_implementation_selected_by_name(tmp_path):
+    """from_pretrained(..., attn_implementation="ringattn") and set_attn_implementation select it; no process
+    group is needed until the model runs."""
+    from ringattn.integrations import hf
+
+    assert hf.register() == "ringattn"
+    model = _tiny_llama(0, 64)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="ringattn")
+    assert loaded.config._attn_implementation == "ringattn"
+    model.set_attn_implementation("ringattn")
+    assert model.config._attn_implementation == "ringattn"
+    fn = transformers.AttentionInterface._global_mapping["ringattn"]
+    assert fn.layout == "zigzag" and fn.group is None
+    with pytest.raises(ValueError, match="layout must be one of"):
+        hf.register("ringattn-bad", layout="striped")
