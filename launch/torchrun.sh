@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
-# Run a Python script on N local ranks with torch.distributed.run.
+# Run a Python script (or an example) on N local ranks with torch.distributed.run.
 #
 # Usage:
 #   bash launch/torchrun.sh SCRIPT [ARGS...]
 #   NPROC=2 bash launch/torchrun.sh launch/ring_check.py --seqlen 1024
+#   NPROC=2 DEVICE=cpu bash launch/torchrun.sh examples/train_gpt.py --check
 #
 # N is $NPROC if set, else the number of CUDA GPUs torch sees (one rank per GPU, NCCL),
 # else 4 CPU ranks (gloo, Triton kernels in the interpreter: TRITON_INTERPRET=1 and one
 # OpenMP thread per rank). NVLink multicast stays off in NCCL, PyTorch and NVSHMEM.
+#
+# Environment:
+#   NPROC             ranks to start (on GPUs at most one per GPU)
+#   DEVICE=cpu        CPU ranks over gloo even where there are GPUs (hides them from the ranks)
+#   LOG_RANKS         local ranks whose output is shown: "0" (default) or a list "0,1", or "all";
+#                     the others' output goes to log files, whose last lines are shown if the job fails
+#   TIMEOUT           seconds the whole job may run before it is stopped (default: no limit)
+#   RINGATTN_TIMEOUT  seconds a collective may wait in scripts that use ringattn.distributed
+#                     (default 300): a hang becomes an error on every rank
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
@@ -17,7 +27,16 @@ if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
   exit 2
 fi
 
+# this checkout's ringattn comes first, whatever copy is installed
+repo_root="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+case "${DEVICE:-}" in
+  "" | gpu | cuda) ;;
+  cpu) export CUDA_VISIBLE_DEVICES="" ;;
+  *) echo "torchrun.sh: DEVICE must be cpu (or unset), got '$DEVICE'" >&2; exit 2 ;;
+esac
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [[ "$gpus" -eq 0 ]]; then
@@ -30,5 +49,60 @@ elif [[ "$gpus" -gt 0 ]]; then
 else
   nproc=4
 fi
+if ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
+  echo "torchrun.sh: NPROC must be a positive integer, got '$nproc'" >&2
+  exit 2
+fi
+if [[ "$gpus" -gt 0 && "$nproc" -gt "$gpus" ]]; then
+  echo "torchrun.sh: NPROC=$nproc ranks but only $gpus GPU(s): one rank per GPU (DEVICE=cpu for CPU ranks)" >&2
+  exit 2
+fi
 
-exec python3 -m torch.distributed.run --standalone --nproc-per-node="$nproc" "$@"
+run=(python3 -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$nproc")
+
+# Show only the chosen local ranks; the others write to files in a temporary log dir.
+log_ranks="${LOG_RANKS:-0}"
+log_dir=""
+if [[ "$log_ranks" != all && "$nproc" -gt 1 ]]; then
+  if ! [[ "$log_ranks" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+    echo "torchrun.sh: LOG_RANKS must be 'all' or a comma-separated list of local ranks, got '$log_ranks'" >&2
+    exit 2
+  fi
+  redirects=""
+  for ((r = 0; r < nproc; r++)); do
+    if [[ ",$log_ranks," != *",$r,"* ]]; then
+      redirects+="${redirects:+,}$r:3"
+    fi
+  done
+  if [[ -n "$redirects" ]]; then
+    log_dir=$(mktemp -d "${TMPDIR:-/tmp}/ringattn-logs.XXXXXX")
+    run+=(--log-dir="$log_dir" --redirects="$redirects" --local-ranks-filter="$log_ranks")
+  fi
+fi
+
+if [[ -n "${TIMEOUT:-}" ]]; then
+  run=(timeout --signal=TERM --kill-after=30 "$TIMEOUT" "${run[@]}")
+fi
+
+status=0
+"${run[@]}" "$@" || status=$?
+
+if [[ "$status" -eq 124 && -n "${TIMEOUT:-}" ]]; then
+  echo "torchrun.sh: stopped after TIMEOUT=${TIMEOUT}s" >&2
+fi
+if [[ -n "$log_dir" ]]; then
+  if [[ "$status" -ne 0 ]]; then
+    # the hidden ranks' last words: a traceback on rank 3 is the usual reason rank 0 stopped
+    while IFS= read -r f; do
+      if [[ -s "$f" ]]; then
+        rank=$(basename "$(dirname "$f")")
+        echo "--- local rank $rank, last lines of $(basename "$f") ---" >&2
+        tail -n 25 "$f" >&2
+      fi
+    done < <(find "$log_dir" -name 'std*.log' | sort)
+    echo "torchrun.sh: every hidden rank's output is in $log_dir" >&2
+  else
+    rm -rf "$log_dir"
+  fi
+fi
+exit "$status"

@@ -1,0 +1,110 @@
+"""Process-group setup for scripts run on every rank (launch/torchrun.sh, torchrun), in one call.
+
+    import os, torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks: before ringattn is imported
+    from ringattn.distributed import init_distributed, log
+    env = init_distributed()  # env.rank, env.world_size, env.local_rank, env.device, env.backend
+    log("printed by rank 0 only")
+
+GPUs: one rank per GPU over NCCL; the rank's device is set from LOCAL_RANK before any communication.
+CPUs: gloo, with the kernels in Triton's interpreter. NVLink multicast stays off in every process
+(MULTICAST_OFF, set before the first communicator exists). Collectives time out after
+RINGATTN_TIMEOUT seconds (default 300): a hang becomes an error instead of a silent wait.
+"""
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .ops.validation import KERNELS_INTERPRETED
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands: its global rank, the world size, its rank on this node, its device, the backend."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> DistEnv:
+    """Initialise the default process group for this rank and return its DistEnv.
+
+    Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) it joins the job; started as a plain
+    `python script.py` it makes a group of one on 127.0.0.1. Calling it again returns the same DistEnv.
+
+    Args:
+        backend: "nccl" or "gloo"; default "nccl" when CUDA is available, else "gloo".
+        timeout_s: collective timeout; default $RINGATTN_TIMEOUT or 300 s.
+    Returns:
+        DistEnv; device is cuda:LOCAL_RANK (already made the current device) for NCCL, cpu for gloo.
+    Raises:
+        RuntimeError: NCCL without enough GPUs for LOCAL_RANK; gloo while ringattn's kernels were not
+            imported for the interpreter (TRITON_INTERPRET=1 must be set before ringattn is imported).
+        ValueError: an unknown backend.
+    """
+    os.environ.update(MULTICAST_OFF)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if "RANK" not in os.environ:  # a plain `python script.py`: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("RINGATTN_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+    if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK {local_rank} needs a GPU of its own, but torch sees {torch.cuda.device_count()}; "
+                "start at most one rank per GPU (launch/torchrun.sh does)"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before any communication: NCCL binds the rank to this GPU
+    else:
+        if not KERNELS_INTERPRETED:
+            raise RuntimeError(
+                "gloo ranks run ringattn's kernels on the CPU, in Triton's interpreter: set TRITON_INTERPRET=1 "
+                "in the environment before ringattn is imported (launch/torchrun.sh does on a machine without GPUs)"
+            )
+        device = torch.device("cpu")
+
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, str(dist.get_backend()))
+
+
+def log(*parts, **print_kwargs) -> None:
+    """print(*parts) on global rank 0 only (or always, before the process group exists); flushed."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*parts, flush=True, **print_kwargs)
+
+
+def destroy() -> None:
+    """Destroy the default process group if there is one (call at the end of a script)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,78 @@
+"""launch/torchrun.sh and ringattn.distributed on CPU ranks: rank 0's output shown, the others' kept in
+files and shown when the job fails, NVLink multicast off and the process group made in every rank."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="launch/torchrun.sh is a bash script for Linux")
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    from ringattn.distributed import MULTICAST_OFF, destroy, init_distributed, log
+
+    env = init_distributed()
+    assert all(os.environ[k] == v for k, v in MULTICAST_OFF.items())
+    assert env.backend == "gloo" and env.device.type == "cpu" and env.world_size == int(os.environ["WORLD_SIZE"])
+    total = torch.tensor([env.rank + 1.0])
+    dist.all_reduce(total)
+    print(f"rank {env.rank} says hello", flush=True)
+    log(f"sum {total.item():.0f} over {env.world_size} ranks")
+    if env.rank == int(sys.argv[1]):
+        raise RuntimeError(f"rank {env.rank} fails on purpose")
+    destroy()
+    """
+)
+
+
+def _launch(tmp_path, fail_rank, **env_vars):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, TIMEOUT="120", **env_vars)
+    cmd = ["bash", "launch/torchrun.sh", str(script), str(fail_rank)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_only_rank_0_is_shown(tmp_path):
+    proc = _launch(tmp_path, -1, NPROC="3", DEVICE="cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["rank 0 says hello", "sum 6 over 3 ranks"]
+
+
+def test_failing_hidden_rank_shows_its_traceback(tmp_path):
+    proc = _launch(tmp_path, 1, NPROC="2", DEVICE="cpu", TMPDIR=str(tmp_path))
+    assert proc.returncode != 0
+    assert "rank 1 says hello" not in proc.stdout
+    assert "RuntimeError: rank 1 fails on purpose" in proc.stderr, proc.stderr
+    assert f"output is in {tmp_path}" in proc.stderr
+
+
+def test_all_ranks_shown_and_bad_settings_refused(tmp_path):
+    proc = _launch(tmp_path, -1, NPROC="2", DEVICE="cpu", LOG_RANKS="all")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(line for line in proc.stdout.splitlines() if "hello" in line) == [
+        "rank 0 says hello",
+        "rank 1 says hello",
+    ]
+    for bad, message in (({"NPROC": "0"}, "NPROC must be a positive integer"), ({"DEVICE": "tpu"}, "DEVICE must")):
+        proc = _launch(tmp_path, -1, **{"NPROC": "2", **bad})
+        assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_plain_python_makes_a_group_of_one(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(script), "-1"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["rank 0 says hello", "sum 1 over 1 ranks"]
