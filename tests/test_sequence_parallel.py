@@ -66,6 +66,12 @@ def _toolkit_matches_unsharded(rank, world_size, seqlen):
             for p, p_ref in zip(model.parameters(), ref_model.parameters(), strict=True):
                 torch.testing.assert_close(p.grad, factor * p_ref.grad, rtol=1e-12, atol=1e-15)
 
+        # DistributedDataParallel over the same group averages the gradients: grad_reduction="mean"
+        ddp = torch.nn.parallel.DistributedDataParallel(_per_token_model(vocab, 8))
+        sp.cross_entropy(ddp(batch_l.input_ids), batch_l.labels, grad_reduction="mean").backward()
+        for p, p_ref in zip(ddp.module.parameters(), ref_model.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-12, atol=1e-15)
+
         gathered = sp.gather(logits_l.detach(), seqlen=seqlen)
         torch.testing.assert_close(gathered, logits.detach(), rtol=0, atol=0)
 
