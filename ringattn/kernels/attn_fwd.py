@@ -27,7 +27,10 @@ def _attn_fwd_tile(
     of other documents with -inf; rows whose keys are all masked keep m_i = -inf and gain nothing.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    kv_mask = ((offs_n[:, None] < seqlen_k) & mask_d[None, :]) if MASKED else mask_d[None, :]
+    if MASKED:
+        kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
+    else:
+        kv_mask = mask_d[None, :]
     k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
