@@ -2,9 +2,11 @@
 
 Rendezvous goes through a file:// store in a fresh temp dir. A rank that raises reports its
 traceback at once and the others are killed, so a failure shows up in seconds, not at the
-timeout; a hang is killed at the timeout.
+timeout; a hang is killed at the timeout. Tests of failure behaviour name the ranks they make
+exit (`expect_exit`): those must exit with the given code, and the others still report.
 """
 
+import io
 import os
 import queue
 import tempfile
@@ -19,7 +21,7 @@ import torch.multiprocessing as mp
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _rank_entry(fn, rank, world_size, init_file, backend, results, args):
+def _rank_entry(fn, rank, world_size, init_file, backend, results, args, barrier):
     try:
         os.environ.update(MULTICAST_OFF)
         torch.set_num_threads(1)
@@ -29,28 +31,48 @@ def _rank_entry(fn, rank, world_size, init_file, backend, results, args):
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
         )
         value = fn(rank, world_size, *args)
-        dist.barrier()
-        results.put((rank, True, value))
+        if barrier:
+            dist.barrier()
+        payload = io.BytesIO()
+        torch.save(value, payload)  # by value: tensors shared through file descriptors die with this process
+        results.put((rank, True, payload.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
+        if barrier and dist.is_initialized():
             dist.destroy_process_group()
+        elif not barrier:  # peers may be dead: tearing the group down could wait for them; leave at once
+            results.close()
+            results.join_thread()
+            os._exit(0)
 
 
-def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120.0) -> list:
+def run_ranks(
+    fn,
+    world_size: int,
+    *args,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    expect_exit: dict[int, int] | None = None,
+    barrier: bool = True,
+) -> list:
     """Call fn(rank, world_size, *args) on world_size spawned ranks; return their results by rank.
 
-    fn must be a module-level function. Raises AssertionError with the failing rank's
-    traceback, or when the ranks do not all finish within `timeout` seconds.
+    fn must be a module-level function; its result travels by value (torch.save), tensors included.
+    `expect_exit` maps ranks that fn makes leave with os._exit(code) to that code: they report nothing
+    (None in the results). With expect_exit, or barrier=False (for tests that leave the group broken),
+    the ranks skip the final barrier and leave without tearing the group down. Raises AssertionError
+    with the failing rank's traceback, when a rank exits unexpectedly, or when the ranks do not all
+    finish within `timeout` seconds.
     """
+    expect_exit = dict(expect_exit or {})
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
+        entry_args = (init_file, backend, results, args, barrier and not expect_exit)
         procs = [
-            ctx.Process(target=_rank_entry, args=(fn, rank, world_size, init_file, backend, results, args))
-            for rank in range(world_size)
+            ctx.Process(target=_rank_entry, args=(fn, rank, world_size, *entry_args)) for rank in range(world_size)
         ]
         for p in procs:
             p.start()
@@ -65,15 +87,22 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout: float 
                 try:
                     rank, ok, value = results.get(timeout=0.5)
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
-                    if dead:
-                        raise AssertionError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
+                    for r, p in enumerate(procs):
+                        if r in done or p.exitcode is None:
+                            continue
+                        if r in expect_exit and p.exitcode == expect_exit[r]:
+                            done[r] = None
+                        elif p.exitcode != 0 or r in expect_exit:
+                            want = f", expected {expect_exit[r]}" if r in expect_exit else ""
+                            raise AssertionError(f"rank {r} exited with code {p.exitcode}{want}") from None
                     continue
+                if rank in expect_exit:
+                    raise AssertionError(f"rank {rank} was expected to exit with code {expect_exit[rank]}, got {value}")
                 if not ok:
                     raise AssertionError(f"rank {rank} failed:\n{value}")
-                done[rank] = value
+                done[rank] = torch.load(io.BytesIO(value), weights_only=False)
             for p in procs:
-                p.join(timeout=30)
+                p.join(timeout=30 if not expect_exit else 5)
         finally:
             for p in procs:
                 if p.is_alive():
