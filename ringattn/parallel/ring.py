@@ -8,6 +8,10 @@ Backward: K/V travel the ring again together with fp32 dK/dV accumulators; each 
 its contribution to the accumulators of the block in hand and passes them on, so after W
 steps (and one last hop) every rank holds the full gradient of its own K/V. dQ accumulates
 locally in fp32.
+
+What one rank computes at one step, given the K/V block in hand, is `forward_step` and
+`backward_step`; the distributed loops here and the one-process simulated ring
+(parallel/simulate.py) both call them, so they compute bitwise the same thing.
 """
 
 import torch
@@ -17,7 +21,7 @@ from .comm import RingComm
 from .schedule import BlockMode, block_tasks, kv_source_rank
 
 
-def _state_dtype(q: torch.Tensor) -> torch.dtype:
+def state_dtype(q: torch.Tensor) -> torch.dtype:
     """Running state and gradient accumulators: fp32, or the inputs' dtype if wider (float64 checks)."""
     return torch.promote_types(q.dtype, torch.float32)
 
@@ -25,6 +29,99 @@ def _state_dtype(q: torch.Tensor) -> torch.dtype:
 def _rows(t: torch.Tensor, rows: range, dim: int = 1) -> torch.Tensor:
     """A view of t's rows `rows` along dim (1 for (B, S, H, D), 2 for (B, H, S))."""
     return t.narrow(dim, rows.start, len(rows))
+
+
+def init_forward_state(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge's identity: out (B, S_local, Hq, D) zeros and lse (B, Hq, S_local) -inf, in state_dtype(q)."""
+    batch, seqlen, heads_q, head_dim = q.shape
+    out = torch.zeros((batch, seqlen, heads_q, head_dim), dtype=state_dtype(q), device=q.device)
+    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=state_dtype(q), device=q.device)
+    return out, lse
+
+
+def forward_step(
+    ops: AttnOps,
+    layout: str,
+    rank: int,
+    kv_rank: int,
+    world_size: int,
+    causal: bool,
+    softmax_scale: float,
+    q: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """One ring step of the forward on one rank: merge q's attention to the K/V block of `kv_rank` into (out, lse).
+
+    Args:
+        q: (B, S_local, Hq, D) this rank's queries; k_blk, v_blk: (B, S_local, Hkv, D) the block in hand.
+        out, lse: the running state (init_forward_state), updated in place.
+    """
+    for task in block_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1]):
+        qs, kvs = task.q_rows, task.kv_rows
+        block_out, block_lse = ops.fwd(
+            _rows(q, qs),
+            _rows(k_blk, kvs),
+            _rows(v_blk, kvs),
+            softmax_scale,
+            task.mode is BlockMode.CAUSAL,
+            out_dtype=out.dtype,
+        )
+        merge_attn_states_(_rows(out, qs), _rows(lse, qs, 2), block_out, block_lse)  # in place on views
+
+
+def init_backward_state(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero gradient accumulators dq, dk, dv shaped like q, k, v, in state_dtype(q)."""
+    dtype = state_dtype(q)
+    return tuple(torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+
+
+def backward_step(
+    ops: AttnOps,
+    layout: str,
+    rank: int,
+    kv_rank: int,
+    world_size: int,
+    causal: bool,
+    softmax_scale: float,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    dk_acc: torch.Tensor,
+    dv_acc: torch.Tensor,
+) -> None:
+    """One ring step of the backward on one rank: add the gradients of q's attention to the block of `kv_rank`
+    into dq (this rank's) and dk_acc, dv_acc (the accumulators of the block in hand), in place.
+
+    Args:
+        dout, q, out: (B, S_local, Hq, D); lse, delta: (B, Hq, S_local), the global lse and rowsum(dout * out).
+        k_blk, v_blk, dk_acc, dv_acc: (B, S_local, Hkv, D).
+    """
+    for task in block_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1]):
+        qs, kvs = task.q_rows, task.kv_rows
+        ops.bwd(
+            _rows(dout, qs),
+            _rows(q, qs),
+            _rows(k_blk, kvs),
+            _rows(v_blk, kvs),
+            _rows(out, qs),
+            _rows(lse, qs, 2),
+            softmax_scale,
+            task.mode is BlockMode.CAUSAL,
+            delta=_rows(delta, qs, 2),
+            dq_acc=_rows(dq, qs),
+            dk_acc=_rows(dk_acc, kvs),
+            dv_acc=_rows(dv_acc, kvs),
+        )
 
 
 def ring_attn_forward(
@@ -45,10 +142,7 @@ def ring_attn_forward(
     Returns:
         out (B, S_local, Hq, D) and lse (B, Hq, S_local), both fp32 (float64 for float64 inputs).
     """
-    batch, seqlen, heads_q, head_dim = q.shape
-    state_dtype = _state_dtype(q)
-    out = torch.zeros((batch, seqlen, heads_q, head_dim), dtype=state_dtype, device=q.device)
-    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=state_dtype, device=q.device)
+    out, lse = init_forward_state(q)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(comm.world_size):
         last = step == comm.world_size - 1
@@ -56,17 +150,7 @@ def ring_attn_forward(
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit()
         kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
-        for task in block_tasks(layout, comm.rank, kv_rank, comm.world_size, causal, seqlen):
-            qs, kvs = task.q_rows, task.kv_rows
-            block_out, block_lse = ops.fwd(
-                _rows(q, qs),
-                _rows(k_cur, kvs),
-                _rows(v_cur, kvs),
-                softmax_scale,
-                task.mode is BlockMode.CAUSAL,
-                out_dtype=state_dtype,
-            )
-            merge_attn_states_(_rows(out, qs), _rows(lse, qs, 2), block_out, block_lse)  # in place on views
+        forward_step(ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale, q, k_cur, v_cur, out, lse)
         if not last:
             comm.wait()
             k_cur, v_cur = k_next, v_next
@@ -96,10 +180,7 @@ def ring_attn_backward(
         dq, dk, dv in fp32 (float64 for float64 inputs), shaped like q, k, v.
     """
     delta = ops.bwd_preprocess(out, dout)
-    state_dtype = _state_dtype(q)
-    dq = torch.zeros(q.shape, dtype=state_dtype, device=q.device)
-    dk_cur = torch.zeros(k.shape, dtype=state_dtype, device=k.device)
-    dv_cur = torch.zeros(v.shape, dtype=state_dtype, device=v.device)
+    dq, dk_cur, dv_cur = init_backward_state(q, k, v)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(comm.world_size):
         last = step == comm.world_size - 1
@@ -107,22 +188,10 @@ def ring_attn_backward(
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit()
         kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
-        for task in block_tasks(layout, comm.rank, kv_rank, comm.world_size, causal, q.shape[1]):
-            qs, kvs = task.q_rows, task.kv_rows
-            ops.bwd(
-                _rows(dout, qs),
-                _rows(q, qs),
-                _rows(k_cur, kvs),
-                _rows(v_cur, kvs),
-                _rows(out, qs),
-                _rows(lse, qs, 2),
-                softmax_scale,
-                task.mode is BlockMode.CAUSAL,
-                delta=_rows(delta, qs, 2),
-                dq_acc=_rows(dq, qs),
-                dk_acc=_rows(dk_cur, kvs),
-                dv_acc=_rows(dv_cur, kvs),
-            )
+        backward_step(
+            ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale,
+            dout, q, k_cur, v_cur, out, lse, delta, dq, dk_cur, dv_cur,
+        )  # fmt: skip
         if not last:
             comm.wait()
             k_cur, v_cur = k_next, v_next

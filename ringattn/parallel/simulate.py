@@ -1,0 +1,156 @@
+"""A simulated ring: W virtual ranks in one process, no communication (docs/design.md, section 7).
+
+It runs the same schedule (schedule.kv_source_rank, schedule.block_tasks) and the same per-step
+code (ring.forward_step, ring.backward_step) as the distributed loops in ring.py, with the block
+that rank r would hold at step t taken from a list instead of received. Steps run in ring order
+and, within a step, ranks in order, so the dK/dV accumulator of every block collects its
+contributions in the order the real ring adds them: the results are bitwise those of the
+distributed ring with the same ops. Uses: measuring the ring's numerics for any W on one device,
+and timing what the decomposition itself costs against one fused call, without a network.
+"""
+
+import torch
+
+from ..ops import AttnOps
+from .layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
+from .ring import backward_step, forward_step, init_backward_state, init_forward_state
+from .schedule import kv_source_rank
+
+
+def _check_shards(name: str, shards: list[torch.Tensor], world_size: int) -> None:
+    if len(shards) != world_size:
+        raise ValueError(f"{name} must hold one shard per virtual rank ({world_size}), got {len(shards)}")
+
+
+def simulate_ring_forward(
+    ops: AttnOps,
+    q_shards: list[torch.Tensor],
+    k_shards: list[torch.Tensor],
+    v_shards: list[torch.Tensor],
+    softmax_scale: float,
+    causal: bool,
+    layout: str = "contiguous",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The forward of a ring of W = len(q_shards) ranks, run in this process.
+
+    Args:
+        q_shards: W tensors (B, S_local, Hq, D), rank r's queries in `layout`.
+        k_shards, v_shards: W tensors (B, S_local, Hkv, D).
+    Returns:
+        [(out, lse)] per rank: out (B, S_local, Hq, D), lse (B, Hq, S_local), fp32 (float64 for
+        float64 inputs), as ring.ring_attn_forward returns them on that rank.
+    Raises:
+        ValueError: shard lists of different lengths, an unknown layout, an odd S_local with "zigzag".
+    """
+    world_size = len(q_shards)
+    _check_shards("k_shards", k_shards, world_size)
+    _check_shards("v_shards", v_shards, world_size)
+    k_shards = [k.contiguous() for k in k_shards]  # what the real ring holds: its own block, then received copies
+    v_shards = [v.contiguous() for v in v_shards]
+    states = [init_forward_state(q) for q in q_shards]
+    for step in range(world_size):
+        for rank in range(world_size):
+            kv = kv_source_rank(rank, step, world_size)
+            out, lse = states[rank]
+            forward_step(
+                ops, layout, rank, kv, world_size, causal, softmax_scale,
+                q_shards[rank], k_shards[kv], v_shards[kv], out, lse,
+            )  # fmt: skip
+    return states
+
+
+def simulate_ring_backward(
+    ops: AttnOps,
+    dout_shards: list[torch.Tensor],
+    q_shards: list[torch.Tensor],
+    k_shards: list[torch.Tensor],
+    v_shards: list[torch.Tensor],
+    out_shards: list[torch.Tensor],
+    lse_shards: list[torch.Tensor],
+    softmax_scale: float,
+    causal: bool,
+    layout: str = "contiguous",
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The backward of a ring of W = len(q_shards) ranks, run in this process.
+
+    Args:
+        dout_shards, out_shards: W tensors (B, S_local, Hq, D); out as the forward returned it.
+        q_shards, k_shards, v_shards: as in simulate_ring_forward.
+        lse_shards: W tensors (B, Hq, S_local), the global lse from the forward.
+    Returns:
+        [(dq, dk, dv)] per rank, shaped like that rank's q, k, v, fp32 (float64 for float64 inputs).
+    """
+    world_size = len(q_shards)
+    for name, shards in (("dout", dout_shards), ("k", k_shards), ("v", v_shards), ("out", out_shards)):
+        _check_shards(f"{name}_shards", shards, world_size)
+    _check_shards("lse_shards", lse_shards, world_size)
+    k_shards = [k.contiguous() for k in k_shards]
+    v_shards = [v.contiguous() for v in v_shards]
+    deltas = [ops.bwd_preprocess(o, d) for o, d in zip(out_shards, dout_shards, strict=True)]
+    grads = [init_backward_state(q, k, v) for q, k, v in zip(q_shards, k_shards, v_shards, strict=True)]
+    dq = [g[0] for g in grads]
+    dk_acc = [g[1] for g in grads]  # dk_acc[b]: the accumulator travelling with block b
+    dv_acc = [g[2] for g in grads]
+    for step in range(world_size):
+        for rank in range(world_size):
+            kv = kv_source_rank(rank, step, world_size)
+            backward_step(
+                ops, layout, rank, kv, world_size, causal, softmax_scale,
+                dout_shards[rank], q_shards[rank], k_shards[kv], v_shards[kv], out_shards[rank],
+                lse_shards[rank], deltas[rank], dq[rank], dk_acc[kv], dv_acc[kv],
+            )  # fmt: skip
+    return [(dq[r], dk_acc[r], dv_acc[r]) for r in range(world_size)]
+
+
+def simulate_ring_attn(
+    ops: AttnOps,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    world_size: int,
+    layout: str = "contiguous",
+    dout: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Ring attention over full tensors: shard them for `world_size` virtual ranks, run the simulated ring,
+    reassemble the results in global order.
+
+    Args:
+        q: (B, S, Hq, D); k, v: (B, S, Hkv, D); S divisible by world_size ("contiguous") or 2 world_size ("zigzag").
+        dout: (B, S, Hq, D); when given, the backward runs too.
+    Returns:
+        (out (B, S, Hq, D), lse (B, Hq, S)), and with dout also (dq, dk, dv), all in fp32
+        (float64 for float64 inputs).
+    Raises:
+        ValueError: an unknown layout, S not divisible, mismatched shapes.
+    """
+    check_layout(layout)
+    seqlen = q.shape[1]
+    check_seqlen(seqlen, world_size, layout, name="q.shape[1]")
+    if k.shape[1] != seqlen or v.shape[1] != seqlen or (dout is not None and dout.shape != q.shape):
+        raise ValueError(f"k, v (and dout) must have q's sequence length {seqlen} (and dout q's shape)")
+    check_local_seqlen(seqlen // world_size, layout)
+    idx = [shard_indices(seqlen, r, world_size, layout, device=q.device) for r in range(world_size)]
+
+    def split(t: torch.Tensor) -> list[torch.Tensor]:
+        return [t.index_select(1, i) for i in idx]
+
+    def join(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        shape = list(parts[0].shape)
+        shape[dim] = seqlen
+        full = parts[0].new_empty(shape)
+        for i, part in zip(idx, parts, strict=True):
+            full.index_copy_(dim, i, part)
+        return full
+
+    qs, ks, vs = split(q), split(k), split(v)
+    states = simulate_ring_forward(ops, qs, ks, vs, softmax_scale, causal, layout)
+    outs, lses = [s[0] for s in states], [s[1] for s in states]
+    result = (join(outs), join(lses, dim=2))
+    if dout is None:
+        return result
+    # the backward sees the forward's output in the input dtype, as RingAttnFunction saves it
+    outs_in = [o.to(q.dtype) for o in outs]
+    grads = simulate_ring_backward(ops, split(dout), qs, ks, vs, outs_in, lses, softmax_scale, causal, layout)
+    return result + tuple(join([g[i] for g in grads]) for i in range(3))
