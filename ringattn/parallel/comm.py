@@ -3,27 +3,97 @@
 Every rank sends to the next rank of the group and receives from the previous one, in
 group-rank order, with batched isend/irecv. Peers are addressed by global rank, so any
 process group (a subgroup, one dimension of a DeviceMesh) works.
+
+A peer that dies or never arrives must give an error, not a hang (docs/design.md, section 7):
+on CPU tensors (gloo) `wait` waits at most `timeout_s` and raises a RuntimeError naming the
+peers and the step. On CUDA tensors (NCCL) a timed wait would block the host at every step,
+so `wait` only orders the streams and the process group's own timeout and watchdog apply.
 """
+
+import math
+import os
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+P2P_TIMEOUT_ENV = "RINGATTN_P2P_TIMEOUT_S"
+GROUP_TIMEOUT_ENV = "RINGATTN_TIMEOUT"  # ringattn.distributed's process-group timeout, the fallback
+DEFAULT_P2P_TIMEOUT_S = 300.0
+
+
+def p2p_timeout_s(timeout_s: float | None = None) -> float:
+    """Seconds a rank waits for its ring peers on gloo: `timeout_s`, else $RINGATTN_P2P_TIMEOUT_S, else
+    $RINGATTN_TIMEOUT (the process-group timeout of ringattn.distributed.init_distributed), else 300.
+
+    Raises:
+        ValueError: a value (argument or environment) that is not a positive finite number.
+        TypeError: a `timeout_s` that is not a number.
+    """
+    source = "timeout_s"
+    if timeout_s is None:
+        name = next((n for n in (P2P_TIMEOUT_ENV, GROUP_TIMEOUT_ENV) if os.environ.get(n, "").strip()), None)
+        if name is None:
+            return DEFAULT_P2P_TIMEOUT_S
+        raw, source = os.environ[name], f"${name}"
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{source} must be a positive number of seconds, got {raw!r}") from None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        raise TypeError(f"{source} must be a number of seconds, got {type(timeout_s).__name__}")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"{source} must be a positive finite number of seconds, got {timeout_s}")
+    return float(timeout_s)
+
+
+def wait_all(works: list, timeout_s: float, what: str, peers: list[str] | None = None) -> None:
+    """Wait for `works` (the Work objects of a gloo batch or collective), all within one deadline of `timeout_s`.
+
+    Raises:
+        RuntimeError: one of them failed (e.g. a peer's connection closed) or did not finish in time;
+            the message says `what` was waited for and, when given, the peer of the failing work.
+    """
+    deadline = time.monotonic() + timeout_s
+    for i, work in enumerate(works):
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timedelta(seconds=remaining))
+        except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError or DistBackendError; re-raised below
+            peer = f", {peers[i]}" if peers is not None and i < len(peers) else ""
+            timed_out = time.monotonic() >= deadline
+            why = f"did not complete within {timeout_s:g} s" if timed_out else "failed"
+            raise RuntimeError(
+                f"{what}{peer}: {why}; a peer died, raised, or is not running the same ring call. "
+                f"Raise the limit with ${P2P_TIMEOUT_ENV} if it is only slow. Backend error: {err}"
+            ) from err
 
 
 class RingComm:
     """Queue send/recv pairs, `commit` them as one batch, `wait` for all of them.
 
-    Usage per ring step: ``nxt = comm.send_recv(cur); comm.commit(); ...compute...; comm.wait()``.
+    Usage per ring step: ``nxt = comm.send_recv(cur); comm.commit("step 3"); ...compute...; comm.wait()``.
     The tensors handed to send_recv must stay alive and unmodified until wait() returns.
+
+    Args:
+        group: the ring's process group (default: the world).
+        timeout_s: how long wait() waits on CPU (gloo) tensors before raising; default
+            $RINGATTN_P2P_TIMEOUT_S, else 300 s. CUDA (NCCL) waits are governed by the process
+            group's timeout instead (see the module docstring).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None):
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.send_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.world_size)
         self.recv_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.world_size)
+        self.timeout_s = p2p_timeout_s(timeout_s)
         self._ops: list[dist.P2POp] = []
         self._reqs: list = []
+        self._label = ""
+        self._timed = True
 
     def send_recv(self, to_send: torch.Tensor, recv_buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Queue sending `to_send` to the next rank and receiving its twin from the previous one.
@@ -37,15 +107,36 @@ class RingComm:
         self._ops.append(dist.P2POp(dist.irecv, recv_buffer, self.recv_peer, self.group))
         return recv_buffer
 
-    def commit(self) -> None:
-        """Start every queued operation."""
+    def commit(self, label: str = "") -> None:
+        """Start every queued operation; `label` (e.g. "forward step 2 (K/V)") names the batch in errors."""
         if self._reqs:
             raise RuntimeError("RingComm.commit called again before wait()")
+        self._timed = all(op.tensor.device.type == "cpu" for op in self._ops)
+        self._label = label
+        self._peers = [self._describe(op) for op in self._ops]
         self._reqs = dist.batch_isend_irecv(self._ops)
         self._ops = []
 
+    def _describe(self, op: dist.P2POp) -> str:
+        if op.op is dist.isend:
+            return f"sending to global rank {op.peer}"
+        return f"receiving from global rank {op.peer}"
+
     def wait(self) -> None:
-        """Block (the host on gloo, the current stream on NCCL) until the committed batch is done."""
-        for req in self._reqs:
-            req.wait()
-        self._reqs = []
+        """Block until the committed batch is done: the host on gloo (at most timeout_s), the current stream on NCCL.
+
+        Raises:
+            RuntimeError (gloo): a peer's send or receive failed or did not complete within timeout_s;
+                the message names this rank, the peer, and the batch's label.
+        """
+        reqs, self._reqs = self._reqs, []
+        if not self._timed:
+            for req in reqs:
+                req.wait()
+            return
+        # gloo returns one Work per P2P op, in op order; otherwise name the whole batch
+        peers = self._peers if len(reqs) == len(self._peers) else None
+        what = f"ring P2P of group rank {self.rank} (of {self.world_size})"
+        if self._label:
+            what += f" at {self._label}"
+        wait_all(reqs, self.timeout_s, what, peers)

@@ -141,6 +141,8 @@ def ring_attn_forward(
             ("contiguous" or "zigzag"; S_local even for "zigzag").
     Returns:
         out (B, S_local, Hq, D) and lse (B, Hq, S_local), both fp32 (float64 for float64 inputs).
+    Raises:
+        RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
     out, lse = init_forward_state(q)
     k_cur, v_cur = k.contiguous(), v.contiguous()
@@ -148,7 +150,7 @@ def ring_attn_forward(
         last = step == comm.world_size - 1
         if not last:
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
-            comm.commit()
+            comm.commit(f"forward step {step} (K/V)")
         kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
         forward_step(ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale, q, k_cur, v_cur, out, lse)
         if not last:
@@ -178,6 +180,8 @@ def ring_attn_backward(
         layout: the layout the forward ran with.
     Returns:
         dq, dk, dv in fp32 (float64 for float64 inputs), shaped like q, k, v.
+    Raises:
+        RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
     delta = ops.bwd_preprocess(out, dout)
     dq, dk_cur, dv_cur = init_backward_state(q, k, v)
@@ -186,7 +190,7 @@ def ring_attn_backward(
         last = step == comm.world_size - 1
         if not last:
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
-            comm.commit()
+            comm.commit(f"backward step {step} (K/V)")
         kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
         backward_step(
             ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale,
@@ -197,6 +201,6 @@ def ring_attn_backward(
             k_cur, v_cur = k_next, v_next
         if comm.world_size > 1:  # hand the accumulators on; the last hop brings each rank its own
             dk_cur, dv_cur = comm.send_recv(dk_cur), comm.send_recv(dv_cur)
-            comm.commit()
+            comm.commit(f"backward step {step} (dK/dV)")
             comm.wait()
     return dq, dk_cur, dv_cur
