@@ -10,6 +10,8 @@ import torch.distributed as dist
 from .ops import KERNEL_OPS, attn_bwd, attn_fwd
 from .ops.validation import check_attn_inputs, check_runnable_device, default_softmax_scale
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
+from .parallel.agreement import agreement_mode, check_agreement, ring_signature
+from .parallel.comm import p2p_timeout_s
 
 
 class FlashAttnFunction(torch.autograd.Function):
@@ -82,13 +84,29 @@ class RingAttnFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str) -> None:
-    """Local checks before any communication: shapes and dtypes, layout, the group and its backend.
+def check_ring_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    layout: str,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> float:
+    """Every check of a ring call, all before the ring's first P2P op; returns the softmax scale to use.
+
+    First the local checks (shapes, dtypes, devices, layout, scale, the group and its backend), then,
+    on rings of 2 or more ranks, the cross-rank agreement check (parallel/agreement.py): one small
+    all_gather on `group`, skipped per $RINGATTN_AGREEMENT, after which every rank raises the same
+    ValueError if the ranks' shapes, dtype, causal, softmax_scale or layout differ.
 
     Raises:
-        ValueError, TypeError: bad inputs, an unknown layout, an odd local length with "zigzag",
-            a device the backend cannot carry.
-        RuntimeError: torch.distributed is not initialised; a device the kernels cannot run on.
+        ValueError, TypeError: bad local inputs, an unknown layout, an odd local length with "zigzag",
+            a group that is not a ProcessGroup or does not contain this rank, a device the backend
+            cannot carry, a bad $RINGATTN_P2P_TIMEOUT_S or $RINGATTN_AGREEMENT; ranks that disagree
+            (the same message on every rank).
+        RuntimeError: torch.distributed is not initialised; a device the kernels cannot run on;
+            a rank that does not arrive for the agreement check within the P2P timeout (gloo).
     """
     check_attn_inputs(q, k, v)
     check_runnable_device(q)
@@ -98,16 +116,26 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
             f"q, k and v must hold the same local sequence length in a ring, got q {q.shape[1]}, k/v {k.shape[1]}"
         )
     check_local_seqlen(q.shape[1], layout, name="q.shape[1]")
+    scale = default_softmax_scale(softmax_scale, q.shape[-1])
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "ring_attn_func needs torch.distributed initialised (dist.init_process_group); "
             "for one device use flash_attn_func"
         )
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"group must contain this process (global rank {dist.get_rank()}); it does not")
     backend = str(dist.get_backend(group)).lower()
     if q.is_cuda and "nccl" not in backend and "cuda" not in backend:
         raise ValueError(f"q, k, v are CUDA tensors but the group's backend {backend!r} cannot carry them; use nccl")
     if not q.is_cuda and backend == "nccl":
         raise ValueError(f"q, k, v are on {q.device} but the group's backend is nccl; move them to the rank's GPU")
+    p2p_timeout_s()  # the environment's settings, checked before the first collective
+    agreement_mode()
+    if dist.get_world_size(group) > 1:
+        check_agreement(ring_signature(q, k, v, scale, causal, layout), group, q.device)
+    return scale
 
 
 def ring_attn_func(
@@ -142,11 +170,15 @@ def ring_attn_func(
         out (batch, S_local, nheads, headdim) in q's dtype, this rank's shard of the global
         attention output; with return_lse also lse (batch, nheads, S_local) fp32, natural log.
     Raises:
-        ValueError, TypeError: bad local inputs, raised before any communication.
-        RuntimeError: torch.distributed not initialised, or tensors on a device the kernels
-            cannot run on (CPU tensors need TRITON_INTERPRET=1 before ringattn is imported).
+        ValueError, TypeError: bad local inputs, raised before any communication; ranks whose
+            shapes, dtype, softmax_scale, causal or layout differ (the same message on every rank,
+            from one small all_gather before the ring; $RINGATTN_AGREEMENT=once|always|off).
+        RuntimeError: torch.distributed not initialised; tensors on a device the kernels cannot
+            run on (CPU tensors need TRITON_INTERPRET=1 before ringattn is imported); on gloo, a
+            peer that dies or does not arrive within $RINGATTN_P2P_TIMEOUT_S (default 300 s), in the
+            forward or the backward, naming the peer and the ring step. On NCCL the process group's
+            timeout and watchdog apply instead.
     """
-    check_ring_inputs(q, k, v, group, layout)
-    scale = default_softmax_scale(softmax_scale, q.shape[-1])
+    scale = check_ring_inputs(q, k, v, group, layout, softmax_scale, causal)
     out, lse = RingAttnFunction.apply(q, k, v, scale, bool(causal), group, layout)
     return (out, lse) if return_lse else out

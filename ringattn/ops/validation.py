@@ -77,10 +77,16 @@ def check_runnable_device(t: torch.Tensor) -> None:
 
 
 def default_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
-    """softmax_scale, or 1 / sqrt(head_dim) when None; raises ValueError for a non-positive or non-finite scale."""
+    """softmax_scale, or 1 / sqrt(head_dim) when None; raises TypeError for a non-number (a bool, a string, a
+    tensor of more than one element) and ValueError for a non-positive or non-finite scale."""
     if softmax_scale is None:
         return head_dim**-0.5
-    scale = float(softmax_scale)
+    try:
+        if isinstance(softmax_scale, bool | str | bytes):
+            raise TypeError
+        scale = float(softmax_scale)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"softmax_scale must be a number or None, got {type(softmax_scale).__name__}") from None
     if not (scale > 0.0 and scale != float("inf")):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
     return scale

@@ -1,0 +1,132 @@
+"""Bad input gets a clear error, raised before any communication: each case of issue 5 against
+ring_attn_func (and flash_attn_func where it applies), in one process whose group looks like a
+ring of two ranks and whose every collective or P2P call fails the test."""
+
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringattn
+from ringattn.parallel.agreement import AGREEMENT_ENV
+from ringattn.parallel.comm import P2P_TIMEOUT_ENV
+from tests.utils import DEVICE, DTYPES
+
+DTYPE = DTYPES[0]
+COMMUNICATION = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "barrier")
+COMMUNICATION += ("batch_isend_irecv", "isend", "irecv", "send", "recv")
+
+
+class Case(NamedTuple):
+    id: str
+    args: dict  # overrides: q, k, v as shapes, dtypes or devices; other keys are keyword arguments
+    error: type
+    match: str
+    ring_only: bool = False
+    env: dict | None = None
+
+
+def _inputs(args: dict):
+    """q (1, 8, 4, 32), k, v (1, 8, 2, 32) with the overrides of a Case ("q_shape", "k_dtype", "v_device",
+    or "q_tensor": q itself); returns (q, k, v, the remaining keyword arguments)."""
+    args, tensors = dict(args), {}
+    for name, shape in (("q", (1, 8, 4, 32)), ("k", (1, 8, 2, 32)), ("v", (1, 8, 2, 32))):
+        shape = args.pop(f"{name}_shape", shape)
+        dtype, device = args.pop(f"{name}_dtype", DTYPE), args.pop(f"{name}_device", DEVICE)
+        tensors[name] = args.pop(f"{name}_tensor", None)
+        if tensors[name] is None:
+            tensors[name] = torch.zeros(shape, dtype=dtype, device=device)
+    return tensors["q"], tensors["k"], tensors["v"], args
+
+
+OTHER_DTYPE = torch.float16 if DTYPE != torch.float16 else torch.float32
+CASES = [
+    Case("q-not-tensor", dict(q_tensor=[[0.0]]), TypeError, "q must be a torch.Tensor, got list"),
+    Case("q-3d", dict(q_shape=(8, 4, 32)), ValueError, r"q must have 4 dimensions .* got shape \(8, 4, 32\)"),
+    Case("k-5d", dict(k_shape=(1, 8, 2, 32, 1)), ValueError, "k must have 4 dimensions"),
+    Case("q-int", dict(q_dtype=torch.int32), TypeError, "q must be float16, bfloat16 or float32, got torch.int32"),
+    Case("v-float64", dict(v_dtype=torch.float64), TypeError, "v must be float16, bfloat16 or float32"),
+    Case("dtypes-differ", dict(k_dtype=OTHER_DTYPE, v_dtype=OTHER_DTYPE), TypeError, "q, k and v must share one dtype"),
+    Case("devices-differ", dict(k_device="meta"), ValueError, "q, k and v must be on one device, got q .*, k meta"),
+    Case("head-dim-36", dict(q_shape=(1, 8, 4, 36), k_shape=(1, 8, 2, 36), v_shape=(1, 8, 2, 36)), ValueError,
+         "head dim must be a multiple of 8 from 8 to 256, got 36"),
+    Case("head-dim-264", dict(q_shape=(1, 8, 4, 264), k_shape=(1, 8, 2, 264), v_shape=(1, 8, 2, 264)), ValueError,
+         "head dim must be a multiple of 8 from 8 to 256, got 264"),
+    Case("heads-not-divisible", dict(q_shape=(1, 8, 3, 32)), ValueError,
+         "q's head count 3 must be divisible by k/v's head count 2"),
+    Case("batch-mismatch", dict(k_shape=(2, 8, 2, 32), v_shape=(2, 8, 2, 32)), ValueError,
+         "k and v must have q's batch size 1, got 2"),
+    Case("dim-mismatch", dict(q_shape=(1, 8, 4, 64)), ValueError, "k and v must have q's head dim 64, got 32"),
+    Case("kv-heads-mismatch", dict(v_shape=(1, 8, 1, 32)), ValueError, "k and v must have the same shape"),
+    Case("empty-q", dict(q_shape=(1, 0, 4, 32)), ValueError, "sequence lengths must be positive, got q 0"),
+    Case("empty-kv", dict(k_shape=(1, 0, 2, 32), v_shape=(1, 0, 2, 32)), ValueError,
+         "sequence lengths must be positive, got q 8, k/v 0"),
+    Case("scale-negative", dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive finite number"),
+    Case("scale-nan", dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be a positive finite number"),
+    Case("scale-string", dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a number or None, got str"),
+    Case("ring-q-kv-lengths", dict(k_shape=(1, 4, 2, 32), v_shape=(1, 4, 2, 32)), ValueError,
+         "q, k and v must hold the same local sequence length in a ring, got q 8, k/v 4", ring_only=True),
+    Case("ring-layout", dict(layout="striped"), ValueError, "layout must be one of", ring_only=True),
+    Case("ring-zigzag-odd", dict(q_shape=(1, 7, 4, 32), k_shape=(1, 7, 2, 32), v_shape=(1, 7, 2, 32), layout="zigzag"),
+         ValueError, r"q.shape\[1\] = 7 must be divisible by 2 for layout 'zigzag'", ring_only=True),
+    Case("ring-group-type", dict(group="world"), TypeError,
+         "group must be a torch.distributed.ProcessGroup or None, got str", ring_only=True),
+    Case("ring-cpu-on-nccl", dict(backend="nccl"), ValueError, "the group's backend is nccl", ring_only=True),
+    Case("ring-agreement-env", dict(), ValueError, r"\$RINGATTN_AGREEMENT must be one of", ring_only=True,
+         env={AGREEMENT_ENV: "sometimes"}),
+    Case("ring-timeout-env", dict(), ValueError, r"\$RINGATTN_P2P_TIMEOUT_S must be a positive", ring_only=True,
+         env={P2P_TIMEOUT_ENV: "soon"}),
+]  # fmt: skip
+if DEVICE.type == "cpu":
+    CASES.append(
+        Case("bf16-interpreter", dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, v_dtype=torch.bfloat16),
+             TypeError, "bfloat16 is not supported by the Triton interpreter")
+    )  # fmt: skip
+else:
+    CASES.append(Case("ring-cuda-on-gloo", dict(backend="gloo"), ValueError, "cannot carry them; use nccl", True))
+
+
+@pytest.fixture
+def ring_of_two_without_communication(tmp_path, monkeypatch):
+    """A one-process gloo group that reports a world size of 2, with every collective and P2P call
+    replaced by one that fails the test: an error raised after communication started shows up as
+    that failure instead of the expected error."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with monkeypatch.context() as patch:
+
+            def communication(*args, **kwargs):
+                raise AssertionError("communication started before the inputs were validated")
+
+            for name in COMMUNICATION:
+                patch.setattr(dist, name, communication)
+            patch.setattr(dist, "get_world_size", lambda group=None: 2)
+            yield patch
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_raises_a_clear_error_before_communication(case, ring_of_two_without_communication):
+    patch = ring_of_two_without_communication
+    for name, value in (case.env or {}).items():
+        patch.setenv(name, value)
+    args = dict(case.args)
+    if "backend" in args:
+        backend = args.pop("backend")
+        patch.setattr(dist, "get_backend", lambda group=None: backend)
+    q, k, v, kwargs = _inputs(args)
+    with pytest.raises(case.error, match=case.match):
+        ringattn.ring_attn_func(q, k, v, **kwargs)
+    if not case.ring_only:
+        with pytest.raises(case.error, match=case.match):
+            ringattn.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_good_input_reaches_the_agreement_exchange(ring_of_two_without_communication):
+    """The fixture's guard works: valid inputs get past every check and into the first collective."""
+    q, k, v, _ = _inputs({})
+    with pytest.raises(AssertionError, match="communication started before the inputs were validated"):
+        ringattn.ring_attn_func(q, k, v)
