@@ -7,7 +7,8 @@ passing fewer K/V heads; lse is (batch, nheads, seqlen) fp32 in natural log.
 import torch
 import torch.distributed as dist
 
-from .ops import KERNEL_OPS, attn_bwd, attn_fwd
+from .ops import KERNEL_OPS
+from .ops.custom_ops import attn_bwd_op, attn_fwd_op
 from .ops.validation import check_attn_inputs, check_runnable_device, default_softmax_scale
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
 from .parallel.agreement import agreement_mode, check_agreement, ring_signature
@@ -15,11 +16,12 @@ from .parallel.comm import p2p_timeout_s
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """Single-device fused attention; backward recomputes P from the saved lse."""
+    """Single-device fused attention; backward recomputes P from the saved lse. Calls the launchers through
+    their custom ops (ringattn::attn_fwd, ringattn::attn_bwd), so torch.compile traces it whole."""
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal):
-        out, lse = attn_fwd(q, k, v, softmax_scale, causal)
+        out, lse = attn_fwd_op(q, k, v, softmax_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal = softmax_scale, causal
         ctx.mark_non_differentiable(lse)
@@ -28,7 +30,7 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
+        dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
         return dq, dk, dv, None, None
 
 

@@ -1,0 +1,50 @@
+"""The launchers as torch.library custom ops with fake (meta) twins, so torch.compile can trace
+through flash_attn_func without looking inside Triton (docs/design.md, section 7).
+
+- ringattn::attn_fwd(q, k, v, softmax_scale, causal) -> (out, lse)
+- ringattn::attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal) -> (dq, dk, dv)
+
+Both return fresh tensors. The ring keeps calling the plain Python launchers (attn_fwd with an fp32
+out_dtype, attn_bwd accumulating into fp32 buffers in place): its loop is not traced.
+"""
+
+import torch
+
+from .attn import attn_bwd, attn_fwd
+
+
+@torch.library.custom_op("ringattn::attn_fwd", mutates_args=())
+def attn_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attn_fwd as a custom op: out (B, Sq, Hq, D) contiguous in q's dtype, lse (B, Hq, Sq) fp32."""
+    return attn_fwd(q, k, v, softmax_scale, causal)
+
+
+@attn_fwd_op.register_fake
+def _attn_fwd_fake(q, k, v, softmax_scale, causal):
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+@torch.library.custom_op("ringattn::attn_bwd", mutates_args=())
+def attn_bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attn_bwd as a custom op: (dq, dk, dv) shaped like q, k, v, contiguous, in q's dtype."""
+    grads = attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal)
+    return tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
+
+
+@attn_bwd_op.register_fake
+def _attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal):
+    return tuple(torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v))
