@@ -1,0 +1,208 @@
+"""Numerics that must never be the reason a run goes NaN or drifts: fully masked rows, extreme
+logits, fp16 in and out, non-contiguous inputs, bitwise determinism (flash and ring)."""
+
+import pytest
+import torch
+
+import ringattn
+from ringattn.ops import KERNEL_OPS, AttnOps
+from ringattn.parallel import shard_indices
+from ringattn.parallel.simulate import simulate_ring_attn, simulate_ring_backward, simulate_ring_forward
+from ringattn.testing import check_close, magnitude, max_abs_error, tolerance
+from tests.distributed import run_ranks
+from tests.utils import DEVICE, DTYPES, make_qkv, reference_attention
+
+DTYPE = DTYPES[0]
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def _check_all(ours, q, k, v, dout, softmax_scale, causal, what):
+    """The tolerance rule (ringattn.testing) on out, lse, dq, dk, dv against float64."""
+    ref = reference_attention(q, k, v, dout, softmax_scale, causal, torch.float64)
+    pt = reference_attention(q, k, v, dout, softmax_scale, causal, q.dtype)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    for i, name in enumerate(NAMES):
+        check_close(f"{what} {name}", ours[i], pt[i], ref[i], None if i < 2 else grad_scale)
+
+
+def _flash(q, k, v, dout, softmax_scale, causal):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
+    out.backward(dout)
+    return out.detach(), lse, q.grad, k.grad, v.grad
+
+
+def test_fully_masked_rows_give_zero_output_and_grads_flash():
+    """Causal with Sq > Sk: the first Sq - Sk rows see no key. out, dq are exactly 0 there, lse is -inf,
+    nothing is NaN, and all five results obey the tolerance rule against float64."""
+    q, k, v, dout = make_qkv(2, 75, 21, 4, 2, 40, DTYPE, seed=5)
+    out, lse, dq, dk, dv = _flash(q, k, v, dout, 0.3, True)
+    masked = 75 - 21
+    for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"NaN in {name}"
+    assert (out[:, :masked] == 0).all() and (dq[:, :masked] == 0).all()
+    assert (lse[:, :, :masked] == float("-inf")).all() and torch.isfinite(lse[:, :, masked:]).all()
+    _check_all((out, lse, dq, dk, dv), q, k, v, dout, 0.3, True, "flash")
+
+
+class _QueryPaddingOps(AttnOps):
+    """Block ops for which some query rows see no key, as padding tokens would: their block outputs are 0
+    with lse -inf, which the ring must carry through every merge and step. `padded_rows(q_block)` gives
+    the rows of a block (a view of one rank's queries) to mask."""
+
+    def __new__(cls, ops: AttnOps, padded_rows):
+        def fwd(q, k, v, softmax_scale, causal, out_dtype=None):
+            out, lse = ops.fwd(q, k, v, softmax_scale, causal, out_dtype=out_dtype)
+            rows = padded_rows(q)
+            out[:, rows] = 0
+            lse[:, :, rows] = float("-inf")
+            return out, lse
+
+        return super().__new__(cls, fwd, ops.bwd, ops.bwd_preprocess)
+
+
+def test_fully_masked_rows_give_zero_output_and_grads_ring():
+    """Ring (simulated, W = 3, zigzag causal, interpreted kernels) with padded query rows that see no key in
+    any block: out and dq are exactly 0 there, lse is -inf, nothing is NaN, every other row's out and dq
+    are bitwise those of the ring without padding, and dk, dv those of the ring with dout = 0 at the
+    padded rows."""
+    world_size, seqlen_local, layout = 3, 16, "zigzag"
+    seqlen = world_size * seqlen_local
+    padded = torch.tensor([0, 1, 9, 30, 31, 47])  # global positions, on every rank and in both zigzag chunks
+    q, k, v, dout = make_qkv(1, seqlen, seqlen, 2, 1, 16, DTYPE, seed=8)
+    idx = [shard_indices(seqlen, r, world_size, layout) for r in range(world_size)]
+    q_s, k_s, v_s, dout_s = ([t.index_select(1, i) for i in idx] for t in (q, k, v, dout))
+    local_padded = {q_r.untyped_storage().data_ptr(): torch.isin(i, padded) for q_r, i in zip(q_s, idx, strict=True)}
+
+    def padded_rows(q_block):  # q_block is a row range of one rank's (contiguous) q shard
+        start = q_block.storage_offset() // q_block.stride(1)
+        mask = local_padded[q_block.untyped_storage().data_ptr()][start : start + q_block.shape[1]]
+        return torch.nonzero(mask).flatten()
+
+    ops = _QueryPaddingOps(KERNEL_OPS, padded_rows)
+    states = simulate_ring_forward(ops, q_s, k_s, v_s, 0.25, True, layout)
+    outs, lses = [s[0] for s in states], [s[1] for s in states]
+    grads = simulate_ring_backward(ops, dout_s, q_s, k_s, v_s, [o.to(DTYPE) for o in outs], lses, 0.25, True, layout)
+    dout_unpadded = dout.clone()
+    dout_unpadded[:, padded] = 0
+    clean = simulate_ring_attn(KERNEL_OPS, q, k, v, 0.25, True, world_size, layout, dout=dout_unpadded)
+    for rank in range(world_size):
+        pad = torch.isin(idx[rank], padded)
+        (out, lse), (dq, dk, dv) = states[rank], grads[rank]
+        for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+            assert not torch.isnan(t).any(), f"rank {rank}: NaN in {name}"
+        assert (out[:, pad] == 0).all() and (dq[:, pad] == 0).all() and (lse[:, :, pad] == float("-inf")).all()
+        keep = idx[rank][~pad]
+        assert torch.equal(out[:, ~pad], clean[0][:, keep]) and torch.equal(dq[:, ~pad], clean[2][:, keep])
+        torch.testing.assert_close(dk, clean[3][:, idx[rank]], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dv, clean[4][:, idx[rank]], rtol=1e-6, atol=1e-6)
+
+
+def _check_extreme(ours, q, k, v, dout, softmax_scale, causal, what):
+    """The tolerance rule, with one allowance for dv: the backward recomputes P = exp(s - lse) from the lse
+    the forward stored in fp32, which is off by a few ulps of |lse|; at |lse| ~ 1e3 ... 1e4 that is a
+    relative error of 1e-4 ... 1e-3 in every P, and dv = P^T dout is where it shows (plain PyTorch keeps
+    the exponent's rounding relative to the row max instead). Allowed extra: 4 eps |lse| max (P^T |dout|)."""
+    ref = reference_attention(q, k, v, dout, softmax_scale, causal, torch.float64)
+    pt = reference_attention(q, k, v, dout, softmax_scale, causal, q.dtype)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    for i, name in enumerate(NAMES[:4]):
+        check_close(f"{what} {name}", ours[i], pt[i], ref[i], None if i < 2 else grad_scale)
+    dv_weight = reference_attention(q, k, v, dout.abs(), softmax_scale, causal, torch.float64)[4]
+    allowance = 4 * torch.finfo(torch.float32).eps * magnitude(ref[1]) * magnitude(dv_weight)
+    err, allowed = max_abs_error(ours[4], ref[4]), tolerance(pt[4], ref[4], grad_scale) + allowance
+    assert err <= allowed, f"{what} dv: max abs error {err:.3e} exceeds {allowed:.3e} (lse allowance {allowance:.1e})"
+
+
+# The dK/dV kernel exponentiates causally masked scores before zeroing them with tl.where; at these logits
+# exp2 overflows to inf there (numpy warns in the interpreter), and the where discards it.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+def test_extreme_logits_do_not_overflow():
+    """Inputs scaled x5 and softmax_scale = 10: scores reach ~5e3, far past exp's fp32 range (88). Flash and
+    the ring (simulated, W = 3, zigzag causal) must stay finite and match float64 (_check_extreme)."""
+    q, k, v, dout = make_qkv(1, 66, 66, 2, 1, 32, DTYPE, seed=13)
+    q, k = q * 5, k * 5
+    scale = 10.0
+    assert (torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale).abs().max() > 1e3
+    for causal in (False, True):
+        flash = _flash(q, k, v, dout, scale, causal)
+        for name, t in zip(NAMES, flash, strict=True):
+            assert not torch.isnan(t).any() and not torch.isinf(t).any(), f"flash {name} not finite"
+        _check_extreme(flash, q, k, v, dout, scale, causal, f"flash causal={causal}")
+    ring = simulate_ring_attn(KERNEL_OPS, q, k, v, scale, True, 3, "zigzag", dout=dout)
+    for name, t in zip(NAMES, ring, strict=True):
+        assert torch.isfinite(t).all(), f"ring {name} not finite"
+    _check_extreme(ring, q, k, v, dout, scale, True, "ring")
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the GPU suite checks fp16 and bf16 in every kernel test")
+def test_fp16_in_gives_fp16_out_and_grads_flash():
+    q, k, v, dout = make_qkv(2, 45, 45, 4, 2, 32, torch.float16, seed=21)
+    ours = _flash(q, k, v, dout, 32**-0.5, True)
+    assert ours[0].dtype == torch.float16 and ours[1].dtype == torch.float32
+    assert all(g.dtype == torch.float16 for g in ours[2:])
+    _check_all(ours, q, k, v, dout, 32**-0.5, True, "flash fp16")
+
+
+def _ring_results(rank, world_size, dtype, layout, seqlen_local, strides=("contiguous",)):
+    """ring_attn_func on this rank's shard of one problem (GQA, causal), once per entry of `strides`:
+    "contiguous" shards, or "strided": the same values as views into buffers twice as wide in the head dim
+    (q, k, v and dout non-contiguous, last dim contiguous). Returns [(out, lse, dq, dk, dv)] per run."""
+    seqlen = seqlen_local * world_size
+    q, k, v, dout = make_qkv(1, seqlen, seqlen, 2, 1, 16, dtype, device="cpu", seed=17)
+    idx = shard_indices(seqlen, rank, world_size, layout)
+    runs = []
+    for stride in strides:
+        shards = [t[:, idx] for t in (q, k, v, dout)]
+        if stride == "strided":
+            shards = [torch.cat([t, torch.full_like(t, float("nan"))], dim=-1)[..., : t.shape[-1]] for t in shards]
+            assert not any(t.is_contiguous() for t in shards)
+        q_l, k_l, v_l = (t.detach().requires_grad_() for t in shards[:3])
+        out, lse = ringattn.ring_attn_func(q_l, k_l, v_l, causal=True, layout=layout, return_lse=True)
+        out.backward(shards[3])
+        runs.append((out.detach(), lse, q_l.grad, k_l.grad, v_l.grad))
+    return runs
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the NCCL ring tests run fp16 and bf16 on GPUs")
+def test_fp16_in_gives_fp16_out_and_grads_ring():
+    """gloo, W = 2, zigzag causal: out and the gradients come back in fp16 (lse fp32) and obey the tolerance
+    rule against float64 (the ring merges and accumulates in fp32, rounding once at the end)."""
+    world_size, seqlen_local = 2, 22
+    seqlen = seqlen_local * world_size
+    q, k, v, dout = make_qkv(1, seqlen, seqlen, 2, 1, 16, torch.float16, device="cpu", seed=17)
+    full = [torch.empty(q.shape, dtype=torch.float16), torch.empty(1, 2, seqlen)]
+    full += [torch.empty(t.shape, dtype=torch.float16) for t in (q, k, v)]
+    for rank, ((results,)) in enumerate(run_ranks(_ring_results, world_size, torch.float16, "zigzag", seqlen_local)):
+        assert [t.dtype for t in results] == [torch.float16, torch.float32] + [torch.float16] * 3
+        idx = shard_indices(seqlen, rank, world_size, "zigzag")
+        for i, t in enumerate(results):
+            full[i][(slice(None), slice(None), idx) if i == 1 else (slice(None), idx)] = t
+    _check_all(full, q, k, v, dout, 16**-0.5, True, "ring fp16")
+
+
+def test_non_contiguous_inputs_give_the_contiguous_result_ring():
+    """gloo, W = 2, zigzag causal: q, k, v and dout that are views with gaps (NaN-filled, so reading them would
+    show) give bitwise the results of contiguous ones."""
+    for rank, (a, b) in enumerate(run_ranks(_ring_results, 2, DTYPE, "zigzag", 20, ("contiguous", "strided"))):
+        for name, x, y in zip(NAMES, a, b, strict=True):
+            assert torch.equal(x, y), f"rank {rank} {name}: non-contiguous inputs changed the result"
+
+
+def test_backward_is_bitwise_deterministic_flash():
+    """No atomics anywhere (every gradient row has one writer): repeated runs are bitwise identical."""
+    q, k, v, dout = make_qkv(2, 77, 77, 4, 1, 40, DTYPE, seed=23)
+    first = _flash(q, k, v, dout, 0.2, True)
+    for _ in range(2):
+        again = _flash(q, k, v, dout, 0.2, True)
+        for name, x, y in zip(NAMES, first, again, strict=True):
+            assert torch.equal(x, y), f"flash {name} differs between runs"
+
+
+def test_backward_is_bitwise_deterministic_ring():
+    """gloo, W = 3, contiguous causal, two runs in a row on every rank: bitwise identical results (the
+    dK/dV accumulators always visit the ranks in the same order)."""
+    for rank, runs in enumerate(run_ranks(_ring_results, 3, DTYPE, "contiguous", 19, ("contiguous",) * 2)):
+        for again in runs[1:]:
+            for name, x, y in zip(NAMES, runs[0], again, strict=True):
+                assert torch.equal(x, y), f"rank {rank} {name} differs between runs"
