@@ -1,14 +1,18 @@
 """ringattn: exact ring attention over sequences sharded across ranks, with fused Triton kernels."""
 
-from .functional import flash_attn_func, ring_attn_func
+from .functional import flash_attn_func, ring_attn_func, ring_attn_varlen_func
+from .parallel.documents import cu_seqlens_from_position_ids, pad_cu_seqlens
 from .parallel.layout import LAYOUTS, pad_to_multiple, position_ids, shard, shard_indices, unshard
 
 __all__ = [
     "LAYOUTS",
+    "cu_seqlens_from_position_ids",
     "flash_attn_func",
+    "pad_cu_seqlens",
     "pad_to_multiple",
     "position_ids",
     "ring_attn_func",
+    "ring_attn_varlen_func",
     "shard",
     "shard_indices",
     "unshard",

@@ -1,4 +1,5 @@
-"""Autograd Functions and the public functions `flash_attn_func` and `ring_attn_func`.
+"""Autograd Functions and the public functions `flash_attn_func`, `ring_attn_func` and
+`ring_attn_varlen_func`.
 
 Signatures follow flash-attn: tensors are (batch, seqlen, nheads, headdim); GQA/MQA by
 passing fewer K/V heads; lse is (batch, nheads, seqlen) fp32 in natural log.
@@ -13,6 +14,7 @@ from .ops.validation import check_attn_inputs, check_runnable_device, default_so
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
 from .parallel.agreement import agreement_mode, check_agreement, ring_signature
 from .parallel.comm import p2p_timeout_s
+from .parallel.documents import ShardDocuments, check_cu_seqlens, fingerprint
 
 
 class FlashAttnFunction(torch.autograd.Function):
@@ -69,11 +71,11 @@ class RingAttnFunction(torch.autograd.Function):
     """Ring attention over the ranks of a process group; forward and backward each go round the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, group, layout):
-        out, lse = ring_attn_forward(RingComm(group), KERNEL_OPS, q, k, v, softmax_scale, causal, layout)
+    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, docs=None):
+        out, lse = ring_attn_forward(RingComm(group), KERNEL_OPS, q, k, v, softmax_scale, causal, layout, docs)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.causal, ctx.group, ctx.layout = softmax_scale, causal, group, layout
+        ctx.softmax_scale, ctx.causal, ctx.group, ctx.layout, ctx.docs = softmax_scale, causal, group, layout, docs
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -81,9 +83,10 @@ class RingAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attn_backward(
-            RingComm(ctx.group), KERNEL_OPS, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout
-        )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+            RingComm(ctx.group), KERNEL_OPS, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout,
+            ctx.docs,
+        )  # fmt: skip
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def check_ring_inputs(
@@ -94,13 +97,15 @@ def check_ring_inputs(
     layout: str,
     softmax_scale: float | None = None,
     causal: bool = False,
+    documents: int = 0,
 ) -> float:
     """Every check of a ring call, all before the ring's first P2P op; returns the softmax scale to use.
 
     First the local checks (shapes, dtypes, devices, layout, scale, the group and its backend), then,
     on rings of 2 or more ranks, the cross-rank agreement check (parallel/agreement.py): one small
     all_gather on `group`, skipped per $RINGATTN_AGREEMENT, after which every rank raises the same
-    ValueError if the ranks' shapes, dtype, causal, softmax_scale or layout differ.
+    ValueError if the ranks' shapes, dtype, causal, softmax_scale, layout or (`documents`, the
+    fingerprint of ring_attn_varlen_func's cu_seqlens) document boundaries differ.
 
     Raises:
         ValueError, TypeError: bad local inputs, an unknown layout, an odd local length with "zigzag",
@@ -136,7 +141,7 @@ def check_ring_inputs(
     p2p_timeout_s()  # the environment's settings, checked before the first collective
     agreement_mode()
     if dist.get_world_size(group) > 1:
-        check_agreement(ring_signature(q, k, v, scale, causal, layout), group, q.device)
+        check_agreement(ring_signature(q, k, v, scale, causal, layout, documents), group, q.device)
     return scale
 
 
@@ -184,3 +189,52 @@ def ring_attn_func(
     scale = check_ring_inputs(q, k, v, group, layout, softmax_scale, causal)
     out, lse = RingAttnFunction.apply(q, k, v, scale, bool(causal), group, layout)
     return (out, lse) if return_lse else out
+
+
+def ring_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+):
+    """Exact attention over one packed sequence of documents split across the ranks of `group`.
+
+    Attention stays inside each document (and, causal, does not look ahead). Documents may have
+    any length, cross rank and chunk boundaries, and be shorter than the world size. Sub-blocks
+    whose documents never meet are skipped, not computed and masked.
+
+    Args:
+        q: (S_local, nheads, headdim), this rank's shard (in `layout`) of the packed queries.
+        k, v: (S_local, nheads_k, headdim); nheads % nheads_k == 0.
+        cu_seqlens: (n_docs + 1,) int32 global document boundaries: 0, ..., S_local * world_size,
+            strictly increasing; the same on every rank. ringattn.cu_seqlens_from_position_ids
+            builds it from packed position ids; ringattn.pad_cu_seqlens pads the total length.
+        softmax_scale, group, layout: as in ring_attn_func (default layout "zigzag").
+        causal: causal inside each document (default True).
+        return_lse: also return lse (nheads, S_local) fp32.
+    Returns:
+        out (S_local, nheads, headdim) in q's dtype, and lse with return_lse.
+    Raises:
+        ValueError, TypeError: as ring_attn_func, and for q, k, v that are not 3-D or a bad cu_seqlens.
+        RuntimeError: as ring_attn_func.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (total_local_tokens, nheads, headdim), got {_shape(t)}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_attn_varlen_func needs torch.distributed initialised (dist.init_process_group)")
+    seqlen_local, world_size = q.shape[0], dist.get_world_size(group)
+    check_cu_seqlens(cu_seqlens, seqlen_local * world_size)
+    scale = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, causal, fingerprint(cu_seqlens))
+    docs = ShardDocuments(cu_seqlens, seqlen_local, world_size, layout, q.device)
+    out, lse = RingAttnFunction.apply(q[None], k[None], v[None], scale, bool(causal), group, layout, docs)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _shape(t) -> str:
+    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__

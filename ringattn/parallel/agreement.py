@@ -30,7 +30,7 @@ from .layout import LAYOUTS
 AGREEMENT_ENV = "RINGATTN_AGREEMENT"
 AGREEMENT_MODES = ("once", "always", "off")
 MAGIC = 0x52_49_4E_47  # "RING": a vector that does not start with it did not come from encode_signature
-VERSION = 1
+VERSION = 2
 SIGNATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_CACHED_PER_GROUP = 64
 
@@ -48,6 +48,7 @@ class RingSignature(NamedTuple):
     softmax_scale: float
     layout: str
     requires_grad: bool  # a rank that records no graph never joins the backward ring
+    documents: int = 0  # fingerprint of cu_seqlens (ring_attn_varlen_func); 0 for one dense sequence
 
 
 # how each field is named in errors: the argument it comes from
@@ -62,19 +63,27 @@ FIELD_LABELS = {
     "softmax_scale": "softmax_scale",
     "layout": "layout",
     "requires_grad": "whether q, k or v require grad",
+    "documents": "cu_seqlens (fingerprint)",
 }
 SIGNATURE_LEN = 2 + len(RingSignature._fields)
 
 
 def ring_signature(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, layout: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    layout: str,
+    documents: int = 0,
 ) -> RingSignature:
-    """The signature of one ring call from its (already validated) local arguments."""
+    """The signature of one ring call from its (already validated) local arguments; `documents` is
+    parallel.documents.fingerprint(cu_seqlens) for packed documents."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     batch, seqlen_local, heads_q, head_dim = q.shape
     return RingSignature(
         batch, seqlen_local, heads_q, k.shape[2], head_dim, q.dtype, bool(causal), float(softmax_scale), layout,
-        requires_grad,
+        requires_grad, documents,
     )  # fmt: skip
 
 
@@ -97,7 +106,7 @@ def encode_signature(sig: RingSignature) -> torch.Tensor:
     values = [MAGIC, VERSION]
     values += [sig.batch, sig.seqlen_local, sig.heads_q, sig.heads_k, sig.head_dim]
     values += [SIGNATURE_DTYPES.index(sig.dtype), int(sig.causal), _float_bits(sig.softmax_scale)]
-    values += [LAYOUTS.index(sig.layout), int(sig.requires_grad)]
+    values += [LAYOUTS.index(sig.layout), int(sig.requires_grad), sig.documents]
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -117,12 +126,12 @@ def decode_signature(encoded: torch.Tensor | list[int]) -> RingSignature:
         )
     if values[1] != VERSION:
         raise ValueError(f"ring signature version {values[1]}, expected {VERSION}: ranks run different ringattn")
-    batch, seqlen, heads_q, heads_k, head_dim, dtype_i, causal, scale_bits, layout_i, grad = values[2:]
+    batch, seqlen, heads_q, heads_k, head_dim, dtype_i, causal, scale_bits, layout_i, grad, documents = values[2:]
     if not (0 <= dtype_i < len(SIGNATURE_DTYPES) and 0 <= layout_i < len(LAYOUTS)):
         raise ValueError(f"ring signature with dtype index {dtype_i} or layout index {layout_i} out of range")
     return RingSignature(
         batch, seqlen, heads_q, heads_k, head_dim, SIGNATURE_DTYPES[dtype_i], bool(causal), _bits_float(scale_bits),
-        LAYOUTS[layout_i], bool(grad),
+        LAYOUTS[layout_i], bool(grad), documents,
     )  # fmt: skip
 
 

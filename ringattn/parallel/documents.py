@@ -8,6 +8,8 @@ document. Every rank can compute the document ids of every other rank's shard fr
 global cu_seqlens, so ids never travel the ring.
 """
 
+import hashlib
+
 import torch
 
 from .layout import shard_indices
@@ -34,6 +36,12 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         raise ValueError(f"{name} must be strictly increasing (documents of length >= 1), got {bounds.tolist()}")
     if bounds[-1].item() != total:
         raise ValueError(f"{name} must end at the global length {total}, got {bounds[-1].item()}")
+
+
+def fingerprint(cu_seqlens: torch.Tensor) -> int:
+    """A nonzero int64 fingerprint of the boundaries, for the cross-rank agreement check."""
+    digest = hashlib.blake2b(cu_seqlens.cpu().to(torch.int64).numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True) | 1
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

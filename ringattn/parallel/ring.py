@@ -18,7 +18,8 @@ import torch
 
 from ..ops import AttnOps, merge_attn_states_
 from .comm import RingComm
-from .schedule import BlockMode, block_tasks, kv_source_rank
+from .documents import ShardDocuments
+from .schedule import BlockMode, BlockTask, block_tasks, kv_source_rank
 
 
 def state_dtype(q: torch.Tensor) -> torch.dtype:
@@ -29,6 +30,15 @@ def state_dtype(q: torch.Tensor) -> torch.dtype:
 def _rows(t: torch.Tensor, rows: range, dim: int = 1) -> torch.Tensor:
     """A view of t's rows `rows` along dim (1 for (B, S, H, D), 2 for (B, H, S))."""
     return t.narrow(dim, rows.start, len(rows))
+
+
+def _task_doc_ids(docs: ShardDocuments | None, rank: int, kv_rank: int, task: BlockTask) -> dict | None:
+    """Document-id keyword arguments of a task's kernel call; None when its documents never meet (skip)."""
+    if docs is None:
+        return {}
+    if not docs.meet(rank, task.q_rows, kv_rank, task.kv_rows):
+        return None
+    return dict(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
 
 
 def init_forward_state(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,15 +62,21 @@ def forward_step(
     v_blk: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    docs: ShardDocuments | None = None,
 ) -> None:
     """One ring step of the forward on one rank: merge q's attention to the K/V block of `kv_rank` into (out, lse).
 
     Args:
         q: (B, S_local, Hq, D) this rank's queries; k_blk, v_blk: (B, S_local, Hkv, D) the block in hand.
         out, lse: the running state (init_forward_state), updated in place.
+        docs: packed documents (ring_attn_varlen_func): sub-blocks whose documents never meet are
+            skipped, the others masked by document.
     """
     for task in block_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1]):
         qs, kvs = task.q_rows, task.kv_rows
+        doc_ids = _task_doc_ids(docs, rank, kv_rank, task)
+        if doc_ids is None:
+            continue
         block_out, block_lse = ops.fwd(
             _rows(q, qs),
             _rows(k_blk, kvs),
@@ -68,6 +84,7 @@ def forward_step(
             softmax_scale,
             task.mode is BlockMode.CAUSAL,
             out_dtype=out.dtype,
+            **doc_ids,
         )
         merge_attn_states_(_rows(out, qs), _rows(lse, qs, 2), block_out, block_lse)  # in place on views
 
@@ -98,6 +115,7 @@ def backward_step(
     dq: torch.Tensor,
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
+    docs: ShardDocuments | None = None,
 ) -> None:
     """One ring step of the backward on one rank: add the gradients of q's attention to the block of `kv_rank`
     into dq (this rank's) and dk_acc, dv_acc (the accumulators of the block in hand), in place.
@@ -105,9 +123,13 @@ def backward_step(
     Args:
         dout, q, out: (B, S_local, Hq, D); lse, delta: (B, Hq, S_local), the global lse and rowsum(dout * out).
         k_blk, v_blk, dk_acc, dv_acc: (B, S_local, Hkv, D).
+        docs: packed documents, as in forward_step.
     """
     for task in block_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1]):
         qs, kvs = task.q_rows, task.kv_rows
+        doc_ids = _task_doc_ids(docs, rank, kv_rank, task)
+        if doc_ids is None:
+            continue
         ops.bwd(
             _rows(dout, qs),
             _rows(q, qs),
@@ -121,6 +143,7 @@ def backward_step(
             dq_acc=_rows(dq, qs),
             dk_acc=_rows(dk_acc, kvs),
             dv_acc=_rows(dv_acc, kvs),
+            **doc_ids,
         )
 
 
@@ -133,12 +156,14 @@ def ring_attn_forward(
     softmax_scale: float,
     causal: bool,
     layout: str = "contiguous",
+    docs: ShardDocuments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's shard of global attention.
 
     Args:
         q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards in `layout`
             ("contiguous" or "zigzag"; S_local even for "zigzag").
+        docs: packed documents (B = 1): attention stays inside each document.
     Returns:
         out (B, S_local, Hq, D) and lse (B, Hq, S_local), both fp32 (float64 for float64 inputs).
     Raises:
@@ -152,7 +177,9 @@ def ring_attn_forward(
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit(f"forward step {step} (K/V)")
         kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
-        forward_step(ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale, q, k_cur, v_cur, out, lse)
+        forward_step(
+            ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale, q, k_cur, v_cur, out, lse, docs
+        )
         if not last:
             comm.wait()
             k_cur, v_cur = k_next, v_next
@@ -171,13 +198,14 @@ def ring_attn_backward(
     softmax_scale: float,
     causal: bool,
     layout: str = "contiguous",
+    docs: ShardDocuments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of this rank's q, k, v shards.
 
     Args:
         dout, out: (B, S_local, Hq, D); q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D);
         lse: (B, Hq, S_local) fp32, the global normaliser from the forward.
-        layout: the layout the forward ran with.
+        layout, docs: what the forward ran with.
     Returns:
         dq, dk, dv in fp32 (float64 for float64 inputs), shaped like q, k, v.
     Raises:
@@ -194,7 +222,7 @@ def ring_attn_backward(
         kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
         backward_step(
             ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale,
-            dout, q, k_cur, v_cur, out, lse, delta, dq, dk_cur, dv_cur,
+            dout, q, k_cur, v_cur, out, lse, delta, dq, dk_cur, dv_cur, docs,
         )  # fmt: skip
         if not last:
             comm.wait()

@@ -1,0 +1,89 @@
+"""ring_attn_varlen_func on spawned gloo ranks: packed documents vs float64 attention masked by document."""
+
+import pytest
+import torch
+
+import ringattn
+from ringattn.parallel.documents import document_ids
+from ringattn.testing import check_close, magnitude
+from tests.distributed import run_ranks
+from tests.utils import make_qkv, reference_attention
+
+# documents of length 1, documents shorter than W, documents crossing rank and chunk boundaries
+CASES = {
+    2: [1, 7, 3, 1, 20, 4],
+    3: [2, 1, 1, 30, 5, 1, 2],
+    4: [13, 1, 1, 1, 20, 12],
+}
+
+
+def _varlen_ring_matches_reference(rank, world_size, lengths, heads_q, heads_k, causal, layout, pad_to=1):
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_seqlens, padding = ringattn.pad_cu_seqlens(cu_seqlens, pad_to)
+    total = int(cu_seqlens[-1])
+    q, k, v, dout = make_qkv(1, total, total, heads_q, heads_k, 32, torch.float32, device="cpu", seed=total)
+    if padding:
+        dout[:, total - padding :] = 0  # padding is left out of the loss
+    idx = ringattn.shard_indices(total, rank, world_size, layout)
+    q_l, k_l, v_l = (t[0, idx].requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.ring_attn_varlen_func(q_l, k_l, v_l, cu_seqlens, causal=causal, layout=layout, return_lse=True)
+    out.backward(dout[0, idx])
+    assert out.shape == q_l.shape and lse.shape == (heads_q, len(idx))
+
+    ids = document_ids(cu_seqlens, total)
+    docs = dict(q_doc_ids=ids, k_doc_ids=ids)
+    ref = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float64, **docs)
+    pt = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float32, **docs)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        local = (lambda t: t[0][:, idx]) if i == 1 else (lambda t: t[0, idx])
+        check_close(f"rank {rank} {name}", ours[i], local(pt[i]), local(ref[i]), None if i < 2 else grad_scale)
+    if padding:  # padding rows: finite, and no gradient reaches the padding tokens' inputs
+        pad_rows = idx >= total - padding
+        for g in (q_l.grad, k_l.grad, v_l.grad):
+            assert torch.isfinite(g).all() and (g[pad_rows] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("world_size", sorted(CASES), ids=[f"W{w}" for w in sorted(CASES)])
+def test_varlen_zigzag_matches_reference(world_size, causal):
+    heads = (4, 2) if world_size != 3 else (4, 1)  # GQA, and MQA at W = 3
+    run_ranks(_varlen_ring_matches_reference, world_size, CASES[world_size], *heads, causal, "zigzag")
+
+
+def test_varlen_contiguous_matches_reference():
+    run_ranks(_varlen_ring_matches_reference, 3, CASES[3], 4, 2, True, "contiguous")
+
+
+def test_varlen_padding_gets_no_gradient():
+    """45 tokens padded to 48 for W = 4 zigzag: the padding is a document of its own."""
+    run_ranks(_varlen_ring_matches_reference, 4, [10, 1, 30, 4], 4, 2, True, "zigzag", 8)
+
+
+def _bad_cu_seqlens_raise(rank, world_size):
+    q = torch.zeros(8, 2, 32)
+    with pytest.raises(ValueError, match="must end at the global length 16"):
+        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0, 5, 12], dtype=torch.int32))
+    with pytest.raises(TypeError, match="cu_seqlens must be int32"):
+        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0, 5, 16]))
+    with pytest.raises(ValueError, match="q must be a 3-D tensor"):
+        ringattn.ring_attn_varlen_func(q[None], q, q, torch.tensor([0, 16], dtype=torch.int32))
+    return True
+
+
+def test_varlen_bad_inputs_raise_on_every_rank():
+    assert run_ranks(_bad_cu_seqlens_raise, 2) == [True, True]
+
+
+def _ranks_disagree_on_cu_seqlens(rank, world_size):
+    q = torch.zeros(8, 2, 32)
+    cu = torch.tensor([0, 5 + rank, 16], dtype=torch.int32)  # each rank its own boundaries
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ringattn.ring_attn_varlen_func(q, q, q, cu)
+    return True
+
+
+def test_cu_seqlens_that_differ_across_ranks_raise_on_every_rank():
+    """Ranks with different document boundaries would compute with different masks: caught before the ring."""
+    assert run_ranks(_ranks_disagree_on_cu_seqlens, 2) == [True, True]
