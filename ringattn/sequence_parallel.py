@@ -11,9 +11,11 @@ which may live on another rank), so a shard's loss needs no neighbour. `cross_en
 the sum of this rank's per-token losses by the number of counted tokens in the whole group, so the
 ranks' gradients add up to the gradient of the unsharded mean loss.
 
-Not yet here: packed variable-length documents (several documents per row, cu_seqlens). They need
-ring_attn_varlen_func; ShardedBatch and SequenceParallel.shard_batch are where cu_seqlens will be
-sharded and carried.
+Packed documents (several documents in one row, batch 1): `shard_batch(..., position_ids=...)` (positions
+restarting at 0 at each document) or `shard_batch(..., cu_seqlens=...)` carries the global document
+boundaries in ShardedBatch.cu_seqlens (the padding a document of its own) and gives each token its
+position inside its document; `SequenceParallel.attention(q, k, v, batch.cu_seqlens, causal=True)` keeps
+attention inside each document (ring_attn_varlen_func). No token's target is the next document's first token.
 """
 
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .functional import ring_attn_func, ring_attn_varlen_func
+from .parallel.documents import check_cu_seqlens, cu_seqlens_from_position_ids, document_ids, pad_cu_seqlens
 from .parallel.layout import check_layout, chunks_per_rank, pad_to_multiple, shard, shard_indices, unshard
 
 IGNORE_INDEX = -100
@@ -41,6 +45,45 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
         (batch, seqlen), a new tensor of labels' dtype.
     """
     return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def document_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """int64 (S,): the position of every token inside its document, 0 at each document start.
+
+    Args:
+        cu_seqlens: (n_docs + 1,) int32 document boundaries of an S-token packed sequence.
+    Returns:
+        positions on cu_seqlens' device, e.g. [0, 1, 2, 0, 0, 1] for boundaries [0, 3, 4, 6].
+    """
+    total = int(cu_seqlens[-1])
+    starts = cu_seqlens.to(torch.int64)[document_ids(cu_seqlens, total).to(torch.int64)]  # (S,)
+    return torch.arange(total, device=cu_seqlens.device) - starts
+
+
+def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document boundaries of a packed sequence, checking its positions run 0, 1, 2, ... inside every document.
+
+    Stricter than ringattn.cu_seqlens_from_position_ids, which looks only at the zeros: positions
+    sharded in another layout, or shifted, are refused here instead of giving RoPE wrong positions.
+
+    Args:
+        position_ids: (S,) or (1, S) integer positions, restarting at 0 at each document start.
+    Returns:
+        cu_seqlens (n_docs + 1,) int32 on position_ids' device.
+    Raises:
+        ValueError: not one sequence, not starting at 0, or a position that is not its predecessor's + 1
+            (or 0, starting a document).
+    """
+    cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+    pos = position_ids.reshape(-1).to(torch.int64)
+    bad = torch.nonzero(pos != document_positions(cu_seqlens)).flatten()
+    if bad.numel():
+        t = int(bad[0])
+        raise ValueError(
+            f"packed position_ids must count 0, 1, 2, ... inside each document and restart at 0 at the next one; "
+            f"token {t} has position {int(pos[t])} after {int(pos[t - 1])}"
+        )
+    return cu_seqlens
 
 
 class _GlobalMean(torch.autograd.Function):
@@ -142,11 +185,16 @@ class ShardedBatch:
     """This rank's shard of a batch (SequenceParallel.shard_batch).
 
     input_ids: (batch, S_local) this rank's tokens.
-    position_ids: (batch, S_local) int64, their global positions (an expanded view: one row repeated),
-        for RoPE and for Hugging Face models' `position_ids`.
+    position_ids: (batch, S_local) int64, the positions of these tokens for RoPE and for Hugging Face
+        models' `position_ids` (an expanded view: one row repeated): their global positions, or, for
+        packed documents, their positions inside their documents.
     labels: (batch, S_local) the shifted targets of these tokens, or None.
     seqlen: the global length S after padding (S_local = S / W).
     unpadded_seqlen: the length before padding; positions from it on are padding (label ignore_index).
+    cu_seqlens: packed documents only (else None): (n_docs + 1,) int32 global document boundaries, ending
+        at `seqlen`; padding forms one extra document. The same on every rank: pass it to
+        SequenceParallel.attention or ring_attn_varlen_func. On the CPU even for GPU batches: the ring
+        plans which blocks meet on the host, and a host tensor spares it a device sync per call.
     """
 
     input_ids: torch.Tensor
@@ -154,6 +202,7 @@ class ShardedBatch:
     labels: torch.Tensor | None
     seqlen: int
     unpadded_seqlen: int
+    cu_seqlens: torch.Tensor | None = None
 
 
 class SequenceParallel:
@@ -209,6 +258,8 @@ class SequenceParallel:
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
         shift: bool = True,
         ignore_index: int = IGNORE_INDEX,
         pad_id: int = 0,
@@ -219,37 +270,121 @@ class SequenceParallel:
         and labels with `ignore_index` at the end up to a multiple of `self.multiple`, and both are sharded.
         Under causal attention the padding comes last, so no real token attends to it.
 
+        Packed documents: pass their positions (`position_ids`, restarting at 0 at each document start,
+        as packed-sequence trainers make them) or their boundaries (`cu_seqlens`), with batch 1. The
+        result then carries the global boundaries in `cu_seqlens`, the padding forming a document of its
+        own, and `position_ids` are the tokens' positions inside their documents. With shift=True the
+        shifted label of each document's last token is set to `ignore_index`: no token is trained to
+        predict the next document's first token.
+
         Args:
             input_ids: (batch, S) tokens (or (batch, S, ...) inputs: only dim 1 is the sequence).
             labels: (batch, S), or None. With shift=True (Hugging Face's convention) the target of
                 position i is labels[:, i + 1]; with shift=False labels are already the targets.
+            position_ids: packed documents: (S,) or (1, S) positions inside the documents.
+            cu_seqlens: packed documents: (n_docs + 1,) int32 boundaries, 0 first, S last.
             ignore_index: the label of tokens left out of the loss.
             pad_id: the token used for padding.
         Returns:
-            ShardedBatch with input_ids, labels (batch, S_pad / W) and position_ids (batch, S_pad / W).
+            ShardedBatch with input_ids, labels (batch, S_pad / W), position_ids (batch, S_pad / W) and,
+            for packed documents, cu_seqlens.
         Raises:
-            ValueError: labels' (batch, S) differ from input_ids'.
+            ValueError: labels' (batch, S) differ from input_ids'; both position_ids and cu_seqlens given;
+                packed documents with batch != 1; position_ids or cu_seqlens that do not describe documents
+                of the S tokens (packed_cu_seqlens, check_cu_seqlens).
+            TypeError: cu_seqlens is not an int32 tensor.
         """
         if labels is not None and labels.shape[:2] != input_ids.shape[:2]:
             raise ValueError(
                 f"labels must have input_ids' (batch, seqlen) {tuple(input_ids.shape[:2])}, got {tuple(labels.shape)}"
             )
         batch, unpadded = input_ids.shape[0], input_ids.shape[1]
+        docs = self._documents(batch, unpadded, position_ids, cu_seqlens)  # int32 (n_docs + 1,) or None
         input_ids, _ = pad_to_multiple(input_ids, dim=1, multiple=self.multiple, value=pad_id)
         seqlen = input_ids.shape[1]
         if labels is not None:
             if shift:
                 labels = shift_labels(labels, ignore_index)
+                if docs is not None:  # a document's last token would be trained on the next document's first
+                    labels[:, docs[1:].to(device=labels.device, dtype=torch.int64) - 1] = ignore_index
             labels, _ = pad_to_multiple(labels, dim=1, multiple=self.multiple, value=ignore_index)
             labels = self.shard(labels)
-        positions = self.position_ids(seqlen, device=input_ids.device)  # (S_local,)
+        if docs is None:
+            positions = self.position_ids(seqlen, device=input_ids.device)  # (S_local,)
+        else:
+            docs, _ = pad_cu_seqlens(docs.cpu(), self.multiple)
+            positions = self.shard(document_positions(docs), dim=0).to(input_ids.device)  # (S_local,) in-document
         return ShardedBatch(
             input_ids=self.shard(input_ids),
             position_ids=positions.unsqueeze(0).expand(batch, -1),
             labels=labels,
             seqlen=seqlen,
             unpadded_seqlen=unpadded,
+            cu_seqlens=docs,
         )
+
+    @staticmethod
+    def _documents(batch: int, seqlen: int, position_ids, cu_seqlens) -> torch.Tensor | None:
+        """The checked int32 boundaries of packed documents given to shard_batch, or None for unpacked rows."""
+        if position_ids is None and cu_seqlens is None:
+            return None
+        if position_ids is not None and cu_seqlens is not None:
+            raise ValueError("pass the packed documents as position_ids or as cu_seqlens, not both")
+        if batch != 1:
+            raise ValueError(
+                f"packed documents need batch size 1 (pack the samples into one row), got input_ids of batch {batch}"
+            )
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, seqlen)
+            return cu_seqlens
+        if position_ids.shape[-1] != seqlen:
+            raise ValueError(
+                f"position_ids must hold one position per token, (S,) or (1, S) with S = {seqlen}, "
+                f"got shape {tuple(position_ids.shape)}"
+            )
+        return packed_cu_seqlens(position_ids)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        *,
+        causal: bool,
+        softmax_scale: float | None = None,
+        return_lse: bool = False,
+    ):
+        """Ring attention over this group in this layout, inside each document when there are documents.
+
+        A collective: every rank of the group calls it with its shard. With `cu_seqlens` (a ShardedBatch's,
+        the same on every rank) it runs ring_attn_varlen_func, else ring_attn_func; so a model can call
+        `sp.attention(q, k, v, batch.cu_seqlens, causal=True)` for packed and unpacked batches alike.
+
+        Args:
+            q: (batch, S_local, nheads, headdim); batch 1 with cu_seqlens.
+            k, v: (batch, S_local, nheads_k, headdim); nheads % nheads_k == 0.
+            cu_seqlens: (n_docs + 1,) int32 global document boundaries (ShardedBatch.cu_seqlens), or None.
+            causal: causal over global positions (inside each document with cu_seqlens).
+            softmax_scale: defaults to 1 / sqrt(headdim).
+            return_lse: also return lse (batch, nheads, S_local) fp32.
+        Returns:
+            out (batch, S_local, nheads, headdim) in q's dtype, and lse with return_lse.
+        Raises:
+            ValueError: q, k or v not of batch 1 with cu_seqlens; otherwise as ring_attn_func and
+                ring_attn_varlen_func.
+        """
+        kwargs = dict(softmax_scale=softmax_scale, causal=causal, group=self.group, layout=self.layout)
+        if cu_seqlens is None:
+            return ring_attn_func(q, k, v, return_lse=return_lse, **kwargs)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4 or t.shape[0] != 1:
+                raise ValueError(
+                    f"attention over packed documents needs {name} of shape (1, S_local, heads, headdim) (batch 1), "
+                    f"got {tuple(t.shape)}"
+                )
+        out, lse = ring_attn_varlen_func(q[0], k[0], v[0], cu_seqlens, return_lse=True, **kwargs)
+        return (out[None], lse[None]) if return_lse else out[None]
 
     def cross_entropy(
         self,

@@ -1,5 +1,8 @@
 """The sequence-parallel toolkit: labels shifted before sharding, a loss and gradients equal to the unsharded
-ones, gather, on spawned gloo ranks (no attention needed: a per-token model shows the bookkeeping alone)."""
+ones, gather, on spawned gloo ranks (no attention needed: a per-token model shows the bookkeeping alone);
+packed documents, with a small attention model, against the model run on each document alone."""
+
+import functools
 
 import pytest
 import torch
@@ -7,8 +10,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ringattn
+from ringattn.ops import attn_fwd_ref
 from ringattn.parallel import LAYOUTS
-from ringattn.sequence_parallel import IGNORE_INDEX, cross_entropy, shift_labels, sync_gradients
+from ringattn.sequence_parallel import (
+    IGNORE_INDEX,
+    cross_entropy,
+    document_positions,
+    packed_cu_seqlens,
+    shift_labels,
+    sync_gradients,
+)
+from ringattn.testing import check_close
 from tests.distributed import run_ranks
 
 
@@ -91,3 +103,115 @@ def _toolkit_matches_unsharded(rank, world_size, seqlen):
 def test_loss_and_gradients_equal_unsharded_on_3_ranks(seqlen):
     """W = 3; S = 17 is padded to 18 (contiguous) or 18 (zigzag, 2W = 6); float64 so any bookkeeping slip shows."""
     assert run_ranks(_toolkit_matches_unsharded, 3, seqlen) == [True] * 3
+
+
+def test_document_positions_and_packed_cu_seqlens():
+    cu = torch.tensor([0, 3, 4, 6], dtype=torch.int32)
+    assert document_positions(cu).tolist() == [0, 1, 2, 0, 0, 1]
+    assert packed_cu_seqlens(torch.tensor([[0, 1, 2, 0, 0, 1]])).tolist() == [0, 3, 4, 6]
+    assert packed_cu_seqlens(torch.arange(5)).tolist() == [0, 5]
+    with pytest.raises(ValueError, match="token 4 has position 3 after 0"):
+        packed_cu_seqlens(torch.tensor([0, 1, 2, 0, 3]))  # e.g. positions sharded in another layout
+    with pytest.raises(ValueError, match="must start a document"):
+        packed_cu_seqlens(torch.tensor([1, 2, 3]))
+
+
+# packed documents for W = 3: length 1, shorter than W, crossing rank and chunk boundaries; 29 tokens, padded
+# to 30 in both layouts (the padding a document of one token)
+PACKED = [1, 9, 2, 1, 13, 3]
+
+
+class _AttentionModel(torch.nn.Module):
+    """Token and in-document position embeddings, one attention layer (4 query heads, 2 K/V heads: GQA), a
+    per-token head; `attend(q, k, v)` is the attention, (1, S, H, D) in and out."""
+
+    def __init__(self, vocab, max_len, dim=32, heads=4, kv_heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.embed, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(max_len, dim)
+        self.q, self.kv = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.out = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, position_ids, attend):
+        x = self.embed(input_ids) + self.pos(position_ids)  # (1, S, dim)
+        q = self.q(x).unflatten(-1, (self.heads, self.head_dim))  # (1, S, H, D)
+        k, v = self.kv(x).unflatten(-1, (2 * self.kv_heads, self.head_dim)).chunk(2, dim=2)  # (1, S, Hkv, D)
+        return self.out(x + attend(q, k, v).flatten(2))  # (1, S, vocab)
+
+
+def _per_document(input_ids, labels, lengths, vocab, dtype):
+    """The model run on each document alone with plain attention in `dtype`: logits, mean loss, gradients."""
+    model = _AttentionModel(vocab, max(lengths)).to(dtype)
+
+    def attend(q, k, v):
+        return attn_fwd_ref(q, k, v, q.shape[-1] ** -0.5, True)[0]
+
+    logits, targets, start = [], [], 0
+    for n in lengths:
+        logits.append(model(input_ids[:, start : start + n], torch.arange(n)[None], attend))
+        targets.append(shift_labels(labels[:, start : start + n]))  # shifted inside the document
+        start += n
+    logits, targets = torch.cat(logits, 1), torch.cat(targets, 1)  # (1, T, V), (1, T)
+    loss = F.cross_entropy(logits[0], targets[0], ignore_index=IGNORE_INDEX)
+    loss.backward()
+    return logits.detach(), loss.detach(), [p.grad for p in model.parameters()]
+
+
+def _packed_toolkit_matches_per_document(rank, world_size, lengths):
+    vocab, total = 13, sum(lengths)
+    gen = torch.Generator().manual_seed(total)
+    input_ids = torch.randint(0, vocab, (1, total), generator=gen)
+    labels = input_ids.clone()
+    labels[0, 3:6] = IGNORE_INDEX
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    position_ids = document_positions(cu)[None]  # (1, T)
+    plain = _per_document(input_ids, labels, lengths, vocab, torch.float32)
+    ref = _per_document(input_ids, labels, lengths, vocab, torch.float64)
+
+    for layout in LAYOUTS:
+        sp = ringattn.SequenceParallel(layout=layout)
+        batch = sp.shard_batch(input_ids, labels, position_ids=position_ids)
+        # cu_seqlens given directly: the same batch
+        same = sp.shard_batch(input_ids, labels, cu_seqlens=cu)
+        for field in ("input_ids", "position_ids", "labels", "cu_seqlens"):
+            assert torch.equal(getattr(batch, field), getattr(same, field)), field
+        s_pad = batch.seqlen
+        padded_cu, pad = ringattn.pad_cu_seqlens(cu, sp.multiple)
+        assert s_pad == total + pad and torch.equal(batch.cu_seqlens, padded_cu)
+        idx = ringattn.shard_indices(s_pad, rank, world_size, layout)
+        assert torch.equal(batch.position_ids[0], document_positions(padded_cu)[idx])
+        # no document's last token is trained on the next document's first token
+        targets = shift_labels(labels)
+        targets[0, cu[1:].long() - 1] = IGNORE_INDEX
+        assert torch.equal(batch.labels[0], F.pad(targets, (0, pad), value=IGNORE_INDEX)[0, idx])
+
+        model = _AttentionModel(vocab, max(lengths))
+        attend = functools.partial(sp.attention, cu_seqlens=batch.cu_seqlens, causal=True)
+        logits = model(batch.input_ids, batch.position_ids, attend)  # (1, S_local, V)
+        loss = sp.cross_entropy(logits, batch.labels)
+        loss.backward()
+        sp.sync_gradients(model)
+        real = idx < total
+        check_close(f"{layout} rank {rank} logits", logits[:, real], plain[0][:, idx[real]], ref[0][:, idx[real]])
+        check_close(f"{layout} rank {rank} loss", loss, plain[1], ref[1])
+        for i, p in enumerate(model.parameters()):
+            check_close(f"{layout} rank {rank} grad {i}", p.grad, plain[2][i], ref[2][i])
+
+    with pytest.raises(ValueError, match="batch size 1"):
+        sp.shard_batch(input_ids.expand(2, -1), position_ids=position_ids)
+    with pytest.raises(ValueError, match="not both"):
+        sp.shard_batch(input_ids, position_ids=position_ids, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="must end at the global length"):
+        sp.shard_batch(input_ids, cu_seqlens=cu[:-1])
+    with pytest.raises(ValueError, match="restart at 0"):
+        sp.shard_batch(input_ids, position_ids=position_ids + 1 - (position_ids == 0).long())
+    q = torch.zeros(2, batch.input_ids.shape[1], 2, 8)
+    with pytest.raises(ValueError, match="batch 1"):
+        sp.attention(q, q, q, batch.cu_seqlens, causal=True)
+    return True
+
+
+def test_packed_documents_loss_and_gradients_equal_per_document_on_3_ranks():
+    """Both layouts; position_ids and cu_seqlens give the same batch; fp32 against float64 (tolerance rule)."""
+    assert run_ranks(_packed_toolkit_matches_per_document, 3, PACKED) == [True] * 3

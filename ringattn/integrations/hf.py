@@ -7,21 +7,32 @@
     batch = sp.shard_batch(input_ids, labels)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     loss = sp.cross_entropy(logits, batch.labels)
+    # packed documents, batch 1: pos (1, S) restarting at 0 at each document start
+    batch = sp.shard_batch(input_ids, labels, position_ids=pos)  # then the same two calls
 
 `register` adds an attention function under `name` to transformers' AttentionInterface and a mask
 function to its AttentionMaskInterface. The attention function is called by each attention layer with
 query (batch, heads, S_local, head_dim) and key, value (batch, kv_heads, S_local, head_dim) (GQA: fewer
-K/V heads, passed on unrepeated) and runs ring_attn_func over the group. The mask function makes the
-model build no mask at all: a dense (S_local, S_local) causal mask over local positions would be wrong
-for a shard, and the ring applies the causal mask over global positions itself.
+K/V heads, passed on unrepeated) and runs ring_attn_func (ring_attn_varlen_func for packed documents)
+over the group. The mask function makes the model build no mask at all: a dense (S_local, S_local)
+causal mask over local positions would be wrong for a shard, and the ring applies the causal mask (and
+the document boundaries) over global positions itself.
 
-Contract: every rank of the group calls the model on its shard of input_ids with the matching global
-position_ids (ShardedBatch.position_ids) and gets the logits the unsharded model gives at those positions.
+Contract: every rank of the group calls the model on its shard of input_ids with the matching position_ids
+(ShardedBatch.position_ids) and gets the logits the unsharded model gives at those positions. The position
+ids are either the tokens' global positions (one sequence per row) or, for packed documents (batch 1), their
+positions inside their documents, restarting at 0 at each document start, sharded in the registered layout
+(SequenceParallel.shard_batch(input_ids, labels, position_ids=...)). Once per forward, not per layer, the
+attention function gathers every rank's position ids: global positions 0 .. S-1 in global order mean one
+sequence (ring_attn_func); anything else must be packed documents, whose boundaries it recovers and passes
+to ring_attn_varlen_func, so attention stays inside each document (RoPE already uses the in-document
+positions, as Hugging Face's packed training does).
+
 Refused with ValueError: dropout > 0, sliding-window or chunked attention, logit soft-capping, attention
 sinks, position biases, attention masks other than none/all-ones (padding, custom 4-D masks), a KV cache
-holding earlier tokens (generation), output_attentions, and position_ids that are not this rank's global
-positions in the registered layout (which includes packed sequences: those need ring_attn_varlen_func,
-not yet available).
+holding earlier tokens (generation), output_attentions, position_ids that are neither global positions nor
+packed documents in the registered layout (e.g. sharded in another layout), rows with different position
+ids, and packed documents in a batch of more than one row.
 """
 
 import weakref
@@ -29,8 +40,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..functional import ring_attn_func
+from ..functional import ring_attn_func, ring_attn_varlen_func
 from ..parallel.layout import check_layout, check_local_seqlen, shard_indices
+from ..sequence_parallel import packed_cu_seqlens
 
 try:
     from transformers import AttentionInterface
@@ -64,7 +76,8 @@ class RingAttentionForTransformers:
     def __init__(self, group: dist.ProcessGroup | None, layout: str, name: str):
         check_layout(layout)
         self.group, self.layout, self.name = group, layout, name
-        self._checked = None  # (weakref to position_ids, its _version) once they passed the check
+        # (weakref to position_ids, its _version, their documents): the layers of one forward share them
+        self._documents_of = None
 
     def __repr__(self) -> str:
         return f"RingAttentionForTransformers(name={self.name!r}, layout={self.layout!r})"
@@ -84,14 +97,18 @@ class RingAttentionForTransformers:
         is_causal = kwargs.get("is_causal")
         is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         position_ids = kwargs.get("position_ids")
-        if position_ids is not None:
-            self._check_position_ids(position_ids, query.shape[2])
+        cu_seqlens = None if position_ids is None else self._documents(position_ids, query.shape[2])
         # (B, H, S, D) -> (B, S, H, D): strided views, no copy
-        out = ring_attn_func(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-            softmax_scale=scaling, causal=bool(is_causal), group=self.group, layout=self.layout,
-        )  # fmt: skip
-        return out, None
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        ring = dict(softmax_scale=scaling, causal=bool(is_causal), group=self.group, layout=self.layout)
+        if cu_seqlens is None:
+            return ring_attn_func(q, k, v, **ring), None
+        if query.shape[0] != 1:
+            raise ValueError(
+                f"attn_implementation={self.name!r}: packed documents (position_ids restarting at 0 inside the "
+                f"sequence) need batch size 1, got batch {query.shape[0]}; pack the samples into one row"
+            )
+        return ring_attn_varlen_func(q[0], k[0], v[0], cu_seqlens, **ring)[None], None
 
     def _refuse_unsupported(self, module, query, key, attention_mask, dropout, kwargs) -> None:
         where = f"attn_implementation={self.name!r} (ring attention)"
@@ -115,27 +132,69 @@ class RingAttentionForTransformers:
                 "call the model with use_cache=False"
             )
 
-    def _check_position_ids(self, position_ids: torch.Tensor, seqlen_local: int) -> None:
-        """Raise ValueError unless position_ids (batch or 1, S_local) are this rank's global positions.
+    def _documents(self, position_ids: torch.Tensor, seqlen_local: int) -> torch.Tensor | None:
+        """None for global positions, else the int32 (n_docs + 1,) boundaries (on the CPU) of packed documents.
 
-        Checked once per position_ids tensor: every layer of one forward gets the same one.
+        position_ids (batch or 1, S_local) hold, on every rank, that rank's positions. A collective the first
+        time a position_ids tensor is seen (one all-gather of S_local + 1 integers per rank); every layer of
+        one forward gets the same tensor and reuses the answer. Every rank decides from the same gathered
+        ids, so all take the same path or raise the same error.
+
+        Raises:
+            ValueError: the ids are neither the global positions nor packed documents in this layout, or
+                rows of the batch differ.
+            RuntimeError: torch.distributed not initialised.
         """
-        if self._checked is not None and self._checked[0]() is position_ids:
-            if self._checked[1] == position_ids._version:
-                return
+        cached = self._documents_of
+        if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
+            return cached[2]
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"attn_implementation={self.name!r} needs torch.distributed initialised")
-        rank, world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        world_size = dist.get_world_size(self.group)
         check_local_seqlen(seqlen_local, self.layout, name="the local sequence length")
-        expected = shard_indices(seqlen_local * world_size, rank, world_size, self.layout, device=position_ids.device)
-        if position_ids.shape[-1] != seqlen_local or not bool((position_ids == expected).all()):
+        if position_ids.shape[-1] != seqlen_local:
             raise ValueError(
-                f"attn_implementation={self.name!r}: position_ids must be this rank's global positions in layout "
-                f"{self.layout!r} (SequenceParallel.shard_batch(...).position_ids, or ringattn.position_ids), "
-                f"the same row for every sample; rank {rank} got {_preview(position_ids)}, expected "
-                f"{_preview(expected)}. Packed sequences (positions restarting inside a row) are not supported yet"
+                f"attn_implementation={self.name!r}: position_ids must hold {seqlen_local} positions per row "
+                f"(this rank's tokens), got shape {tuple(position_ids.shape)}"
             )
-        self._checked = (weakref.ref(position_ids), position_ids._version)
+        gathered = self._gather_positions(position_ids.reshape(-1, seqlen_local), world_size)
+        if bool(gathered[:, 0].any()):
+            ranks = torch.nonzero(gathered[:, 0]).flatten().tolist()
+            raise ValueError(
+                f"attn_implementation={self.name!r}: position_ids must be the same row for every sample "
+                f"(packed documents: batch size 1); they differ between rows on ranks {ranks}"
+            )
+        seqlen = seqlen_local * world_size
+        positions = torch.empty(seqlen, dtype=torch.int64)  # in global order
+        for r in range(world_size):
+            positions[shard_indices(seqlen, r, world_size, self.layout)] = gathered[r, 1:]
+        if torch.equal(positions, torch.arange(seqlen)):
+            cu_seqlens = None
+        else:
+            try:
+                cu_seqlens = packed_cu_seqlens(positions)
+            except ValueError as e:
+                raise ValueError(
+                    f"attn_implementation={self.name!r}: position_ids must be this rank's global positions in "
+                    f"layout {self.layout!r} (SequenceParallel.shard_batch(...).position_ids, or "
+                    "ringattn.position_ids), or, for packed documents, this rank's shard in that layout of "
+                    "positions restarting at 0 at each document (shard_batch(..., position_ids=...)). Put in "
+                    f"global order, the ranks' position_ids are {_preview(positions)}: {e}"
+                ) from None
+        self._documents_of = (weakref.ref(position_ids), position_ids._version, cu_seqlens)
+        return cu_seqlens
+
+    def _gather_positions(self, rows: torch.Tensor, world_size: int) -> torch.Tensor:
+        """(W, 1 + S_local) int64 on the CPU: per rank, whether its rows differ, then its first row.
+
+        rows: (batch, S_local) this rank's position ids. One all_gather on the group.
+        """
+        rows = rows.to(torch.int64)
+        rows_differ = (rows != rows[:1]).any().to(torch.int64).reshape(1)
+        local = torch.cat([rows_differ, rows[0]])  # (1 + S_local,)
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        return torch.stack(gathered).cpu()
 
 
 def _preview(t: torch.Tensor, n: int = 8) -> str:

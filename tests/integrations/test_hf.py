@@ -6,6 +6,9 @@ config with the same seed on every rank (no downloads). Each rank feeds its shar
 global position_ids; its logits, the sequence-parallel loss and the parameter gradients summed over the
 ranks must obey the tolerance rule: eager attention in fp32 is the plain implementation, eager in float64
 the reference.
+
+Packed documents (batch 1, position ids restarting at 0 at each document) are checked against the same
+eager model run on each document alone.
 """
 
 import pytest
@@ -20,6 +23,9 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 WORLD_SIZES = [2, 4]
 BATCH, VOCAB, IGNORE = 2, 97, -100
+# packed document lengths: length 1, documents shorter than W, crossing rank and chunk boundaries; the
+# totals (46, 75) are padded to a multiple of 2W, the padding a document of its own
+DOCUMENTS = {2: [1, 13, 5, 1, 22, 4], 4: [1, 13, 5, 1, 22, 4, 2, 17, 1, 9]}
 
 
 def _tiny_llama(seed: int, seqlen: int, **overrides):
@@ -97,7 +103,71 @@ def _hf_matches_eager(rank, world_size, layouts):
 
         if layout == "zigzag" or world_size == 2:
             _refusals(model, batch, name, rank)
+        if layout == "zigzag" or world_size == 2:
+            _packed_matches_per_document(rank, world_size, name, sp)
     return True
+
+
+def _per_document(model, input_ids, labels, cu_seqlens, dtype):
+    """Eager attention on each document alone in `dtype`: logits (1, T, V), mean loss over the documents'
+    shifted labels, gradients."""
+    model = model.to(dtype)
+    model.set_attn_implementation("eager")
+    model.zero_grad(set_to_none=True)
+    logits, loss_sum, count = [], 0.0, 0
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
+        doc_logits = model(input_ids=input_ids[:, start:end], use_cache=False).logits  # (1, n, V)
+        targets = F.pad(labels[:, start + 1 : end], (0, 1), value=IGNORE)  # shifted inside the document
+        loss_sum = loss_sum + F.cross_entropy(doc_logits[0], targets[0], ignore_index=IGNORE, reduction="sum")
+        count += int((targets != IGNORE).sum())
+        logits.append(doc_logits.detach())
+    loss = loss_sum / count
+    loss.backward()
+    return torch.cat(logits, 1), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _packed_matches_per_document(rank, world_size, name, sp):
+    """Packed documents through position ids: the attention function recovers the boundaries (one all-gather
+    per forward, not per layer) and keeps attention inside each document."""
+    import ringattn
+    from ringattn.testing import check_close
+
+    lengths = DOCUMENTS[world_size]
+    total = sum(lengths)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(total)
+    input_ids = torch.randint(0, VOCAB, (1, total), generator=gen)
+    labels = input_ids.clone()
+    labels[0, 14:17] = IGNORE
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]  # (1, T) restarting per document
+    plain = _per_document(_tiny_llama(1, total), input_ids, labels, cu_seqlens, torch.float32)
+    ref = _per_document(_tiny_llama(1, total), input_ids, labels, cu_seqlens, torch.float64)
+
+    model = _tiny_llama(1, total)
+    model.set_attn_implementation(name)
+    batch = sp.shard_batch(input_ids, labels, position_ids=position_ids)
+    fn = transformers.AttentionInterface._global_mapping[name]
+    gathers = []
+    fn._gather_positions = lambda *a: gathers.append(1) or type(fn)._gather_positions(fn, *a)
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    del fn._gather_positions
+    assert len(gathers) == 1, f"{len(gathers)} all-gathers in one forward of {model.config.num_hidden_layers} layers"
+    assert torch.equal(fn._documents_of[2], batch.cu_seqlens), "boundaries recovered from the position ids"
+    loss = sp.cross_entropy(out.logits, batch.labels)
+    loss.backward()
+    sp.sync_gradients(model)
+
+    idx = ringattn.shard_indices(batch.seqlen, rank, world_size, sp.layout)
+    real = idx < total  # the padding's logits are not compared
+    where = f"packed {sp.layout} rank {rank}"
+    check_close(f"{where} logits", out.logits[:, real], plain[0][:, idx[real]], ref[0][:, idx[real]])
+    check_close(f"{where} loss", loss, plain[1], ref[1])
+    for n, p in model.named_parameters():
+        check_close(f"{where} grad {n}", p.grad, plain[2][n], ref[2][n])
+
+    with pytest.raises(ValueError, match="need batch size 1"):
+        ids = batch.input_ids.expand(2, -1)
+        model(input_ids=ids, position_ids=batch.position_ids, use_cache=False)
 
 
 def _refusals(model, batch, name, rank):
@@ -107,6 +177,8 @@ def _refusals(model, batch, name, rank):
         # rank 0's positions are 0..S_local-1 only in the contiguous layout; every rank tries a wrong row
         wrong = pos + 1
         model(input_ids=ids, position_ids=wrong, use_cache=False)
+    with pytest.raises(ValueError, match="the same row for every sample"):
+        model(input_ids=ids.expand(2, -1), position_ids=torch.stack([pos[0], pos[0] + 1]), use_cache=False)
     with pytest.raises(ValueError, match="does not support padding masks"):
         mask = torch.ones_like(ids)
         mask[:, -1] = 0
