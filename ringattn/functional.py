@@ -14,7 +14,7 @@ from .ops.validation import check_attn_inputs, check_runnable_device, default_so
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
 from .parallel.agreement import agreement_mode, check_agreement, ring_signature
 from .parallel.comm import p2p_timeout_s
-from .parallel.documents import ShardDocuments, check_cu_seqlens, fingerprint
+from .parallel.documents import check_cu_seqlens, fingerprint, shard_documents
 
 
 class FlashAttnFunction(torch.autograd.Function):
@@ -231,7 +231,7 @@ def ring_attn_varlen_func(
     seqlen_local, world_size = q.shape[0], dist.get_world_size(group)
     check_cu_seqlens(cu_seqlens, seqlen_local * world_size)
     scale = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, causal, fingerprint(cu_seqlens))
-    docs = ShardDocuments(cu_seqlens, seqlen_local, world_size, layout, q.device)
+    docs = shard_documents(cu_seqlens, seqlen_local, world_size, layout, q.device)
     out, lse = RingAttnFunction.apply(q[None], k[None], v[None], scale, bool(causal), group, layout, docs)
     return (out[0], lse[0]) if return_lse else out[0]
 

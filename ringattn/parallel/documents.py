@@ -14,6 +14,8 @@ import torch
 
 from .layout import shard_indices
 
+_SHARD_DOCUMENTS: dict[tuple, "ShardDocuments"] = {}
+
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> None:
     """Raise unless `cu_seqlens` is a 1-D int32 tensor of document boundaries of a `total`-token sequence.
@@ -83,6 +85,20 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tenso
         return cu_seqlens, 0
     tail = torch.tensor([total + pad], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
     return torch.cat([cu_seqlens, tail]), pad
+
+
+_CACHE_SIZE = 8
+
+
+def shard_documents(cu_seqlens: torch.Tensor, seqlen_local: int, world_size: int, layout: str, device):
+    """ShardDocuments for these boundaries, reused across calls (every layer of a model passes the same
+    cu_seqlens): keyed by the boundaries' fingerprint, the sizes, the layout and the device."""
+    key = (fingerprint(cu_seqlens), int(cu_seqlens.numel()), seqlen_local, world_size, layout, str(device))
+    docs = _SHARD_DOCUMENTS.pop(key, None) or ShardDocuments(cu_seqlens, seqlen_local, world_size, layout, device)
+    _SHARD_DOCUMENTS[key] = docs  # most recently used last
+    while len(_SHARD_DOCUMENTS) > _CACHE_SIZE:
+        _SHARD_DOCUMENTS.pop(next(iter(_SHARD_DOCUMENTS)))
+    return docs
 
 
 class ShardDocuments:

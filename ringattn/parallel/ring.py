@@ -212,23 +212,37 @@ def ring_attn_backward(
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
     delta = ops.bwd_preprocess(out, dout)
-    dq, dk_cur, dv_cur = init_backward_state(q, k, v)
+    dq, dk, dv = init_backward_state(q, k, v)
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    for step in range(comm.world_size):
-        last = step == comm.world_size - 1
-        if not last:
-            k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
-            comm.commit(f"backward step {step} (K/V)")
-        kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
+    world_size = comm.world_size
+    if world_size == 1:
         backward_step(
-            ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale,
-            dout, q, k_cur, v_cur, out, lse, delta, dq, dk_cur, dv_cur, docs,
+            ops, layout, comm.rank, comm.rank, 1, causal, softmax_scale,
+            dout, q, k_cur, v_cur, out, lse, delta, dq, dk, dv, docs,
         )  # fmt: skip
-        if not last:
-            comm.wait()
+        return dq, dk, dv
+    # One batch in flight at a time, overlapping the next step's kernels: K/V for the step after
+    # next, and the dK/dV accumulators of the block just finished (they travel with their block).
+    k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
+    comm.commit("backward step 0 (K/V)")
+    dk_in = dv_in = None  # accumulators of the block in hand, from the ranks that held it before
+    for step in range(world_size):
+        kv_rank = kv_source_rank(comm.rank, step, world_size)
+        if step > 0:
+            dk, dv = torch.zeros_like(dk), torch.zeros_like(dv)  # this rank's share of the block in hand
+        backward_step(
+            ops, layout, comm.rank, kv_rank, world_size, causal, softmax_scale,
+            dout, q, k_cur, v_cur, out, lse, delta, dq, dk, dv, docs,
+        )  # fmt: skip
+        comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
+        if dk_in is not None:
+            dk += dk_in
+            dv += dv_in
+        dk_in, dv_in = comm.send_recv(dk), comm.send_recv(dv)  # the last hop brings each rank its own
+        if step + 1 < world_size:
             k_cur, v_cur = k_next, v_next
-        if comm.world_size > 1:  # hand the accumulators on; the last hop brings each rank its own
-            dk_cur, dv_cur = comm.send_recv(dk_cur), comm.send_recv(dv_cur)
-            comm.commit(f"backward step {step} (dK/dV)")
-            comm.wait()
-    return dq, dk_cur, dv_cur
+            if step + 2 < world_size:
+                k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
+        comm.commit(f"backward step {step + 1} (dK/dV and K/V)")
+    comm.wait()
+    return dq, dk_in, dv_in
