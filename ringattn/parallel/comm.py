@@ -74,7 +74,7 @@ class RingComm:
     """Queue send/recv pairs, `commit` them as one batch, `wait` for all of them.
 
     Usage per ring step: ``nxt = comm.send_recv(cur); comm.commit("step 3"); ...compute...; comm.wait()``.
-    The tensors handed to send_recv must stay alive and unmodified until wait() returns.
+    The tensors handed to send_recv must stay unmodified until wait() returns (RingComm keeps them alive).
 
     Args:
         group: the ring's process group (default: the world).
@@ -92,6 +92,7 @@ class RingComm:
         self.timeout_s = p2p_timeout_s(timeout_s)
         self._ops: list[dist.P2POp] = []
         self._reqs: list = []
+        self._in_flight: list[dist.P2POp] = []
         self._peers: list[str] = []  # per committed op, for errors
         self._label = ""
         self._timed = True
@@ -116,7 +117,7 @@ class RingComm:
         self._label = label
         self._peers = [self._describe(op) for op in self._ops]
         self._reqs = dist.batch_isend_irecv(self._ops)
-        self._ops = []
+        self._in_flight, self._ops = self._ops, []  # keep the tensors alive until wait()
 
     def _describe(self, op: dist.P2POp) -> str:
         if op.op is dist.isend:
@@ -131,6 +132,7 @@ class RingComm:
                 the message names this rank, the peer, and the batch's label.
         """
         reqs, self._reqs = self._reqs, []
+        self._in_flight = []
         if not self._timed:
             for req in reqs:
                 req.wait()
