@@ -59,10 +59,8 @@ def test_failing_hidden_rank_shows_its_traceback(tmp_path):
 def test_all_ranks_shown_and_bad_settings_refused(tmp_path):
     proc = _launch(tmp_path, -1, NPROC="2", DEVICE="cpu", LOG_RANKS="all")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(line for line in proc.stdout.splitlines() if "hello" in line) == [
-        "rank 0 says hello",
-        "rank 1 says hello",
-    ]
+    # both ranks write to one stream at the same moment: their lines may interleave, so count the messages
+    assert proc.stdout.count("rank 0 says hello") == 1 and proc.stdout.count("rank 1 says hello") == 1
     for bad, message in (({"NPROC": "0"}, "NPROC must be a positive integer"), ({"DEVICE": "tpu"}, "DEVICE must")):
         proc = _launch(tmp_path, -1, **{"NPROC": "2", **bad})
         assert proc.returncode == 2 and message in proc.stderr
