@@ -14,7 +14,7 @@ whose documents do not meet, as in the forward. Derivation in docs/design.md.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, _doc_span, _key_range
+from .common import LOG2E, _doc_span, _key_range, _q_tile_docs
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])  # one compile for every length
@@ -279,14 +279,9 @@ def _attn_bwd_dq_kernel(
 
     causal_shift = seqlen_k - seqlen_q
     full_end, end_n = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    q_doc, q_doc_first, q_doc_last = _q_tile_docs(QDoc, offs_m, start_m, seqlen_q, BLOCK_M, HAS_DOCS)
     if HAS_DOCS:
         full_end = 0  # any tile may cross a document boundary
-        q_doc = tl.load(QDoc + offs_m, mask=mask_m, other=-1)
-        q_doc_first, q_doc_last = _doc_span(QDoc, start_m * BLOCK_M, seqlen_q, BLOCK_M)
-    else:
-        q_doc = offs_m
-        q_doc_first = 0
-        q_doc_last = 0
 
     dq = _attn_bwd_dq_tiles(
         dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,

@@ -11,7 +11,7 @@ masked, and tiles whose documents do not meet the Q tile's are skipped. See docs
 import triton
 import triton.language as tl
 
-from .common import LN2, _doc_span, _key_range
+from .common import LN2, _doc_span, _key_range, _q_tile_docs
 
 
 @triton.jit
@@ -123,14 +123,9 @@ def _attn_fwd_kernel(
 
     causal_shift = seqlen_k - seqlen_q
     full_end, end_n = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    q_doc, q_doc_first, q_doc_last = _q_tile_docs(QDoc, offs_m, start_m, seqlen_q, BLOCK_M, HAS_DOCS)
     if HAS_DOCS:
         full_end = 0  # any tile may cross a document boundary
-        q_doc = tl.load(QDoc + offs_m, mask=mask_m, other=-1)
-        q_doc_first, q_doc_last = _doc_span(QDoc, start_m * BLOCK_M, seqlen_q, BLOCK_M)
-    else:
-        q_doc = offs_m
-        q_doc_first = 0
-        q_doc_last = 0
 
     acc, l_i, m_i = _attn_fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,

@@ -31,3 +31,16 @@ def _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 def _doc_span(Doc, start, seqlen, BLOCK: tl.constexpr):
     """(first, last) document id of rows [start, min(start + BLOCK, seqlen)); ids are non-decreasing in rows."""
     return tl.load(Doc + start), tl.load(Doc + tl.minimum(start + BLOCK, seqlen) - 1)
+
+
+@triton.jit
+def _q_tile_docs(QDoc, offs_m, start_m, seqlen_q, BLOCK_M: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """(document id per row, first id, last id) of a Q tile; row ids themselves and zeros without documents."""
+    if HAS_DOCS:
+        q_doc = tl.load(QDoc + offs_m, mask=offs_m < seqlen_q, other=-1)
+        q_doc_first, q_doc_last = _doc_span(QDoc, start_m * BLOCK_M, seqlen_q, BLOCK_M)
+    else:
+        q_doc = offs_m
+        q_doc_first = 0
+        q_doc_last = 0
+    return q_doc, q_doc_first, q_doc_last
