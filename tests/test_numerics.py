@@ -114,9 +114,9 @@ def _check_extreme(ours, q, k, v, dout, softmax_scale, causal, what):
     assert err <= allowed, f"{what} dv: max abs error {err:.3e} exceeds {allowed:.3e} (lse allowance {allowance:.1e})"
 
 
-# The dK/dV kernel exponentiates causally masked scores before zeroing them with tl.where; at these logits
-# exp2 overflows to inf there (numpy warns in the interpreter), and the where discards it.
-@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+# Regression: the backward kernels exponentiated masked scores before zeroing them, so exp2 overflowed
+# to inf there (numpy warned in the interpreter); they now mask the scores with -inf first.
+@pytest.mark.filterwarnings("error:overflow encountered in exp2:RuntimeWarning")
 def test_extreme_logits_do_not_overflow():
     """Inputs scaled x5 and softmax_scale = 10: scores reach ~5e3, far past exp's fp32 range (88). Flash and
     the ring (simulated, W = 3, zigzag causal) must stay finite and match float64 (_check_extreme)."""

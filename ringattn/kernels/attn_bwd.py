@@ -67,12 +67,12 @@ def _attn_bwd_dkdv_tile(
     do = tl.load(do_base + rows * stride_dom + offs_d[None, :], mask=row_mask, other=0.0)
     lse2, delta = _load_row_stats(lse_base, delta_base, offs_m, seqlen_q)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-    p = tl.math.exp2(s - lse2[:, None])
-    if MASKED:
-        p = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_shift, p, 0.0)
+    if MASKED:  # mask the scores, not P: exp2 of a masked score past fp32's range would be inf
+        s = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_shift, s, float("-inf"))
     if DOCS:
         q_doc = tl.load(QDoc + offs_m, mask=offs_m < seqlen_q, other=-1)
-        p = tl.where(q_doc[:, None] == k_doc[None, :], p, 0.0)
+        s = tl.where(q_doc[:, None] == k_doc[None, :], s, float("-inf"))
+    p = tl.math.exp2(s - lse2[:, None])  # masked: exp2(-inf) = 0
     dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
@@ -203,15 +203,15 @@ def _attn_bwd_dq_tile(
     k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    p = tl.math.exp2(s - lse2[:, None])
-    if MASKED:
+    if MASKED:  # mask the scores, not P (as in the dK/dV kernel)
         visible = offs_n[None, :] < seqlen_k
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
         if DOCS:
             k_doc = tl.load(KDoc + offs_n, mask=offs_n < seqlen_k, other=-2)
             visible = visible & (q_doc[:, None] == k_doc[None, :])
-        p = tl.where(visible, p, 0.0)
+        s = tl.where(visible, s, float("-inf"))
+    p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
