@@ -14,7 +14,7 @@ whose documents do not meet, as in the forward. Derivation in docs/design.md.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, _doc_span, _key_range, _q_tile_docs
+from .common import LOG2E, _doc_span, _key_range, _load_kv_tile, _q_tile_docs
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])  # one compile for every length
@@ -196,12 +196,7 @@ def _attn_bwd_dq_tile(
 ):
     """Add the key tile at n0's share to dQ (unscaled) of one Q tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
-    else:
-        kv_mask = mask_d[None, :]
-    k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:  # mask the scores, not P (as in the dK/dV kernel)
         visible = offs_n[None, :] < seqlen_k

@@ -11,7 +11,7 @@ masked, and tiles whose documents do not meet the Q tile's are skipped. See docs
 import triton
 import triton.language as tl
 
-from .common import LN2, _doc_span, _key_range, _q_tile_docs
+from .common import LN2, _doc_span, _key_range, _load_kv_tile, _q_tile_docs
 
 
 @triton.jit
@@ -27,12 +27,7 @@ def _attn_fwd_tile(
     of other documents with -inf; rows whose keys are all masked keep m_i = -inf and gain nothing.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
-    else:
-        kv_mask = mask_d[None, :]
-    k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASKED:
         visible = offs_n[None, :] < seqlen_k

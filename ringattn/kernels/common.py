@@ -44,3 +44,16 @@ def _q_tile_docs(QDoc, offs_m, start_m, seqlen_q, BLOCK_M: tl.constexpr, HAS_DOC
         q_doc_first = 0
         q_doc_last = 0
     return q_doc, q_doc_first, q_doc_last
+
+
+@triton.jit
+def _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED: tl.constexpr):
+    """(BLOCK_N, BLOCK_D) tiles of K and V at rows offs_n; MASKED tiles zero-fill rows past seqlen_k."""
+    if MASKED:
+        kv_mask = (offs_n[:, None] < seqlen_k) & mask_d[None, :]
+    else:
+        kv_mask = mask_d[None, :]
+    rows = offs_n[:, None].to(tl.int64)
+    k = tl.load(k_base + rows * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + rows * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
