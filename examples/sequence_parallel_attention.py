@@ -80,6 +80,7 @@ def main() -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     import ringattn
+    from ringattn.distributed import destroy
     from ringattn.ops import attn_fwd_ref
     from ringattn.testing import check_close, max_abs_error
 
@@ -147,7 +148,7 @@ def main() -> int:
         all_failures = [f for _, rank_failures in gathered for f in rank_failures]
         print("FAILED:\n  " + "\n  ".join(all_failures) if all_failures else "passed", flush=True)
     ok = not any(rank_failures for _, rank_failures in gathered)
-    dist.destroy_process_group()
+    destroy()
     return 0 if ok else 1
 
 

@@ -46,6 +46,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
 
+    from ringattn.distributed import destroy
     from ringattn.parallel import agreement
 
     q = torch.zeros(1, 4096, 16, 128, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -78,7 +79,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2)
                 f.write("\n")
-    dist.destroy_process_group()
+    destroy()
 
 
 if __name__ == "__main__":

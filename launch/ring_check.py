@@ -260,6 +260,7 @@ def main() -> int:
     import triton
 
     import ringattn
+    from ringattn.distributed import destroy
 
     dtype = DTYPES[args.dtype]
     ref_dtype = torch.float64 if device.type == "cpu" or dtype == torch.float32 else torch.float32
@@ -297,7 +298,7 @@ def main() -> int:
             for row in rank_rows:
                 for message in row["failures"]:
                     log(f"  {message}")
-        dist.destroy_process_group()
+        destroy()
         return 1
     log("  all checks passed")
 
@@ -323,7 +324,7 @@ def main() -> int:
     else:
         log("  (global tokens per pass; peak: the process's max RSS, the check included)")
     log(f"ring_check: passed, {time.perf_counter() - t0:.1f} s after the configuration")
-    dist.destroy_process_group()
+    destroy()
     return 0
 
 

@@ -105,6 +105,12 @@ def log(*parts, **print_kwargs) -> None:
 
 
 def destroy() -> None:
-    """Destroy the default process group if there is one (call at the end of a script)."""
+    """Destroy the default process group if there is one (call at the end of a script).
+
+    All ranks meet at a barrier first: a gloo rank that tears its connections down while a peer is
+    still using them can abort ("terminate called without an active exception"), failing a job
+    whose work all succeeded.
+    """
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
