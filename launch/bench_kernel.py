@@ -1,19 +1,36 @@
 """Side-by-side attention kernel benchmark on one GPU: ringattn vs PyTorch SDPA (flash, cuDNN) and
 compiled FlexAttention, same inputs, same process (protocol: shared/BENCHMARKING.md).
 
-    PYTHONPATH=. python3 launch/bench_kernel.py --out docs/benchmarks/kernel_h200.json
+    PYTHONPATH=. python3 launch/bench_kernel.py --append --out docs/benchmarks/kernel_h200.json  # the grid
+    PYTHONPATH=. python3 launch/bench_kernel.py --long --append --out docs/benchmarks/kernel_h200.json
     PYTHONPATH=. python3 launch/bench_kernel.py --seqlens 4096 --head-dims 128 --out /tmp/k.json  # a subset
 
-bf16, H = 32, B * S = 32768 tokens. Every provider's output is checked against an fp32
-reference (on a slice of heads) before it is timed. Timing: triton.testing.do_bench, median.
-TFLOP/s: forward 4 B Hq S^2 D (x 0.5 causal), forward+backward 3.5 x that. peak_bytes is the
-peak memory allocated during the timed calls above what was allocated before (inputs excluded).
-Writes a JSON list of records plus an env record, and prints a markdown table with ratios.
+bf16, H = 32, B * S = 32768 tokens. --long replaces the grid by one cell, B = 1, S = 131072,
+D = 128, causal: extra memory must stay O(S) (issue #3); a provider that runs out of memory or
+refuses is recorded with its error, as everywhere. Every provider's output is checked against
+an fp32 reference before it is timed: the last CHECK_ROWS query rows (they see every key,
+causal or not) of the query heads of K/V heads 0..1, batch 0, against all keys, so the
+reference holds 2 x (Hq / Hkv) x CHECK_ROWS x S scores, never S x S.
+Timing: triton.testing.do_bench, median. TFLOP/s: forward 4 B Hq S^2 D (x 0.5 causal),
+forward+backward 3.5 x that. peak_bytes is the peak memory allocated by one call of its own
+(forward: the output; forward+backward: also the gradients) above what was allocated before it
+(the inputs). Runs 1 and 2 of kernel_h200.json took it over the do_bench calls instead, which
+counts do_bench's 256 MiB L2-flush buffer: their peak_bytes are not comparable with later runs'.
+
+Writes a JSON list: an env record (GPU and versions, and "runs": label -> the command line's
+arguments) followed by the records, each labelled with its "run" (1, 2, ...). --append adds this
+run as the next label to an existing --out, keeping the earlier runs (refused if the GPU or the
+versions differ); a grid too long for one command runs in parts (--head-dims, --seqlens), each
+appended as its own run. Prints a markdown table with ratios; launch/plot_kernel_bench.py draws the
+plots (of one run, or of parts that measured different cells).
 """
 
 import argparse
 import json
+import os
 import platform
+import shlex
+import sys
 from collections.abc import Callable
 
 import torch
@@ -27,6 +44,8 @@ from ringattn.ops import attn_fwd_ref
 
 TOKENS = 32768
 HEADS = 32
+LONG_CELL = (1, 131072, HEADS, 128, True)  # (B, S, Hkv, D, causal) of --long
+CHECK_ROWS = 1024
 
 
 def _sdpa(backend: SDPBackend) -> Callable:
@@ -42,11 +61,17 @@ def _flex() -> Callable:
 
     compiled = torch.compile(flex_attention, dynamic=False)
     masks: dict = {}
+    cell: list = [None]
 
     def causal_mask(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
     def run(q, k, v, causal):
+        if cell[0] != (q.shape, k.shape, causal):
+            # Compile each cell afresh: past dynamo's recompile limit (8; the grid's 24 cells compile
+            # twice each, with and without grad) flex_attention would silently run unfused, S x S.
+            cell[0] = (q.shape, k.shape, causal)
+            torch._dynamo.reset()
         block_mask = None
         if causal:
             key = (q.shape[2], k.shape[2])
@@ -72,12 +97,16 @@ PROVIDERS = {
 
 
 def check_output(out_bshd: torch.Tensor, q, k, v, causal) -> float:
-    """Relative L2 error of heads 0..1 of batch 0 against an fp32 reference; raises above 1e-2."""
-    heads_k = k.shape[2]
-    group = q.shape[2] // heads_k
-    q_s, k_s, v_s = q[:1, :, : 2 * group].float(), k[:1, :, :2].float(), v[:1, :, :2].float()
+    """Relative L2 error of the last CHECK_ROWS query rows of K/V heads 0..1 (their query heads) of
+    batch 0 against an fp32 reference over all keys; raises AssertionError above 1e-2.
+
+    out_bshd, q: (B, S, Hq, D); k, v: (B, S, Hkv, D). The reference's causal mask is bottom-right
+    aligned, so the last rows of a causal problem are checked against exactly the keys they see.
+    """
+    group = q.shape[2] // k.shape[2]
+    q_s, k_s, v_s = q[:1, -CHECK_ROWS:, : 2 * group].float(), k[:1, :, :2].float(), v[:1, :, :2].float()
     ref, _ = attn_fwd_ref(q_s, k_s, v_s, q.shape[-1] ** -0.5, causal)
-    got = out_bshd[:1, :, : 2 * group].float()
+    got = out_bshd[:1, -CHECK_ROWS:, : 2 * group].float()
     err = ((got - ref).norm() / ref.norm()).item()
     if not err < 1e-2:
         raise AssertionError(f"output off the fp32 reference: relative error {err:.2e}")
@@ -85,7 +114,7 @@ def check_output(out_bshd: torch.Tensor, q, k, v, causal) -> float:
 
 
 def measure(fn: Callable, layout: str, q, k, v, dout, causal: bool, mode: str) -> dict:
-    """Time one provider on one shape; returns ms and extra peak bytes."""
+    """Time one provider on one shape; returns ms and the extra peak bytes of one call."""
     if layout == "bhsd":
         q, k, v, dout = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))
     q, k, v = (t.detach().requires_grad_(mode == "fwd+bwd") for t in (q, k, v))
@@ -100,12 +129,15 @@ def measure(fn: Callable, layout: str, q, k, v, dout, causal: bool, mode: str) -
             fn(q, k, v, causal).backward(dout)
 
     step()  # compile / warm caches
+    q.grad = k.grad = v.grad = None
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
     ms = do_bench(step, warmup=50, rep=300, grad_to_none=[q, k, v] if mode == "fwd+bwd" else None,
                   return_mode="median")  # fmt: skip
-    peak = torch.cuda.max_memory_allocated() - before
     return dict(ms=ms, peak_bytes=int(peak))
 
 
@@ -135,16 +167,24 @@ def main():
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     parser.add_argument("--no-gqa", action="store_true")
+    parser.add_argument("--long", action="store_true", help="only the cell B=1, S=131072, D=128, causal")
     parser.add_argument("--out", default=None, help="JSON path")
+    parser.add_argument("--append", action="store_true", help="add this run to --out as the next run label")
     args = parser.parse_args()
+    if args.append and not args.out:
+        parser.error("--append needs --out")
 
     env = dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                cuda=torch.version.cuda, python=platform.python_version(), dtype="bfloat16", tokens=TOKENS)  # fmt: skip
+    try:
+        env, earlier, run = start_run(env, args.out if args.append else None, shlex.join(sys.argv[1:]))
+    except ValueError as exc:
+        parser.error(str(exc))
     records = []
     fns = {name: fn for name, (fn, _) in PROVIDERS.items()}
     if "flex" in args.providers:
         fns["flex"] = _flex()
-    for batch, seqlen, heads_k, head_dim, causal in shapes(args):
+    for batch, seqlen, heads_k, head_dim, causal in [LONG_CELL] if args.long else shapes(args):
         gen = torch.Generator(device="cuda").manual_seed(seqlen + head_dim)
         q, dout = (torch.randn(batch, seqlen, HEADS, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
                    for _ in range(2))  # fmt: skip
@@ -152,7 +192,7 @@ def main():
                 for _ in range(2))  # fmt: skip
         for provider in args.providers:
             fn, layout = fns[provider], PROVIDERS[provider][1]
-            base = dict(provider=provider, B=batch, S=seqlen, H=HEADS, Hkv=heads_k, D=head_dim, causal=causal)
+            base = dict(provider=provider, B=batch, S=seqlen, H=HEADS, Hkv=heads_k, D=head_dim, causal=causal, run=run)
             try:
                 qq, kk, vv = (t.transpose(1, 2).contiguous() for t in (q, k, v)) if layout == "bhsd" else (q, k, v)
                 out = fn(qq, kk, vv, causal)
@@ -176,8 +216,33 @@ def main():
             torch.cuda.empty_cache()
         if args.out:  # after every cell, so a run cut short keeps what it measured
             with open(args.out, "w") as f:
-                json.dump([env, *records], f, indent=1)
+                json.dump([env, *earlier, *records], f, indent=1)
     print(markdown_table(records))
+
+
+def read_results(path: str) -> tuple[dict, list[dict]]:
+    """The env record and the records (of every run) of a JSON written by main."""
+    with open(path) as f:
+        env, *records = json.load(f)
+    return env, records
+
+
+def start_run(env: dict, append_to: str | None, command: str) -> tuple[dict, list[dict], int]:
+    """(env record with this run's command under its label, earlier records to keep, this run's label).
+
+    Appending to an existing JSON takes the label after its runs' and keeps them; otherwise the run
+    is 1 alone. Raises ValueError when that JSON was measured on another GPU or other versions.
+    """
+    earlier: list[dict] = []
+    runs: dict[str, str] = {}
+    if append_to is not None and os.path.exists(append_to):
+        old_env, earlier = read_results(append_to)
+        changed = sorted(key for key in env if old_env.get(key) != env[key])
+        if changed:
+            raise ValueError(f"{append_to} was measured with other {', '.join(changed)}: write this run to a new file")
+        runs = old_env["runs"]
+    run = max(map(int, runs), default=0) + 1
+    return dict(env, runs={**runs, str(run): command}), earlier, run
 
 
 def markdown_table(records: list[dict]) -> str:
