@@ -1,0 +1,321 @@
+"""What the ring's decomposition costs on one GPU: the simulated ring against one fused call (issue #4).
+
+    PYTHONPATH=. python3 launch/bench_simulated_ring.py
+    PYTHONPATH=. python3 launch/bench_simulated_ring.py --world-sizes 8 --seqlens-local 8192 --out /tmp/s.json
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench_simulated_ring.py --tiny  # CPU dry run, no JSON
+
+Claim measured: at S_local >= 8k, D = 128, the simulated ring's forward+backward is within 5% of one
+fused call over the whole sequence, for contiguous and zigzag causal.
+
+Defaults: bf16, B = 1, H = Hkv = 32, D = 128, W in (2, 4, 8), S_local in (8192, 16384), so S = W S_local
+from 16k to 128k; causal in both layouts in every cell, and non-causal once, in the cell W = 8,
+S_local = 8192 (--full-cells), in the first layout only (without a mask every ring step is the whole
+block, in both layouts). Providers, each timed "fwd" and "fwd+bwd":
+- fused: ringattn.ops.attn_fwd (out in bf16), then attn_bwd, over the whole sequence, as
+  FlashAttnFunction runs them. Timed once per (S, causal); cells with the same S repeat the numbers.
+- simulated_ring: parallel/simulate.py with KERNEL_OPS, on shards split once outside the timed calls
+  (shard_indices): simulate_ring_forward and the cast of every rank's fp32 out to bf16, then
+  simulate_ring_backward (which takes the bf16 out) and the casts of the fp32 gradients to bf16: what
+  RingAttnFunction does on every rank, summed over the W ranks, without communication.
+Before any timing, the ring's out, dq, dk, dv must be within 1e-2 relative L2 error of the fused call's
+(a failing cell is recorded with "error" and not timed; the script then exits with status 1).
+
+Block entry point (skip with --no-block): one ring.forward_step and one ring.backward_step, the very
+functions the ring calls per step (whatever they do now: kernel launch, merge into the fp32 running
+state, accumulation into fp32 dK/dV), on a full off-diagonal S_local x S_local block (contiguous
+causal, rank 1 holding kv block 0 of W = 2), against the public attn_fwd (out in bf16) and attn_bwd
+(delta computed inside) on the same block: providers block_step and block_public, modes fwd and bwd.
+
+Timing: triton.testing.do_bench median (--warmup, --rep in ms), no host syncs inside the timed calls.
+TFLOP/s: forward 4 B H S^2 D (x 0.5 causal), fwd+bwd 3.5x, bwd 2.5x. peak_bytes: peak allocated during
+one call above what was allocated before it (inputs and shards excluded). overhead: ms / fused ms - 1
+(block_step: / block_public ms - 1). Writes [env, *records] to --out after every cell and prints
+markdown tables. Default grid: 6 (W, S_local) cells x 2 layouts x 2 modes causal, plus 2 non-causal:
+26 ring records, 14 fused ones and 8 block records; about 2.5 minutes on an H200.
+"""
+
+import argparse
+import sys
+
+import torch
+from bench_common import (
+    DTYPES,
+    attention_flops,
+    env_record,
+    markdown_table,
+    parse_with_tiny,
+    run_measuring_peak,
+    script_parser,
+    time_ms,
+    write_json,
+)
+
+from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd
+from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, shard_indices
+from ringattn.parallel.ring import backward_step, forward_step, init_backward_state, init_forward_state
+from ringattn.parallel.simulate import simulate_ring_backward, simulate_ring_forward
+
+MAX_RELATIVE_ERROR = 1e-2
+NAMES = ("out", "dq", "dk", "dv")  # checked against the fused call
+TINY = dict(world_sizes=[2, 3], seqlens_local=[32], heads=2, kv_heads=1, head_dim=16, full_cells=["all"], out=None)
+# the block of the block entry point: (layout, rank, kv_rank, world_size, causal) of a full off-diagonal step
+BLOCK_STEP = ("contiguous", 1, 0, 2, True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = script_parser(__doc__, TINY)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--seqlens-local", type=int, nargs="+", default=[8192, 16384], help="S_local per rank")
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument(
+        "--full-cells", nargs="*", default=["8x8192"], metavar="WxS_LOCAL",
+        help="cells that also run non-causal (first layout only): WxS_LOCAL items, 'all', or none",
+    )  # fmt: skip
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on a GPU, fp32 on CPU")
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    parser.add_argument("--no-block", action="store_true", help="skip the block entry point section")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="docs/benchmarks/simulated_ring_h200.json", help="JSON path")
+    args = parse_with_tiny(parser, TINY, argv)
+    args.kv_heads = args.kv_heads or args.heads
+    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = DTYPES[args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")]
+    if any(s % 2 for s in args.seqlens_local) and "zigzag" in args.layouts:
+        parser.error("zigzag needs even --seqlens-local")
+    try:
+        args.full_cells = {"all" if c == "all" else _cell(c) for c in args.full_cells}
+    except ValueError:
+        parser.error(f"--full-cells takes WxS_LOCAL items (like 8x8192) or 'all', got {args.full_cells}")
+    return args
+
+
+def _cell(text: str) -> tuple[int, int]:
+    """(W, S_local) of a --full-cells item such as 8x8192; ValueError otherwise."""
+    world_size, seqlen_local = text.split("x")
+    return int(world_size), int(seqlen_local)
+
+
+def make_inputs(seqlen: int, args, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, dout (1, S, H, D) and k, v (1, S, Hkv, D), standard normal in args.dtype."""
+    gen = torch.Generator(device=args.device).manual_seed(seed)
+    heads = (args.heads, args.kv_heads, args.kv_heads, args.heads)
+    q, k, v, dout = (
+        torch.randn(1, seqlen, h, args.head_dim, generator=gen, device=args.device, dtype=args.dtype) for h in heads
+    )
+    return q, k, v, dout
+
+
+def relative_error(parts: list[torch.Tensor], full: torch.Tensor, idx: list[torch.Tensor]) -> float:
+    """Relative L2 error of shards `parts` (rank r's along dim 1 at positions idx[r]) against `full`."""
+    num = sum((p.float() - full.index_select(1, i).float()).square().sum() for p, i in zip(parts, idx, strict=True))
+    return (num / full.float().square().sum()).sqrt().item()
+
+
+def fused_calls(q, k, v, dout, scale: float, causal: bool):
+    """(fwd, fwd+bwd) closures of one fused call over the whole sequence; fwd+bwd returns (out, dq, dk, dv)."""
+
+    def fwd():
+        return attn_fwd(q, k, v, scale, causal)
+
+    def fwd_bwd():
+        out, lse = attn_fwd(q, k, v, scale, causal)
+        return (out, *attn_bwd(dout, q, k, v, out, lse, scale, causal))
+
+    return fwd, fwd_bwd
+
+
+def ring_calls(shards, scale: float, causal: bool, layout: str):
+    """(fwd, fwd+bwd) closures of the simulated ring on pre-split shards (q, k, v, dout lists), with the
+    casts RingAttnFunction makes; fwd+bwd returns (outs, dqs, dks, dvs), lists over the ranks."""
+    qs, ks, vs, douts = shards
+    dtype = qs[0].dtype
+
+    def fwd():
+        states = simulate_ring_forward(KERNEL_OPS, qs, ks, vs, scale, causal, layout)
+        return [out.to(dtype) for out, _ in states], [lse for _, lse in states]
+
+    def fwd_bwd():
+        outs, lses = fwd()
+        grads = simulate_ring_backward(KERNEL_OPS, douts, qs, ks, vs, outs, lses, scale, causal, layout)
+        return (outs, *([g[i].to(dtype) for g in grads] for i in range(3)))
+
+    return fwd, fwd_bwd
+
+
+def measure(fn, args, peak_bytes: int | None = None) -> dict:
+    """Median ms of fn(), and its peak bytes: given (from an earlier call), else from one more call (GPU)."""
+    if peak_bytes is None and args.device.type == "cuda":
+        peak_bytes = run_measuring_peak(fn, args.device)[1]
+    return dict(ms=time_ms(fn, args.warmup, args.rep), peak_bytes=peak_bytes)
+
+
+def bench_cell(world_size: int, seqlen_local: int, args, fused_cache: dict) -> list[dict]:
+    """Records of one (W, S_local): fused and simulated ring, every mask and layout asked for."""
+    seqlen = world_size * seqlen_local
+    q, k, v, dout = make_inputs(seqlen, args, seed=args.seed + seqlen)
+    scale = args.head_dim**-0.5
+    shape = dict(W=world_size, S_local=seqlen_local, S=seqlen, H=args.heads, Hkv=args.kv_heads, D=args.head_dim)
+    records = []
+    full = "all" in args.full_cells or (world_size, seqlen_local) in args.full_cells
+    for causal in (True, False) if full else (True,):
+        fused_fwd, fused_fwd_bwd = fused_calls(q, k, v, dout, scale, causal)
+        expected, fb_peak = run_measuring_peak(fused_fwd_bwd, args.device)  # the reference of the check
+        if (seqlen, causal) not in fused_cache:
+            fused_cache[seqlen, causal] = {"fwd": measure(fused_fwd, args),
+                                           "fwd+bwd": measure(fused_fwd_bwd, args, fb_peak)}  # fmt: skip
+        for mode, result in fused_cache[seqlen, causal].items():
+            records.append(_record("fused", shape, None, causal, mode, result))
+        for layout in args.layouts if causal else args.layouts[:1]:
+            records += bench_ring(q, k, v, dout, shape, layout, causal, expected, fused_cache[seqlen, causal], args)
+        del expected
+    return records
+
+
+def bench_ring(q, k, v, dout, shape: dict, layout: str, causal: bool, expected, fused: dict, args) -> list[dict]:
+    """Records of the simulated ring in one layout: checked against `expected` (the fused call's out, dq, dk, dv),
+    then timed; overheads against `fused` ({mode: {"ms": ...}}). One "error" record if the check fails."""
+    seqlen, world_size = shape["S"], shape["W"]
+    idx = [shard_indices(seqlen, r, world_size, layout, device=args.device) for r in range(world_size)]
+    shards = [[t.index_select(1, i) for i in idx] for t in (q, k, v, dout)]
+    ring_fwd, ring_fwd_bwd = ring_calls(shards, shape["D"] ** -0.5, causal, layout)
+    got, fb_peak = run_measuring_peak(ring_fwd_bwd, args.device)
+    errors = {n: relative_error(g, e, idx) for n, g, e in zip(NAMES, got, expected, strict=True)}
+    del got
+    if not all(e < MAX_RELATIVE_ERROR for e in errors.values()):  # NaN fails too
+        error = f"relative L2 error against the fused call: {errors}"
+        print(f"W={world_size} S_local={shape['S_local']} {layout} causal={causal}: {error}", flush=True)
+        return [dict(provider="simulated_ring", **shape, layout=layout, causal=causal, error=error)]
+    return [
+        _record("simulated_ring", shape, layout, causal, mode, measure(fn, args, peak), fused[mode]["ms"])
+        for mode, fn, peak in (("fwd", ring_fwd, None), ("fwd+bwd", ring_fwd_bwd, fb_peak))
+    ]
+
+
+def _record(provider: str, shape: dict, layout, causal: bool, mode: str, result: dict, baseline_ms=None) -> dict:
+    tflops = attention_flops(1, shape["H"], shape["S"], shape["D"], causal, mode) / result["ms"] / 1e9
+    rec = dict(provider=provider, **shape, layout=layout, causal=causal, mode=mode, ms=result["ms"], tflops=tflops,
+               peak_bytes=result["peak_bytes"])  # fmt: skip
+    if baseline_ms is not None:
+        rec["overhead"] = result["ms"] / baseline_ms - 1
+    line = f"{provider:15} W={shape['W']} S_local={shape['S_local']:>6} {layout or '-':10} causal={causal!s:5} "
+    line += f"{mode:8} {rec['ms']:9.3f} ms {tflops:6.1f} TFLOP/s"
+    print(line + (f" overhead {100 * rec['overhead']:+.1f}%" if "overhead" in rec else ""), flush=True)
+    return rec
+
+
+def bench_block(seqlen_local: int, args) -> list[dict]:
+    """block_step (ring.forward_step / backward_step) vs block_public (attn_fwd / attn_bwd) on one full block."""
+    layout, rank, kv_rank, world_size, causal = BLOCK_STEP
+    whole = range(seqlen_local)
+    tasks = block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local)
+    if tasks != [BlockTask(whole, whole, BlockMode.FULL)]:
+        raise AssertionError(f"{BLOCK_STEP} is no longer one full block in the schedule; pick another step")
+    q, k, v, dout = make_inputs(seqlen_local, args, seed=args.seed + 1)
+    scale = args.head_dim**-0.5
+    step = (KERNEL_OPS, layout, rank, kv_rank, world_size, causal, scale)
+    out, lse = attn_fwd(q, k, v, scale, False)  # the ring saves out in the input dtype
+    state = init_forward_state(q)
+    delta = KERNEL_OPS.bwd_preprocess(out, dout)
+    grads = init_backward_state(q, k, v)
+
+    calls = {  # mode: (public, ring step); the step merges into `state` and adds into `grads` at every call
+        "fwd": (lambda: attn_fwd(q, k, v, scale, False), lambda: forward_step(*step, q, k, v, *state)),
+        "bwd": (
+            lambda: attn_bwd(dout, q, k, v, out, lse, scale, False),
+            lambda: backward_step(*step, dout, q, k, v, out, lse, delta, *grads),
+        ),
+    }
+    # check: from the empty state / zero accumulators, one step gives the public call's result
+    forward_step(*step, q, k, v, *state)
+    backward_step(*step, dout, q, k, v, out, lse, delta, *grads)
+    expected = (out, *attn_bwd(dout, q, k, v, out, lse, scale, False))
+    whole_idx = [torch.arange(seqlen_local, device=args.device)]
+    errors = [relative_error([g], e, whole_idx) for g, e in zip((state[0], *grads), expected, strict=True)]
+    if not all(e < MAX_RELATIVE_ERROR for e in errors):
+        raise AssertionError(f"block step differs from the public call: relative L2 errors {errors}")
+    shape = dict(W=None, S_local=seqlen_local, S=seqlen_local, H=args.heads, Hkv=args.kv_heads, D=args.head_dim)
+    records = []
+    for mode, (public, ring_step) in calls.items():
+        public_rec = _record("block_public", shape, None, False, mode, measure(public, args))
+        records += [public_rec, _record("block_step", shape, None, False, mode, measure(ring_step, args),
+                                        public_rec["ms"])]  # fmt: skip
+    return records
+
+
+def ring_table(records: list[dict]) -> str:
+    """One row per ring configuration: fused and ring ms per mode, overheads, ring TFLOP/s, peak memory."""
+    by_key: dict = {}
+    for r in records:
+        if "ms" in r and r["provider"] in ("fused", "simulated_ring"):
+            key = (r["S_local"], r["W"], r["causal"])
+            by_key.setdefault(key, {})[(r["provider"], r["layout"], r["mode"])] = r
+    rows = []
+    for (s_local, world_size, causal), cell in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2])):
+        for layout in sorted({layout for _, layout, _ in cell if layout}):
+            fused = [cell.get(("fused", None, m)) for m in ("fwd", "fwd+bwd")]
+            ring = [cell.get(("simulated_ring", layout, m)) for m in ("fwd", "fwd+bwd")]
+            if None in fused or None in ring:
+                continue
+            rows.append([s_local, world_size, s_local * world_size, layout, "yes" if causal else "no",
+                         *(f"{r['ms']:.2f}" for r in (fused[0], ring[0])), f"{100 * ring[0]['overhead']:+.1f}%",
+                         *(f"{r['ms']:.2f}" for r in (fused[1], ring[1])), f"{100 * ring[1]['overhead']:+.1f}%",
+                         f"{ring[1]['tflops']:.0f}", _gib(fused[1]), _gib(ring[1])])  # fmt: skip
+    head = ["S_local", "W", "S", "layout", "causal", "fused fwd ms", "ring fwd ms", "fwd overhead",
+            "fused f+b ms", "ring f+b ms", "f+b overhead", "ring f+b TFLOP/s", "fused f+b peak GiB",
+            "ring f+b peak GiB"]  # fmt: skip
+    return markdown_table(head, rows)
+
+
+def block_table(records: list[dict]) -> str:
+    """One row per (S_local, mode): the ring's step entry points against the public launchers on one block."""
+    cells: dict = {}
+    for r in records:
+        if r["provider"] in ("block_step", "block_public"):
+            cells.setdefault((r["S_local"], r["mode"]), {})[r["provider"]] = r
+    rows = [
+        [s_local, mode, f"{c['block_public']['ms']:.3f}", f"{c['block_step']['ms']:.3f}",
+         f"{100 * c['block_step']['overhead']:+.1f}%", f"{c['block_public']['tflops']:.0f}",
+         f"{c['block_step']['tflops']:.0f}", _gib(c["block_public"]), _gib(c["block_step"])]
+        for (s_local, mode), c in sorted(cells.items())
+    ]  # fmt: skip
+    head = ["S_local", "mode", "public ms", "step ms", "step overhead", "public TFLOP/s", "step TFLOP/s",
+            "public peak GiB", "step peak GiB"]  # fmt: skip
+    return markdown_table(head, rows)
+
+
+def _gib(rec: dict) -> str:
+    return "-" if rec["peak_bytes"] is None else f"{rec['peak_bytes'] / 2**30:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = env_record(args.device, dtype=str(args.dtype).removeprefix("torch."), warmup_ms=args.warmup,
+                     rep_ms=args.rep)  # fmt: skip
+    records: list[dict] = []
+    fused_cache: dict = {}
+    for seqlen_local in args.seqlens_local:
+        for world_size in args.world_sizes:
+            records += bench_cell(world_size, seqlen_local, args, fused_cache)
+            write_json(args.out, env, records)  # after every cell: a run cut short keeps what it measured
+            if args.device.type == "cuda":
+                torch.cuda.empty_cache()
+    if not args.no_block:
+        for seqlen_local in args.seqlens_local:
+            records += bench_block(seqlen_local, args)
+        write_json(args.out, env, records)
+    print(ring_table(records))
+    if not args.no_block:
+        print()
+        print(block_table(records))
+    failed = [r for r in records if "error" in r]
+    if failed:
+        print(f"{len(failed)} configurations failed the check against the fused call and were not timed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""launch/bench_simulated_ring.py and launch/ring_error_growth.py end to end on the CPU (Triton interpreter,
+--tiny sizes): exit status, the env record and every expected record with its keys in the JSON they write."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "launch"))
+import bench_simulated_ring  # noqa: E402 (scripts beside the package, found through launch/)
+import ring_error_growth  # noqa: E402
+
+ENV_KEYS = {"kind", "gpu", "torch", "triton", "cuda", "python"}
+
+
+def _run(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    out = tmp_path / "out.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, f"launch/{script}", "--tiny", "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert ENV_KEYS <= data[0].keys() and data[0]["kind"] == "env" and data[0]["gpu"] is None
+    return proc, data[1:]
+
+
+def test_bench_simulated_ring_tiny(tmp_path):
+    proc, records = _run(tmp_path, "bench_simulated_ring.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not [r for r in records if "error" in r]
+    keys = {"provider", "W", "S_local", "S", "H", "Hkv", "D", "layout", "causal", "mode", "ms", "tflops", "peak_bytes"}
+    for r in records:
+        assert keys <= r.keys(), r
+        assert r["ms"] > 0 and r["tflops"] > 0 and r["peak_bytes"] is None  # no peak memory on the CPU
+        assert ("overhead" in r) == (r["provider"] in ("simulated_ring", "block_step")), r
+    got = sorted((r["provider"], r["W"] or 0, r["layout"] or "", r["causal"], r["mode"]) for r in records)
+    expected = sorted(
+        [(p, w, "", causal, mode) for p in ["fused"] for w in (2, 3) for causal in (True, False)
+         for mode in ("fwd", "fwd+bwd")]
+        + [("simulated_ring", w, layout, causal, mode) for w in (2, 3)
+           for layout, causal in (("contiguous", True), ("zigzag", True), ("contiguous", False))
+           for mode in ("fwd", "fwd+bwd")]
+        + [(p, 0, "", False, mode) for p in ("block_public", "block_step") for mode in ("fwd", "bwd")]
+    )  # fmt: skip
+    assert got == expected
+    assert all(r["S"] == r["W"] * r["S_local"] for r in records if r["W"])
+    assert "| S_local | W | S | layout | causal |" in proc.stdout and "| S_local | mode | public ms |" in proc.stdout
+
+
+def test_bench_simulated_ring_never_times_a_wrong_result(tmp_path, monkeypatch, capsys):
+    """A ring whose gradients are off is recorded with an error, is not timed, and the script exits with 1."""
+    backward = bench_simulated_ring.simulate_ring_backward
+
+    def wrong_backward(*args, **kwargs):
+        return [(dq, 2 * dk, dv) for dq, dk, dv in backward(*args, **kwargs)]
+
+    monkeypatch.setattr(bench_simulated_ring, "simulate_ring_backward", wrong_backward)
+    out = tmp_path / "out.json"
+    argv = ["--tiny", "--world-sizes", "2", "--layouts", "contiguous", "--full-cells", "--no-block", "--out", str(out)]
+    assert bench_simulated_ring.main(argv) == 1
+    _, *records = json.loads(out.read_text())
+    assert [r["provider"] for r in records] == ["fused", "fused", "simulated_ring"]
+    assert "ms" not in records[-1] and "relative L2 error" in records[-1]["error"]
+    assert "failed the check" in capsys.readouterr().out
+
+
+def test_ring_error_growth_tiny(tmp_path):
+    proc, records = _run(tmp_path, "ring_error_growth.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    *errors, gate = records
+    assert gate["kind"] == "gate" and gate["ok"] and gate["W"] == 4 and gate["failures"] == []
+    keys = {"dtype", "layout", "W", "S", "H", "Hkv", "D", "causal", "tensor", "error", "error_cast", "ratio", "pt"}
+    assert all(keys <= r.keys() for r in errors)
+    got = sorted((r["layout"], r["W"], r["tensor"]) for r in errors)
+    assert got == sorted(
+        (lay, w, t) for lay in ("contiguous", "zigzag") for w in (1, 2, 3, 4) for t in ring_error_growth.NAMES
+    )
+    for r in errors:  # fp32 in the interpreter against float64: errors of a few fp32 ulps, never exact zero
+        assert 0 < r["error"] < 1e-5 and 0 < r["pt"] < 1e-5, r
+        assert r["ratio"] == 1.0 if r["W"] == 1 else r["ratio"] > 0
+    assert "gate PASS" in proc.stdout
+
+
+@pytest.mark.parametrize("ratio, ok", [(2.0, True), (2.5, False)])
+def test_error_growth_gate_looks_at_the_backward_of_the_largest_ring(ratio, ok):
+    """The gate fails on a dq, dk or dv error at the largest W over max_ratio x W = 1's, and only there."""
+    records = [dict(dtype="bfloat16", layout="zigzag", W=w, tensor=t, error=1.0, ratio=1.0) for w in (1, 4, 8)
+               for t in ring_error_growth.NAMES]  # fmt: skip
+    records.append(dict(records[0], W=4, tensor="dk", ratio=9.0))  # a middle W is not gated
+    records.append(dict(records[0], W=8, tensor="lse", ratio=9.0))  # neither is the forward
+    records.append(dict(records[0], W=8, tensor="dv", ratio=ratio))
+    result = ring_error_growth.gate(records, max_ratio=2.0)
+    assert result["W"] == 8 and result["ok"] == ok and len(result["failures"]) == (0 if ok else 1)
