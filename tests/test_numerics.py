@@ -46,19 +46,20 @@ def test_fully_masked_rows_give_zero_output_and_grads_flash():
 
 
 class _QueryPaddingOps(AttnOps):
-    """Block ops for which some query rows see no key, as padding tokens would: their block outputs are 0
-    with lse -inf, which the ring must carry through every merge and step. `padded_rows(q_block)` gives
-    the rows of a block (a view of one rank's queries) to mask."""
+    """Block ops for which some query rows see no key, as padding tokens would: each forward step leaves
+    their running state untouched (merging a block output 0 with lse -inf), so they stay (0, -inf) through
+    every step, which the backward must carry. `padded_rows(q_block)` gives the rows of a block (a view of
+    one rank's queries) to mask."""
 
     def __new__(cls, ops: AttnOps, padded_rows):
-        def fwd(q, k, v, softmax_scale, causal, out_dtype=None):
-            out, lse = ops.fwd(q, k, v, softmax_scale, causal, out_dtype=out_dtype)
+        def fwd_merge_(q, k, v, softmax_scale, causal, out, lse):
             rows = padded_rows(q)
-            out[:, rows] = 0
-            lse[:, :, rows] = float("-inf")
-            return out, lse
+            kept_out, kept_lse = out[:, rows].clone(), lse[:, :, rows].clone()
+            ops.fwd_merge_(q, k, v, softmax_scale, causal, out, lse)
+            out[:, rows] = kept_out
+            lse[:, :, rows] = kept_lse
 
-        return super().__new__(cls, fwd, ops.bwd, ops.bwd_preprocess)
+        return super().__new__(cls, ops.fwd, ops.bwd, ops.bwd_preprocess, fwd_merge_)
 
 
 def test_fully_masked_rows_give_zero_output_and_grads_ring():

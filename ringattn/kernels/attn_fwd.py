@@ -5,13 +5,16 @@ The key loop runs in two stages: tiles that every row of the Q tile may fully se
 mask at all), then the tiles that need the causal or the sequence-end mask. Tiles
 wholly above the causal diagonal are never visited. With document ids (HAS_DOCS, packed
 variable-length sequences) a query row sees only keys of its own document: every tile is
-masked, and tiles whose documents do not meet the Q tile's are skipped. See docs/design.md.
+masked, and tiles whose documents do not meet the Q tile's are skipped. With MERGE_STATE
+the tile's result is merged into a running fp32 (out, lse) state in place (the ring's step),
+in the epilogue, so a ring step needs no separate merge pass. See docs/design.md.
 """
 
 import triton
 import triton.language as tl
 
 from .common import LN2, _doc_span, _key_range, _load_kv_tile, _q_tile_docs
+from .merge import _merge_into_state
 
 
 @triton.jit
@@ -81,15 +84,18 @@ def _attn_fwd_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    seqlen_q, seqlen_k, num_heads_q, qk_scale,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, qk_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, MERGE_STATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile; Lse[b, h, m] in natural log.
 
     Shapes: Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), Out like Q,
-    Lse (B, Hq, Sq) fp32 contiguous. qk_scale = softmax_scale * log2(e). Grid (Sq tiles, Hq, B).
+    Lse (B, Hq, Sq) fp32 with a contiguous last dim. qk_scale = softmax_scale * log2(e).
+    Grid (Sq tiles, Hq, B).
+    MERGE_STATE: Out (fp32) and Lse hold a running state on entry; the tile's result is merged into it.
     CAUSAL is aligned bottom-right: row i sees keys j <= i + (Sk - Sq).
     HAS_DOCS: QDoc (Sq,) and KDoc (Sk,) int32 document ids, non-decreasing; row i sees key j only
     if QDoc[i] == KDoc[j].
@@ -99,7 +105,6 @@ def _attn_fwd_kernel(
     off_b = tl.program_id(2).to(tl.int64)
     off_hk = (off_hq // GROUP_SIZE).to(tl.int64)
     off_hq = off_hq.to(tl.int64)
-    off_bh = off_b * num_heads_q + off_hq
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -139,5 +144,8 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
     o_ptrs = Out + off_b * stride_ob + off_hq * stride_oh + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :]
+    lse_ptrs = Lse + off_b * stride_lb + off_hq * stride_lh + offs_m
+    if MERGE_STATE:
+        out, lse = _merge_into_state(out, lse, o_ptrs, lse_ptrs, row_mask, mask_m)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_mask)
-    tl.store(Lse + off_bh * seqlen_q + offs_m, lse, mask=mask_m)
+    tl.store(lse_ptrs, lse, mask=mask_m)

@@ -1,27 +1,29 @@
 """Attention ops: Triton launchers, their pure-PyTorch references and the fp32 state merge.
 
-An `AttnOps` bundles the three block operations the ring needs, so the ring loop never
+An `AttnOps` bundles the block operations the ring needs, so the ring loop never
 knows whether it runs the compiled kernel, the interpreted kernel or the reference.
 """
 
 from collections.abc import Callable
 from typing import NamedTuple
 
-from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd
-from .attn_ref import attn_bwd_preprocess_ref, attn_bwd_ref, attn_fwd_ref
+from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd, attn_fwd_merge_
+from .attn_ref import attn_bwd_preprocess_ref, attn_bwd_ref, attn_fwd_merge_ref_, attn_fwd_ref
 from .merge import merge_attn_states_
 
 
 class AttnOps(NamedTuple):
-    """Block operations with the signatures of attn_fwd, attn_bwd and attn_bwd_preprocess."""
+    """Block operations with the signatures of attn_fwd, attn_bwd, attn_bwd_preprocess and attn_fwd_merge_
+    (the ring's forward step: the forward merged into a running state in place)."""
 
     fwd: Callable
     bwd: Callable
     bwd_preprocess: Callable
+    fwd_merge_: Callable
 
 
-KERNEL_OPS = AttnOps(attn_fwd, attn_bwd, attn_bwd_preprocess)
-REFERENCE_OPS = AttnOps(attn_fwd_ref, attn_bwd_ref, attn_bwd_preprocess_ref)
+KERNEL_OPS = AttnOps(attn_fwd, attn_bwd, attn_bwd_preprocess, attn_fwd_merge_)
+REFERENCE_OPS = AttnOps(attn_fwd_ref, attn_bwd_ref, attn_bwd_preprocess_ref, attn_fwd_merge_ref_)
 
 __all__ = [
     "AttnOps",
@@ -32,6 +34,8 @@ __all__ = [
     "attn_bwd_preprocess_ref",
     "attn_bwd_ref",
     "attn_fwd",
+    "attn_fwd_merge_",
+    "attn_fwd_merge_ref_",
     "attn_fwd_ref",
     "merge_attn_states_",
 ]

@@ -8,6 +8,8 @@ dtype of their inputs (upcast the inputs for a float64 reference).
 import torch
 from einops import reduce, repeat
 
+from .merge import merge_attn_states_
+
 
 def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
     """(B, Sk, Hkv, D) -> (B, Sk, Hq, D) by repeating each kv head over its query group."""
@@ -60,6 +62,22 @@ def attn_fwd_ref(
     p = _probs(s.to(stat_dtype), lse).to(v.dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.shape[2]))
     return out.to(out_dtype or q.dtype), lse
+
+
+def attn_fwd_merge_ref_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_doc_ids: torch.Tensor | None = None,
+    k_doc_ids: torch.Tensor | None = None,
+) -> None:
+    """Reference of attn_fwd_merge_: attn_fwd_ref in out's dtype, then merge_attn_states_ into (out, lse)."""
+    block_out, block_lse = attn_fwd_ref(q, k, v, softmax_scale, causal, out.dtype, q_doc_ids, k_doc_ids)
+    merge_attn_states_(out, lse, block_out, block_lse)
 
 
 def attn_bwd_preprocess_ref(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:

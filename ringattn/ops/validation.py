@@ -114,3 +114,25 @@ def check_doc_ids(
         if ids.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {ids.device}")
     return q_doc_ids.contiguous(), k_doc_ids.contiguous()
+
+
+def check_attn_state(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor) -> None:
+    """Check a running (out, lse) state for q (attn_fwd_merge_): out (B, Sq, Hq, D) and lse (B, Hq, Sq), fp32
+    on q's device, each with a contiguous last dim (views into a larger state are fine).
+
+    Raises:
+        TypeError: a non-tensor or a dtype other than float32.
+        ValueError: a wrong shape, device or last-dim stride.
+    """
+    batch, seqlen_q, heads_q, _ = q.shape
+    for name, t, shape in (("out", out, tuple(q.shape)), ("lse", lse, (batch, heads_q, seqlen_q))):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(
+                f"{name} (running state) must be a float32 tensor, got {getattr(t, 'dtype', type(t).__name__)}"
+            )
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} (running state) must have shape {shape}, got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} (running state) must be on {q.device}, got {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} (running state) must have a contiguous last dim, got strides {t.stride()}")

@@ -1,9 +1,10 @@
 """Op-agnostic ring attention forward and backward loops (schedule in docs/design.md, section 4).
 
 Forward: at step t, rank r computes its queries against the K/V block of rank r - t while
-the block for step t + 1 is in flight, and merges (out, lse) in fp32. Which sub-blocks are
-computed, and with which mask, is the pure function schedule.block_tasks of the layout; the
-loops run its tasks on views of the local tensors and state (no copies).
+the block for step t + 1 is in flight, and merges (out, lse) in fp32, in the kernel's epilogue
+(ops.fwd_merge_: no separate merge pass). Which sub-blocks are computed, and with which mask,
+is the pure function schedule.block_tasks of the layout; the loops run its tasks on views of
+the local tensors and state (no copies).
 Backward: K/V travel the ring again together with fp32 dK/dV accumulators; each rank adds
 its contribution to the accumulators of the block in hand and passes them on, so after W
 steps (and one last hop) every rank holds the full gradient of its own K/V. dQ accumulates
@@ -16,7 +17,7 @@ What one rank computes at one step, given the K/V block in hand, is `forward_ste
 
 import torch
 
-from ..ops import AttnOps, merge_attn_states_
+from ..ops import AttnOps
 from .comm import RingComm
 from .documents import ShardDocuments
 from .schedule import BlockMode, BlockTask, block_tasks, kv_source_rank
@@ -77,16 +78,16 @@ def forward_step(
         doc_ids = _task_doc_ids(docs, rank, kv_rank, task)
         if doc_ids is None:
             continue
-        block_out, block_lse = ops.fwd(
+        ops.fwd_merge_(
             _rows(q, qs),
             _rows(k_blk, kvs),
             _rows(v_blk, kvs),
             softmax_scale,
             task.mode is BlockMode.CAUSAL,
-            out_dtype=out.dtype,
+            _rows(out, qs),  # views: the kernel merges into the running state in place
+            _rows(lse, qs, 2),
             **doc_ids,
         )
-        merge_attn_states_(_rows(out, qs), _rows(lse, qs, 2), block_out, block_lse)  # in place on views
 
 
 def init_backward_state(
