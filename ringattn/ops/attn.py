@@ -14,7 +14,7 @@ import triton
 
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from ..kernels.attn_fwd import _attn_fwd_kernel
-from .validation import check_attn_inputs, check_doc_ids, check_runnable_device
+from .validation import check_attn_inputs, check_attn_state, check_doc_ids, check_runnable_device
 
 LOG2E = math.log2(math.e)
 
@@ -46,12 +46,24 @@ def _fwd_config(block_d: int, dtype: torch.dtype, device: torch.device) -> Launc
     return LaunchConfig(64, 64, 8, 2)
 
 
-def _bwd_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+def _bwd_dkdv_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """dK/dV kernel: block_n keys per program, block_m query rows per loop step."""
     if device.type != "cuda":
         return LaunchConfig(32, 32, 4, 1)
     if dtype == torch.float32:
         return LaunchConfig(32, 32, 4, 1)
     if block_d <= 128:  # H200, D=128, bf16: 4 warps 375 TFLOP/s, 8 warps 174 (docs/performance.md)
+        return LaunchConfig(64, 64, 4, 2)
+    return LaunchConfig(32, 32, 4, 1)
+
+
+def _bwd_dq_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """dQ kernel: block_m query rows per program, block_n keys per loop step."""
+    if device.type != "cuda":
+        return LaunchConfig(32, 32, 4, 1)
+    if dtype == torch.float32:
+        return LaunchConfig(32, 32, 4, 1)
+    if block_d <= 128:
         return LaunchConfig(64, 64, 4, 2)
     return LaunchConfig(32, 32, 4, 1)
 
@@ -76,6 +88,25 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool) -> None:
+    """Launch _attn_fwd_kernel writing (or, with merge_state, merging into) out and lse; inputs checked."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    block_d = _padded_head_dim(head_dim)
+    cfg = _fwd_config(block_d, q.dtype, q.device)
+    has_docs = q_doc_ids is not None
+    with _device_guard(q):
+        _attn_fwd_kernel[(triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
+            q, k, v, out, lse, q_doc_ids if has_docs else lse, k_doc_ids if has_docs else lse,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(0), lse.stride(1),
+            seqlen_q, seqlen_k, softmax_scale * LOG2E,
+            GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=bool(causal), HAS_DOCS=has_docs, MERGE_STATE=merge_state, DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+
 def attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -93,7 +124,7 @@ def attn_fwd(
             preferred (otherwise copied). D a multiple of 8 up to 256; fp16, bf16 or fp32.
         softmax_scale: multiplies q k^T before the softmax.
         causal: bottom-right aligned causal mask.
-        out_dtype: dtype of out (default q.dtype); the ring asks for fp32.
+        out_dtype: dtype of out (default q.dtype).
         q_doc_ids, k_doc_ids: optional (Sq,) and (Sk,) int32 document ids, non-decreasing along the
             rows (packed variable-length sequences): row i sees key j only if their ids are equal
             (and, with causal, j <= i + Sk - Sq). Both or neither.
@@ -107,24 +138,39 @@ def attn_fwd(
     check_runnable_device(q)
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_k = k.shape[1], k.shape[2]
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    block_d = _padded_head_dim(head_dim)
-    cfg = _fwd_config(block_d, q.dtype, q.device)
-    has_docs = q_doc_ids is not None
-    with _device_guard(q):
-        _attn_fwd_kernel[(triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
-            q, k, v, out, lse, q_doc_ids if has_docs else lse, k_doc_ids if has_docs else lse,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-            seqlen_q, seqlen_k, heads_q, softmax_scale * LOG2E,
-            GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=bool(causal), HAS_DOCS=has_docs, DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state=False)
     return out, lse
+
+
+def attn_fwd_merge_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_doc_ids: torch.Tensor | None = None,
+    k_doc_ids: torch.Tensor | None = None,
+) -> None:
+    """Fused attention forward merged into a running state in place: the ring's step, with no merge pass.
+
+    (out, lse) becomes the log-sum-exp merge (ops/merge.py) of itself with attn_fwd(q, k, v, ...).
+    Args:
+        q, k, v, softmax_scale, causal, q_doc_ids, k_doc_ids: as in attn_fwd.
+        out: (B, Sq, Hq, D) fp32 running output, last dim contiguous (views of a larger state are fine).
+        lse: (B, Hq, Sq) fp32 running lse, natural log, -inf for rows without keys yet; last dim contiguous.
+    Raises:
+        as attn_fwd; ValueError or TypeError for a state of the wrong shape, dtype, device or strides.
+    """
+    check_attn_inputs(q, k, v)
+    check_runnable_device(q)
+    check_attn_state(out, lse, q)
+    q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state=True)
 
 
 def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
@@ -192,24 +238,28 @@ def attn_bwd(
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     block_d = _padded_head_dim(head_dim)
-    cfg = _bwd_config(block_d, q.dtype, q.device)
     has_docs = q_doc_ids is not None
     docs = (q_doc_ids, k_doc_ids) if has_docs else (lse, lse)
     common = dict(
-        GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal), HAS_DOCS=has_docs, ACCUMULATE=accumulate,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=bool(causal), HAS_DOCS=has_docs,
+        ACCUMULATE=accumulate, DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
     qk_scale = softmax_scale * LOG2E
+    dkdv_cfg = _bwd_dkdv_config(block_d, q.dtype, q.device)
+    dq_cfg = _bwd_dq_config(block_d, q.dtype, q.device)
     with _device_guard(q):
-        _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch)](
+        _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, dkdv_cfg.block_n), heads_k, batch)](
             q, k, v, dout, lse, delta, dk, dv, *docs,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
             seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale, **common,
+            BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
+            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
         )  # fmt: skip
-        _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
+        _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, dq_cfg.block_m), heads_q, batch)](
             q, k, v, dout, lse, delta, dq, *docs,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
             seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale, **common,
+            BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
+            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
         )  # fmt: skip
     return dq, dk, dv

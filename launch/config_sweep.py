@@ -1,0 +1,122 @@
+"""Time each attention kernel under a list of launch configs, to pick ops/attn.py's `_fwd_config`,
+`_bwd_dkdv_config` and `_bwd_dq_config` for 16-bit inputs on the GPU at hand.
+
+    PYTHONPATH=. python3 launch/config_sweep.py --out docs/benchmarks/config_sweep_h200.json
+
+bf16, H = 32, B x S = 32768 tokens (S = --seqlen), per head dim and causal setting. A config is
+(BLOCK_M, BLOCK_N, num_warps, num_stages). The forward is timed alone; a dK/dV config is timed as the
+whole backward with the default dQ config, and a dQ config with the default dK/dV config, so the two
+backward sweeps differ only in the kernel under test. TFLOP/s: forward 4 B H S^2 D (x 0.5 causal),
+backward 2.5 x that. Every config's result is checked against the default config's before timing.
+Prints the best config per kernel and writes all timings as JSON.
+"""
+
+import argparse
+import json
+from functools import partial
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import ringattn.ops.attn as attn_ops
+
+TOKENS, HEADS = 32768, 32
+CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of each list is the default
+    "fwd": {
+        64: [(128, 64, 4, 3), (128, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)],
+    },
+    "dkdv": {
+        64: [(64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
+        128: [(64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
+    },
+    "dq": {
+        64: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (128, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
+        128: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2)],
+    },
+}
+CONFIG_FUNCTIONS = {"fwd": "_fwd_config", "dkdv": "_bwd_dkdv_config", "dq": "_bwd_dq_config"}
+
+
+DEFAULT_FUNCTIONS = {kernel: getattr(attn_ops, name) for kernel, name in CONFIG_FUNCTIONS.items()}
+
+
+def _set_config(kernel: str, config: tuple | None) -> None:
+    """Make ops/attn.py's config function of `kernel` return `config` (None: restore the default)."""
+    function = DEFAULT_FUNCTIONS[kernel] if config is None else (lambda *_: attn_ops.LaunchConfig(*config))
+    setattr(attn_ops, CONFIG_FUNCTIONS[kernel], function)
+
+
+def sweep(seqlen: int, head_dim: int, causal: bool, rep: int) -> list[dict]:
+    batch = TOKENS // seqlen
+    scale = head_dim**-0.5
+    shape = (batch, seqlen, HEADS, head_dim)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    fwd_flops = 4 * batch * HEADS * seqlen**2 * head_dim * (0.5 if causal else 1)
+    out, lse = attn_ops.attn_fwd(q, k, v, scale, causal)
+    want_bwd = attn_ops.attn_bwd(dout, q, k, v, out, lse, scale, causal)
+    records = []
+    for kernel, by_dim in CANDIDATES.items():
+        for config in by_dim[head_dim]:
+            _set_config(kernel, config)
+            if kernel == "fwd":
+                run = partial(attn_ops.attn_fwd, q, k, v, scale, causal)
+                got, want, flops = run()[0], out, fwd_flops
+            else:
+                run = partial(attn_ops.attn_bwd, dout, q, k, v, out, lse, scale, causal)
+                got, want, flops = (
+                    torch.cat([g.flatten() for g in run()]),
+                    torch.cat([g.flatten() for g in want_bwd]),
+                    2.5 * fwd_flops,
+                )
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            if not err < 1e-2:
+                raise AssertionError(f"{kernel} {config}: result off the default config's by {err:.2e}")
+            ms = do_bench(run, warmup=10, rep=rep, return_mode="median")
+            _set_config(kernel, None)
+            records.append(dict(kernel=kernel, config=list(config), S=seqlen, B=batch, H=HEADS, D=head_dim,
+                                causal=causal, ms=ms, tflops=flops / ms / 1e9))  # fmt: skip
+            print(f"D{head_dim} causal={causal!s:5} {kernel:4} {config}: {ms:7.3f} ms {records[-1]['tflops']:5.0f} "
+                  "TFLOP/s", flush=True)  # fmt: skip
+    return records
+
+
+def best_configs(records: list[dict]) -> dict:
+    """Per (kernel, D): the config with the least total time over the causal settings and the default's time."""
+    best = {}
+    for kernel in CANDIDATES:
+        for head_dim in sorted({r["D"] for r in records}):
+            totals: dict = {}
+            for r in records:
+                if r["kernel"] == kernel and r["D"] == head_dim:
+                    totals[tuple(r["config"])] = totals.get(tuple(r["config"]), 0.0) + r["ms"]
+            default = CANDIDATES[kernel][head_dim][0]
+            winner = min(totals, key=totals.get)
+            best[f"{kernel} D{head_dim}"] = dict(config=list(winner), ms=totals[winner], default_ms=totals[default])
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    parser.add_argument("--rep", type=int, default=100, help="do_bench's rep (ms)")
+    parser.add_argument("--out", default=None, help="JSON path")
+    args = parser.parse_args()
+    records = []
+    for head_dim in args.head_dims:
+        for causal in (False, True):
+            records += sweep(args.seqlen, head_dim, causal, args.rep)
+    best = best_configs(records)
+    for name, b in best.items():
+        print(f"best {name}: {tuple(b['config'])} {b['ms']:.3f} ms (default {b['default_ms']:.3f} ms)")
+    if args.out:
+        env = dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   cuda=torch.version.cuda, dtype="bfloat16", tokens=TOKENS)  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump([env, *records, dict(kind="best", **best)], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
