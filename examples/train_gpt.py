@@ -50,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import ringattn  # noqa: E402
-from ringattn.distributed import destroy, init_distributed, log  # noqa: E402
+from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 from ringattn.ops import attn_fwd_ref  # noqa: E402
 from ringattn.sequence_parallel import IGNORE_INDEX, shift_labels  # noqa: E402
 from ringattn.testing import check_close, max_abs_error, tolerance  # noqa: E402
@@ -155,7 +155,8 @@ def copy_task_batch(batch: int, seqlen: int, vocab: int, seed: int) -> tuple[tor
 # -------------------------------------------------------------------------------------------- training
 
 
-def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
+def parse_args(world_size: int, on_gpu: bool, argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (from `argv`, default sys.argv), checked; exits with status 2 on a bad one."""
     p = argparse.ArgumentParser(
         description="Train a small GPT with ring attention (zigzag) on a copy task.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -175,7 +176,7 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("out/train_gpt"), help="history.json and loss.png go here")
     p.add_argument("--check", action="store_true", help="compare the first steps with single-device training")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 3 if args.check else (200 if on_gpu else 70)
     multiple = 2 * world_size
@@ -188,10 +189,7 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
         problems.append("--vocab must be at least 3 and --steps at least 1")
     if args.dtype == "bf16" and not on_gpu:
         problems.append("--dtype bf16 needs GPUs (Triton's interpreter computes bf16 wrongly)")
-    if problems:
-        if os.environ.get("RANK", "0") == "0":
-            p.error("; ".join(problems))
-        sys.exit(2)
+    exit_on_bad_arguments(p, problems)
     return args
 
 
@@ -237,6 +235,26 @@ def train_step(model, optimizer, step, args, tokens, pos, labels, loss_fn, after
     return loss.detach(), logits.detach()
 
 
+def ring_step(model, optimizer, step, args, sp, tokens, labels):
+    """train_step on this rank's shard (in sp's layout) of tokens, labels (B, S) (labels unshifted, on any
+    device): the sharded loss, gradients summed over the ranks. Returns the loss, this rank's logits
+    (B, S / W, vocab) and the ShardedBatch."""
+    device = next(model.parameters()).device
+    b = sp.shard_batch(tokens.to(device), labels.to(device))
+    loss, logits = train_step(model, optimizer, step, args, b.input_ids, b.position_ids, b.labels,
+                              sp.cross_entropy, sp.sync_gradients)  # fmt: skip
+    return loss, logits, b
+
+
+def single_device_step(model, optimizer, step, args, tokens, labels):
+    """train_step on the whole sequence on one device: tokens, labels (B, S) (labels unshifted).
+    Returns the loss and logits (B, S, vocab)."""
+    device = next(model.parameters()).device
+    pos = torch.arange(tokens.shape[1], device=device)
+    targets = shift_labels(labels).to(device)
+    return train_step(model, optimizer, step, args, tokens.to(device), pos, targets, single_device_loss)
+
+
 def make_model(args, attention: nn.Module) -> GPT:
     torch.manual_seed(args.seed)  # built on the CPU: the same weights on every rank and for every copy
     return GPT(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, attention)
@@ -262,15 +280,10 @@ def run_check(args, env, sp, model, optimizer) -> bool:
     rows = []
     for step in range(args.steps):
         tokens, labels = copy_task_batch(args.batch, args.seqlen, args.vocab, args.seed + step)
-        b = sp.shard_batch(tokens.to(env.device), labels.to(env.device))
-        ring_loss, _ = train_step(model, optimizer, step, args, b.input_ids, b.position_ids, b.labels,
-                                  sp.cross_entropy, sp.sync_gradients)  # fmt: skip
+        ring_loss, _, _ = ring_step(model, optimizer, step, args, sp, tokens, labels)
         if env.is_main:
-            pos = torch.arange(args.seqlen, device=env.device)
-            targets = shift_labels(labels).to(env.device)
             losses = {
-                name: train_step(m, opt, step, args, tokens.to(env.device), pos, targets, single_device_loss)[0]
-                for name, (m, opt) in singles.items()
+                name: single_device_step(m, opt, step, args, tokens, labels)[0] for name, (m, opt) in singles.items()
             }
             row = {"step": step, "ring": ring_loss.item(), **{k: v.item() for k, v in losses.items()}}
             try:
@@ -348,9 +361,7 @@ def main() -> int:
     for step in range(args.steps):
         t0 = time.perf_counter()
         tokens, labels = copy_task_batch(args.batch, args.seqlen, args.vocab, args.seed + step)
-        b = sp.shard_batch(tokens.to(env.device), labels.to(env.device))
-        loss, logits = train_step(model, optimizer, step, args, b.input_ids, b.position_ids, b.labels,
-                                  sp.cross_entropy, sp.sync_gradients)  # fmt: skip
+        loss, logits, b = ring_step(model, optimizer, step, args, sp, tokens, labels)
         counted = b.labels != IGNORE_INDEX
         stats = torch.stack([((logits.argmax(-1) == b.labels) & counted).sum(), counted.sum()]).double()
         dist.all_reduce(stats)  # copy accuracy over the whole batch

@@ -7,14 +7,18 @@
     env = init_distributed()  # env.rank, env.world_size, env.local_rank, env.device, env.backend
     log("printed by rank 0 only")
 
+exit_on_bad_arguments(parser, problems) ends a script's argument checks on every rank, saying why once.
+
 GPUs: one rank per GPU over NCCL; the rank's device is set from LOCAL_RANK before any communication.
 CPUs: gloo, with the kernels in Triton's interpreter. NVLink multicast stays off in every process
 (MULTICAST_OFF, set before the first communicator exists). Collectives time out after
 RINGATTN_TIMEOUT seconds (default 300): a hang becomes an error instead of a silent wait.
 """
 
+import argparse
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -96,6 +100,19 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, str(dist.get_backend()))
+
+
+def exit_on_bad_arguments(parser: argparse.ArgumentParser, problems: list[str]) -> None:
+    """Exit with status 2 on every rank when `problems` is not empty; else return.
+
+    Rank 0 (RANK from the environment, or a plain run without it) prints the usage and the problems joined
+    by "; " (parser.error); the other ranks leave silently, so a job of N ranks says it once. Reads only
+    the environment: call it before init_distributed.
+    """
+    if problems:
+        if os.environ.get("RANK", "0") == "0":
+            parser.error("; ".join(problems))
+        sys.exit(2)
 
 
 def log(*parts, **print_kwargs) -> None:

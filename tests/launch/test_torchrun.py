@@ -1,6 +1,8 @@
 """launch/torchrun.sh and ringattn.distributed on CPU ranks: rank 0's output shown, the others' kept in
-files and shown when the job fails, NVLink multicast off and the process group made in every rank."""
+files and shown when the job fails, NVLink multicast off and the process group made in every rank; bad
+arguments refused on every rank, rank 0 saying why."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -8,6 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from ringattn.distributed import exit_on_bad_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,3 +78,14 @@ def test_plain_python_makes_a_group_of_one(tmp_path):
     proc = subprocess.run([sys.executable, str(script), "-1"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["rank 0 says hello", "sum 1 over 1 ranks"]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_bad_arguments_exit_2_on_every_rank_and_rank_0_says_why(rank, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", rank)
+    parser = argparse.ArgumentParser(prog="job")
+    exit_on_bad_arguments(parser, [])  # nothing wrong: returns
+    with pytest.raises(SystemExit) as exc:
+        exit_on_bad_arguments(parser, ["--a is bad", "--b too"])
+    assert exc.value.code == 2
+    assert ("job: error: --a is bad; --b too" in capsys.readouterr().err) == (rank == "0")
