@@ -63,15 +63,15 @@ class _QueryPaddingOps(AttnOps):
 
 
 def test_fully_masked_rows_give_zero_output_and_grads_ring():
-    """Ring (simulated, W = 3, zigzag causal, interpreted kernels) with padded query rows that see no key in
+    """Ring (simulated, W = 3, zigzag causal, the kernels) with padded query rows that see no key in
     any block: out and dq are exactly 0 there, lse is -inf, nothing is NaN, every other row's out and dq
     are bitwise those of the ring without padding, and dk, dv those of the ring with dout = 0 at the
     padded rows."""
     world_size, seqlen_local, layout = 3, 16, "zigzag"
     seqlen = world_size * seqlen_local
-    padded = torch.tensor([0, 1, 9, 30, 31, 47])  # global positions, on every rank and in both zigzag chunks
+    padded = torch.tensor([0, 1, 9, 30, 31, 47], device=DEVICE)  # global positions: every rank, both zigzag chunks
     q, k, v, dout = make_qkv(1, seqlen, seqlen, 2, 1, 16, DTYPE, seed=8)
-    idx = [shard_indices(seqlen, r, world_size, layout) for r in range(world_size)]
+    idx = [shard_indices(seqlen, r, world_size, layout, device=DEVICE) for r in range(world_size)]
     q_s, k_s, v_s, dout_s = ([t.index_select(1, i) for i in idx] for t in (q, k, v, dout))
     local_padded = {q_r.untyped_storage().data_ptr(): torch.isin(i, padded) for q_r, i in zip(q_s, idx, strict=True)}
 
@@ -182,6 +182,7 @@ def test_fp16_in_gives_fp16_out_and_grads_ring():
     _check_all(full, q, k, v, dout, 16**-0.5, True, "ring fp16")
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks run the interpreted kernels on the CPU")
 def test_non_contiguous_inputs_give_the_contiguous_result_ring():
     """gloo, W = 2, zigzag causal: q, k, v and dout that are views with gaps (NaN-filled, so reading them would
     show) give bitwise the results of contiguous ones."""
@@ -200,6 +201,7 @@ def test_backward_is_bitwise_deterministic_flash():
             assert torch.equal(x, y), f"flash {name} differs between runs"
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks run the interpreted kernels on the CPU")
 def test_backward_is_bitwise_deterministic_ring():
     """gloo, W = 3, contiguous causal, two runs in a row on every rank: bitwise identical results (the
     dK/dV accumulators always visit the ranks in the same order)."""
@@ -207,3 +209,13 @@ def test_backward_is_bitwise_deterministic_ring():
         for again in runs[1:]:
             for name, x, y in zip(NAMES, runs[0], again, strict=True):
                 assert torch.equal(x, y), f"rank {rank} {name} differs between runs"
+
+
+def test_backward_is_bitwise_deterministic_simulated_ring():
+    """The simulated ring (W = 4, zigzag causal) on this device, the kernels the GPU ring runs: two runs give
+    bitwise identical results (no atomics, a fixed accumulation order)."""
+    q, k, v, dout = make_qkv(1, 96, 96, 4, 2, 32, DTYPE, seed=29)
+    first = simulate_ring_attn(KERNEL_OPS, q, k, v, 0.2, True, 4, "zigzag", dout=dout)
+    again = simulate_ring_attn(KERNEL_OPS, q, k, v, 0.2, True, 4, "zigzag", dout=dout)
+    for name, x, y in zip(NAMES, first, again, strict=True):
+        assert torch.equal(x, y), f"simulated ring {name} differs between runs"

@@ -41,8 +41,8 @@ def _fwd_config(block_d: int, dtype: torch.dtype, device: torch.device) -> Launc
         return LaunchConfig(64, 32, 4, 2) if block_d <= 128 else LaunchConfig(32, 32, 4, 1)
     if block_d <= 64:
         return LaunchConfig(128, 64, 4, 3)
-    if block_d <= 128:
-        return LaunchConfig(128, 64, 8, 3)
+    if block_d <= 128:  # H200 bf16, B x S = 32k, H = 32: 474 TFLOP/s vs 462 for 128 x 64 (config_sweep_h200.json)
+        return LaunchConfig(128, 128, 8, 3)
     return LaunchConfig(64, 64, 8, 2)
 
 
@@ -52,7 +52,9 @@ def _bwd_dkdv_config(block_d: int, dtype: torch.dtype, device: torch.device) -> 
         return LaunchConfig(32, 32, 4, 1)
     if dtype == torch.float32:
         return LaunchConfig(32, 32, 4, 1)
-    if block_d <= 128:  # H200, D=128, bf16: 4 warps 375 TFLOP/s, 8 warps 174 (docs/performance.md)
+    if block_d <= 64:  # H200 bf16 (config_sweep_h200.json): 3 stages 6% faster than 2 at D = 64
+        return LaunchConfig(64, 64, 4, 3)
+    if block_d <= 128:  # D = 128: 4 warps 376 TFLOP/s; 8 warps with 128 keys 175
         return LaunchConfig(64, 64, 4, 2)
     return LaunchConfig(32, 32, 4, 1)
 
@@ -63,8 +65,10 @@ def _bwd_dq_config(block_d: int, dtype: torch.dtype, device: torch.device) -> La
         return LaunchConfig(32, 32, 4, 1)
     if dtype == torch.float32:
         return LaunchConfig(32, 32, 4, 1)
-    if block_d <= 128:
+    if block_d <= 64:
         return LaunchConfig(64, 64, 4, 2)
+    if block_d <= 128:  # H200 bf16, D = 128: 128 rows x 64 keys, 8 warps, 3 stages 5% faster than 64 x 64 x 4 x 2
+        return LaunchConfig(128, 64, 8, 3)
     return LaunchConfig(32, 32, 4, 1)
 
 
