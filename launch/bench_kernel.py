@@ -170,9 +170,17 @@ def main():
     parser.add_argument("--long", action="store_true", help="only the cell B=1, S=131072, D=128, causal")
     parser.add_argument("--out", default=None, help="JSON path")
     parser.add_argument("--append", action="store_true", help="add this run to --out as the next run label")
+    parser.add_argument(
+        "--configs", default=None, help="launch ringattn with the best configs of a config_sweep.py JSON"
+    )
     args = parser.parse_args()
     if args.append and not args.out:
         parser.error("--append needs --out")
+    if args.configs:
+        from config_sweep import use_configs  # launch/ is on sys.path when this script runs
+
+        with open(args.configs) as f:
+            use_configs(next(r for r in json.load(f) if r.get("kind") == "best"))
 
     env = dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                cuda=torch.version.cuda, python=platform.python_version(), dtype="bfloat16", tokens=TOKENS)  # fmt: skip

@@ -22,18 +22,18 @@ from triton.testing import do_bench
 import ringattn.ops.attn as attn_ops
 
 TOKENS, HEADS = 32768, 32
-CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of each list is the default
+CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of each list is the current default
     "fwd": {
-        64: [(128, 64, 4, 3), (128, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
-        128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)],
+        64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
+        128: [(128, 128, 8, 3), (128, 64, 8, 3)],
     },
     "dkdv": {
-        64: [(64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
-        128: [(64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
+        64: [(64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)],
+        128: [(64, 64, 4, 2), (64, 64, 4, 1), (64, 32, 4, 2), (128, 64, 8, 2), (32, 32, 4, 2)],
     },
     "dq": {
-        64: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (128, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
-        128: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2)],
+        64: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
+        128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 1)],
     },
 }
 CONFIG_FUNCTIONS = {"fwd": "_fwd_config", "dkdv": "_bwd_dkdv_config", "dq": "_bwd_dq_config"}
@@ -46,6 +46,34 @@ def _set_config(kernel: str, config: tuple | None) -> None:
     """Make ops/attn.py's config function of `kernel` return `config` (None: restore the default)."""
     function = DEFAULT_FUNCTIONS[kernel] if config is None else (lambda *_: attn_ops.LaunchConfig(*config))
     setattr(attn_ops, CONFIG_FUNCTIONS[kernel], function)
+
+
+def use_configs(best: dict) -> None:
+    """Make ops/attn.py launch 16-bit CUDA inputs with the configs of a sweep's "best" record (keys like
+    "dq D128"); other dtypes, devices and head dims keep the defaults. For timing candidates before
+    committing them to ops/attn.py."""
+    for kernel, name in CONFIG_FUNCTIONS.items():
+        chosen = {
+            int(key.split(" D")[1]): tuple(b["config"]) for key, b in best.items() if key.startswith(kernel + " ")
+        }
+
+        def function(block_d, dtype, device, default=DEFAULT_FUNCTIONS[kernel], chosen=chosen):
+            if device.type == "cuda" and dtype != torch.float32 and block_d in chosen:
+                return attn_ops.LaunchConfig(*chosen[block_d])
+            return default(block_d, dtype, device)
+
+        setattr(attn_ops, name, function)
+
+
+def _check_defaults(head_dims: list[int]) -> None:
+    """The first candidate of each list must be what ops/attn.py launches today (it is reported as the default)."""
+    for kernel, by_dim in CANDIDATES.items():
+        for head_dim in head_dims:
+            current = tuple(DEFAULT_FUNCTIONS[kernel](head_dim, torch.bfloat16, torch.device("cuda")).__dict__.values())
+            if by_dim[head_dim][0] != current:
+                raise AssertionError(
+                    f"{kernel} D{head_dim}: first candidate {by_dim[head_dim][0]} != default {current}"
+                )
 
 
 def sweep(seqlen: int, head_dim: int, causal: bool, rep: int) -> list[dict]:
@@ -104,6 +132,7 @@ def main():
     parser.add_argument("--rep", type=int, default=100, help="do_bench's rep (ms)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
+    _check_defaults(args.head_dims)
     records = []
     for head_dim in args.head_dims:
         for causal in (False, True):
