@@ -13,10 +13,10 @@ Every rank builds the same global q, k, v, dout (batch, seqlen, heads, head_dim)
 seed and keeps its contiguous shard: rank r holds tokens [r * S / W, (r + 1) * S / W).
 
 CHECK: each rank's out, lse, dq, dk, dv from `ringattn.ring_attn_func` must obey the tolerance
-rule of ringattn.testing against the pure-PyTorch reference (ringattn.ops.attn_fwd_ref /
-attn_bwd_ref) run on the whole sequence in high precision (float64 on the CPU and for fp32
-inputs, float32 for fp16/bf16 on the GPU): at most 2x the error of the same reference run in the
-input dtype. The single-device kernel `ringattn.flash_attn_func` on the whole sequence is held
+rule of ringattn.testing against the pure-PyTorch reference (ringattn.testing.reference:
+ringattn.ops.attn_fwd_ref / attn_bwd_ref) run on the whole sequence in high precision (float64
+on the CPU and for fp32 inputs, float32 for fp16/bf16 on the GPU): at most 2x the error of the
+same reference run in the input dtype. The single-device kernel `ringattn.flash_attn_func` on the whole sequence is held
 to the same rule. A failure on any rank makes every rank exit with status 1.
 
 TIMING: after warm-up, `--iters` forward and `--iters` forward+backward passes; rank 0 prints
@@ -95,39 +95,6 @@ def make_inputs(args, device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes)
 
 
-def reference(q, k, v, dout, softmax_scale: float, causal: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """attn_fwd_ref + attn_bwd_ref on the whole sequence, computed in `dtype`.
-
-    The reference materialises (S, S) scores, so it runs one (batch, query head) at a time:
-    peak memory about 6 * S^2 elements of `dtype` (or fp32, whichever is wider). Gradients
-    accumulate in that wider type across the query heads of a K/V group, as the unchunked
-    reference does, and are rounded to `dtype` at the end.
-    q, dout (B, S, H, D); k, v (B, S, Hkv, D) -> out, dq (B, S, H, D), lse (B, H, S), dk, dv (B, S, Hkv, D).
-    """
-    from ringattn.ops import attn_bwd_ref, attn_fwd_ref
-
-    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
-    batch, _, heads, _ = q.shape
-    group = heads // k.shape[2]
-    acc_dtype = torch.promote_types(dtype, torch.float32)
-    out = torch.empty_like(q)
-    lse = torch.empty((batch, heads, q.shape[1]), dtype=acc_dtype, device=q.device)
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
-    for b in range(batch):
-        for h in range(heads):
-            bs, hs, ks = slice(b, b + 1), slice(h, h + 1), slice(h // group, h // group + 1)
-            qh, kh, vh, dh = q[bs, :, hs], k[bs, :, ks], v[bs, :, ks], dout[bs, :, hs]
-            out_h, lse_h = attn_fwd_ref(qh, kh, vh, softmax_scale, causal)
-            attn_bwd_ref(
-                dh, qh, kh, vh, out_h, lse_h, softmax_scale, causal,
-                dq_acc=dq[bs, :, hs], dk_acc=dk[bs, :, ks], dv_acc=dv[bs, :, ks],
-            )  # fmt: skip
-            out[bs, :, hs], lse[bs, hs] = out_h, lse_h
-    return {"out": out, "lse": lse, "dq": dq.to(dtype), "dk": dk.to(dtype), "dv": dv.to(dtype)}
-
-
 def local_slice(name: str, t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """This rank's contiguous shard of a global tensor (the sequence dim is 2 for lse, else 1)."""
     dim = 2 if name == "lse" else 1
@@ -141,7 +108,7 @@ def check(args, device: torch.device, ref_dtype: torch.dtype) -> list[dict]:
     Returns one row per checked tensor: name, ring error, flash error, allowed error, failure messages.
     """
     import ringattn
-    from ringattn.testing import check_close, max_abs_error, tolerance
+    from ringattn.testing import check_close, max_abs_error, reference, tolerance
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     scale = args.head_dim**-0.5

@@ -11,7 +11,7 @@ W), H = 8, Hkv = 2, D = 128, inputs drawn in fp32 and rounded to bf16, runs thro
 parallel/simulate.py::simulate_ring_attn with KERNEL_OPS for W = 1 ... 8, contiguous and zigzag. W = 1
 takes the ring's code path too (fp32 running state and merge, fp32 gradient accumulators), so the
 ratios show what more ranks add. For each of out, lse, dq, dk, dv, against a float64 reference
-(ring_check.reference: ringattn.ops.attn_fwd_ref / attn_bwd_ref on float64 copies of the same rounded
+(ringattn.testing.reference: ringattn.ops.attn_fwd_ref / attn_bwd_ref on float64 copies of the same rounded
 inputs, whole sequence), the max abs error (ringattn.testing.max_abs_error) of:
 - error: the simulated ring's result, fp32 (its state and accumulators, before any rounding);
 - error_cast: that result rounded to the input dtype, as ring_attn_func returns it (lse stays fp32);
@@ -28,12 +28,11 @@ import sys
 
 import torch
 from bench_common import DTYPES, env_record, markdown_table, parse_with_tiny, script_parser, write_json
-from ring_check import reference
 
 from ringattn.ops import KERNEL_OPS
 from ringattn.parallel import LAYOUTS, check_seqlen
 from ringattn.parallel.simulate import simulate_ring_attn
-from ringattn.testing import max_abs_error
+from ringattn.testing import max_abs_error, reference
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 GATED = ("dq", "dk", "dv")

@@ -7,9 +7,14 @@ dtype as ringattn's inputs, plus a floor of FLOOR_ULPS fp32 ulps of the referenc
 exact by structure (e.g. one key: its softmax gradient is 0 identically, while the
 FlashAttention-2 form dP - delta cancels two fp32 dot products): a dot product of n rounded
 terms is off by about sqrt(n) ulps, and 16 covers head dims up to 256.
+
+reference() gives the two sides of the rule for a whole (long) sequence: the ground truth (float64)
+and the plain implementation (the inputs' dtype), chunked so that it fits where S x S does not.
 """
 
 import torch
+
+from .ops import attn_bwd_ref, attn_fwd_ref
 
 ERROR_RATIO = 2.0
 FLOOR_ULPS = 16.0
@@ -59,3 +64,47 @@ def check_close(
             f"(2 x plain-PyTorch error {max_abs_error(pt, ref):.3e} + floor)"
         )
     return err, allowed
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Attention forward and backward by the pure-PyTorch reference ops (attn_fwd_ref + attn_bwd_ref),
+    computed in `dtype`: float64 for the ground truth, the inputs' dtype for the plain implementation.
+
+    The reference materialises (S, S) scores, so it runs one (batch, query head) at a time: peak memory
+    about 6 S^2 elements of `dtype` (or fp32, whichever is wider). Gradients accumulate in that wider type
+    across the query heads of a K/V group, as the unchunked reference does, and are rounded to `dtype` at
+    the end; lse stays in the wider type.
+
+    Args:
+        q, dout: (B, S, H, D); k, v: (B, S, Hkv, D), H a multiple of Hkv. Cast to `dtype` first.
+    Returns:
+        {"out": (B, S, H, D), "lse": (B, H, S) natural log, "dq": (B, S, H, D), "dk", "dv": (B, S, Hkv, D)}.
+    """
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    batch, _, heads, _ = q.shape
+    group = heads // k.shape[2]
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, heads, q.shape[1]), dtype=acc_dtype, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
+    for b in range(batch):
+        for h in range(heads):
+            bs, hs, ks = slice(b, b + 1), slice(h, h + 1), slice(h // group, h // group + 1)
+            qh, kh, vh, dh = q[bs, :, hs], k[bs, :, ks], v[bs, :, ks], dout[bs, :, hs]
+            out_h, lse_h = attn_fwd_ref(qh, kh, vh, softmax_scale, causal)
+            attn_bwd_ref(
+                dh, qh, kh, vh, out_h, lse_h, softmax_scale, causal,
+                dq_acc=dq[bs, :, hs], dk_acc=dk[bs, :, ks], dv_acc=dv[bs, :, ks],
+            )  # fmt: skip
+            out[bs, :, hs], lse[bs, hs] = out_h, lse_h
+    return {"out": out, "lse": lse, "dq": dq.to(dtype), "dk": dk.to(dtype), "dv": dv.to(dtype)}
