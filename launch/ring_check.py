@@ -39,6 +39,8 @@ CHECKED = ("out", "lse", "dq", "dk", "dv")
 
 
 def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
+    from ringattn.distributed import exit_on_bad_arguments  # after main() has set TRITON_INTERPRET
+
     parser = argparse.ArgumentParser(
         description="Check and time ring attention over all ranks (defaults depend on GPU / CPU).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -65,10 +67,7 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
         problems.append("--iters must be positive and --warmup non-negative")
     if args.dtype == "bf16" and not on_gpu:
         problems.append("--dtype bf16 needs a GPU: Triton's interpreter computes bf16 wrongly; use fp32 or fp16")
-    if problems:
-        if os.environ.get("RANK", "0") == "0":
-            parser.error("; ".join(problems))  # exits with status 2
-        sys.exit(2)
+    exit_on_bad_arguments(parser, problems)
     return args
 
 
