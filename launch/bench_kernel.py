@@ -28,14 +28,14 @@ plots (of one run, or of parts that measured different cells).
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 from collections.abc import Callable
 
+import bench_common
 import torch
 import torch.nn.functional as F
-import triton
+from bench_common import attention_flops, env_record, run_measuring_peak, write_json
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
@@ -130,20 +130,10 @@ def measure(fn: Callable, layout: str, q, k, v, dout, causal: bool, mode: str) -
 
     step()  # compile / warm caches
     q.grad = k.grad = v.grad = None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    peak = run_measuring_peak(step, q.device)[1]
     ms = do_bench(step, warmup=50, rep=300, grad_to_none=[q, k, v] if mode == "fwd+bwd" else None,
                   return_mode="median")  # fmt: skip
-    return dict(ms=ms, peak_bytes=int(peak))
-
-
-def flops(batch, seqlen, heads, head_dim, causal, mode) -> float:
-    fwd = 4 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
-    return fwd if mode == "fwd" else 3.5 * fwd
+    return dict(ms=ms, peak_bytes=peak)
 
 
 def shapes(args) -> list[tuple[int, int, int, int, bool]]:
@@ -182,8 +172,7 @@ def main():
         with open(args.configs) as f:
             use_configs(next(r for r in json.load(f) if r.get("kind") == "best"))
 
-    env = dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               cuda=torch.version.cuda, python=platform.python_version(), dtype="bfloat16", tokens=TOKENS)  # fmt: skip
+    env = env_record(torch.device("cuda"), dtype="bfloat16", tokens=TOKENS)
     try:
         env, earlier, run = start_run(env, args.out if args.append else None, shlex.join(sys.argv[1:]))
     except ValueError as exc:
@@ -216,15 +205,13 @@ def main():
                 except Exception as exc:
                     records.append(dict(base, mode=mode, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
                     continue
-                tflops = flops(batch, seqlen, HEADS, head_dim, causal, mode) / result["ms"] / 1e9
+                tflops = attention_flops(batch, HEADS, seqlen, head_dim, causal, mode) / result["ms"] / 1e9
                 records.append(dict(base, mode=mode, tflops=tflops, **result))
                 print(f"{provider:10} S{seqlen:>6} D{head_dim} Hkv{heads_k:>2} causal={causal!s:5} {mode:8} "
                       f"{result['ms']:8.3f} ms {tflops:6.1f} TFLOP/s peak +{result['peak_bytes'] / 2**20:8.1f} MiB",
                       flush=True)  # fmt: skip
             torch.cuda.empty_cache()
-        if args.out:  # after every cell, so a run cut short keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump([env, *earlier, *records], f, indent=1)
+        write_json(args.out, env, [*earlier, *records])  # after every cell: a run cut short keeps what it measured
     print(markdown_table(records))
 
 
@@ -259,19 +246,17 @@ def markdown_table(records: list[dict]) -> str:
     providers = sorted({r["provider"] for r in timed}, key=list(PROVIDERS).index)
     others = [p for p in providers if p != "ringattn"]
     head = ["D", "Hkv", "causal", "S", "mode", *providers, *(f"ours/{p}" for p in others)]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     cells: dict = {}
     for r in timed:
         cells.setdefault((r["D"], r["Hkv"], r["causal"], r["S"], r["mode"]), {})[r["provider"]] = r["tflops"]
+    rows = []
     for key in sorted(cells):
         row = cells[key]
         vals = [f"{row[p]:.0f}" if p in row else "-" for p in providers]
         ratios = [f"{row['ringattn'] / row[p]:.2f}" if "ringattn" in row and p in row else "-" for p in others]
         d, hkv, causal, s, mode = key
-        lines.append(
-            "| " + " | ".join([str(d), str(hkv), "yes" if causal else "no", str(s), mode, *vals, *ratios]) + " |"
-        )
-    return "\n".join(lines)
+        rows.append([d, hkv, "yes" if causal else "no", s, mode, *vals, *ratios])
+    return bench_common.markdown_table(head, rows)
 
 
 if __name__ == "__main__":
