@@ -8,10 +8,9 @@ Prints a table; writes JSON records (dtype, shape, tensor, ours, pt, allowed) to
 
 import argparse
 import json
-import platform
 
 import torch
-import triton
+from bench_common import env_record
 
 import ringattn
 from ringattn.ops import attn_fwd_ref
@@ -80,13 +79,8 @@ def main():
                 )
             del ref, pt
             torch.cuda.empty_cache()
-    env = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        cuda=torch.version.cuda,
-        python=platform.python_version(),
-    )
+    env = env_record(torch.device("cuda"))
+    del env["kind"]  # this JSON holds it under "env", not in a list of records
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"env": env, "records": records}, f, indent=1)
