@@ -12,11 +12,10 @@ Prints the best config per kernel and writes all timings as JSON.
 """
 
 import argparse
-import json
 from functools import partial
 
 import torch
-import triton
+from bench_common import attention_flops, env_record, write_json
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
@@ -82,7 +81,7 @@ def sweep(seqlen: int, head_dim: int, causal: bool, rep: int) -> list[dict]:
     scale = head_dim**-0.5
     shape = (batch, seqlen, HEADS, head_dim)
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    fwd_flops = 4 * batch * HEADS * seqlen**2 * head_dim * (0.5 if causal else 1)
+    fwd_flops, bwd_flops = (attention_flops(batch, HEADS, seqlen, head_dim, causal, mode) for mode in ("fwd", "bwd"))
     out, lse = attn_ops.attn_fwd(q, k, v, scale, causal)
     want_bwd = attn_ops.attn_bwd(dout, q, k, v, out, lse, scale, causal)
     records = []
@@ -99,7 +98,7 @@ def sweep(seqlen: int, head_dim: int, causal: bool, rep: int) -> list[dict]:
                     got, want, flops = (
                         torch.cat([g.flatten() for g in run()]),
                         torch.cat([g.flatten() for g in want_bwd]),
-                        2.5 * fwd_flops,
+                        bwd_flops,
                     )
             except OutOfResources as exc:  # e.g. more shared memory than the GPU has: not a candidate here
                 _set_config(kernel, None)
@@ -150,11 +149,8 @@ def main():
     best = best_configs(records)
     for name, b in best.items():
         print(f"best {name}: {tuple(b['config'])} {b['ms']:.3f} ms (default {b['default_ms']:.3f} ms)")
-    if args.out:
-        env = dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   cuda=torch.version.cuda, dtype="bfloat16", tokens=TOKENS)  # fmt: skip
-        with open(args.out, "w") as f:
-            json.dump([env, *records, dict(kind="best", **best)], f, indent=1)
+    env = env_record(torch.device("cuda"), dtype="bfloat16", tokens=TOKENS)
+    write_json(args.out, env, [*records, dict(kind="best", **best)])
 
 
 if __name__ == "__main__":
