@@ -10,10 +10,9 @@ against each other before timing. Timing: triton.testing.do_bench, median.
 """
 
 import argparse
-import json
 
 import torch
-import triton
+from bench_common import attention_flops, env_record, markdown_table, write_json
 from triton.testing import do_bench
 
 from ringattn.ops import attn_fwd, attn_fwd_merge_, merge_attn_states_
@@ -50,7 +49,7 @@ def bench_block(seqlen: int, causal: bool, rep: int) -> list[dict]:
     ).item()
     if not err < 1e-5:
         raise AssertionError(f"fused and separate merge differ: relative error {err:.2e}")
-    flops = 4 * seqlen * seqlen * HEADS * HEAD_DIM * (0.5 if causal else 1.0)
+    flops = attention_flops(1, HEADS, seqlen, HEAD_DIM, causal, "fwd")
     records = []
     out, lse = _state(q)
     timed = {
@@ -74,18 +73,16 @@ def main():
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
     records = [r for s in args.seqlens for causal in (False, True) for r in bench_block(s, causal, args.rep)]
-    print("| S_local | causal | public fwd ms | separate merge ms | fused merge ms | fused / separate |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    head = ["S_local", "causal", "public fwd ms", "separate merge ms", "fused merge ms", "fused / separate"]
+    rows = []
     for s in args.seqlens:
         for causal in (False, True):
             ms = {r["provider"]: r["ms"] for r in records if r["S_local"] == s and r["causal"] == causal}
-            print(f"| {s} | {'yes' if causal else 'no'} | {ms['public_fwd']:.3f} | {ms['separate_merge']:.3f} | "
-                  f"{ms['fused_merge']:.3f} | {ms['fused_merge'] / ms['separate_merge']:.3f} |")  # fmt: skip
-    if args.out:
-        env = dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   cuda=torch.version.cuda, dtype="bfloat16")  # fmt: skip
-        with open(args.out, "w") as f:
-            json.dump([env, *records], f, indent=1)
+            ratio = ms["fused_merge"] / ms["separate_merge"]
+            cells = [ms["public_fwd"], ms["separate_merge"], ms["fused_merge"], ratio]
+            rows.append([s, "yes" if causal else "no", *(f"{c:.3f}" for c in cells)])
+    print(markdown_table(head, rows))
+    write_json(args.out, env_record(torch.device("cuda"), dtype="bfloat16"), records)
 
 
 if __name__ == "__main__":
