@@ -1,4 +1,4 @@
-"""Helpers of the launch/ benchmark scripts: timing, peak memory, FLOPs, the env record, JSON and markdown.
+"""Helpers of the launch/ scripts: timing, peak memory, FLOPs, random inputs, the env record, JSON and markdown.
 
 Scripts in launch/ import it as a sibling module (`from bench_common import ...`): running
 `python3 launch/<name>.py` puts launch/ first on sys.path.
@@ -36,6 +36,26 @@ def parse_with_tiny(parser: argparse.ArgumentParser, tiny: dict, argv: list[str]
     if "--tiny" in (sys.argv[1:] if argv is None else argv):
         parser.set_defaults(**tiny)
     return parser.parse_args(argv)
+
+
+def attention_inputs(
+    batch: int,
+    seqlen: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v, dout: q and dout (B, S, H, D), k and v (B, S, Hkv, D), standard normal drawn in fp32 on the CPU
+    from `seed` (the same numbers on every rank and device), then rounded to `dtype` on `device`."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (
+        torch.randn(batch, seqlen, h, head_dim, generator=gen).to(device=device, dtype=dtype)
+        for h in (heads, kv_heads, kv_heads, heads)
+    )
+    return q, k, v, dout
 
 
 def env_record(device: torch.device, **extra) -> dict:

@@ -16,8 +16,12 @@ CHECK: each rank's out, lse, dq, dk, dv from `ringattn.ring_attn_func` must obey
 rule of ringattn.testing against the pure-PyTorch reference (ringattn.testing.reference:
 ringattn.ops.attn_fwd_ref / attn_bwd_ref) run on the whole sequence in high precision (float64
 on the CPU and for fp32 inputs, float32 for fp16/bf16 on the GPU): at most 2x the error of the
-same reference run in the input dtype. The single-device kernel `ringattn.flash_attn_func` on the whole sequence is held
-to the same rule. A failure on any rank makes every rank exit with status 1.
+same reference run in the input dtype. The single-device kernel `ringattn.flash_attn_func` on
+the whole sequence is held to the same rule. A failure on any rank makes every rank exit with
+status 1.
+
+Ranks join through ringattn.distributed.init_distributed: collectives time out after
+$RINGATTN_TIMEOUT seconds (default 300).
 
 TIMING: after warm-up, `--iters` forward and `--iters` forward+backward passes; rank 0 prints
 each rank's median time, global tokens/s, TFLOP/s (GPU) and peak memory.
@@ -32,15 +36,22 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks: kernels in the interpreter; before ringattn
+
+import torch.distributed as dist  # noqa: E402
+import triton  # noqa: E402
+from bench_common import DTYPES, attention_flops, attention_inputs  # noqa: E402 (beside this script in launch/)
+
+import ringattn  # noqa: E402
+from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
+from ringattn.testing import check_close, max_abs_error, reference, tolerance  # noqa: E402
+
 CHECKED = ("out", "lse", "dq", "dk", "dv")
 
 
 def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
-    from ringattn.distributed import exit_on_bad_arguments  # after main() has set TRITON_INTERPRET
-
     parser = argparse.ArgumentParser(
         description="Check and time ring attention over all ranks (defaults depend on GPU / CPU).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -71,27 +82,16 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     return args
 
 
-def log(*parts) -> None:
-    """Print on rank 0 only."""
-    if dist.get_rank() == 0:
-        print(*parts, flush=True)
-
-
 def progress(phase: str, i: int, n: int) -> None:
     """Rank 0 rewrites one stderr line per iteration."""
-    if dist.get_rank() == 0:
-        end = "\n" if i == n else ""
-        print(f"\r  {phase}: {i}/{n}", end=end, file=sys.stderr, flush=True)
+    log(f"\r  {phase}: {i}/{n}", end="\n" if i == n else "", file=sys.stderr)
 
 
 def make_inputs(args, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Global q, dout (B, S, H, D) and k, v (B, S, Hkv, D), the same on every rank."""
-    gen = torch.Generator().manual_seed(args.seed)
-    dtype = DTYPES[args.dtype]
-    q_shape = (args.batch, args.seqlen, args.heads, args.head_dim)
-    kv_shape = (args.batch, args.seqlen, args.kv_heads, args.head_dim)
-    shapes = (q_shape, kv_shape, kv_shape, q_shape)
-    return tuple(torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes)
+    return attention_inputs(
+        args.batch, args.seqlen, args.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype], device, args.seed
+    )
 
 
 def local_slice(name: str, t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -106,9 +106,6 @@ def check(args, device: torch.device, ref_dtype: torch.dtype) -> list[dict]:
 
     Returns one row per checked tensor: name, ring error, flash error, allowed error, failure messages.
     """
-    import ringattn
-    from ringattn.testing import check_close, max_abs_error, reference, tolerance
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     scale = args.head_dim**-0.5
     q, k, v, dout = make_inputs(args, device)
@@ -170,8 +167,6 @@ def time_phase(phase: str, step: Callable[[], None], iters: int, warmup: int, de
 
 def benchmark(args, device: torch.device) -> dict:
     """Median ms of ring forward and forward+backward on this rank's shard, and its peak memory."""
-    import ringattn
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = (local_slice("q", t, rank, world_size) for t in make_inputs(args, device))
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
@@ -200,33 +195,13 @@ def benchmark(args, device: torch.device) -> dict:
     return result
 
 
-def attention_flops(args) -> float:
-    """Matmul FLOPs of one global forward: 2 matmuls of 2*B*H*S^2*D, halved when causal."""
-    flops = 4 * args.batch * args.heads * args.seqlen**2 * args.head_dim
-    return flops / 2 if args.causal else flops
-
-
 def main() -> int:
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by ringattn, in the functions above)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = parse_args(world_size, on_gpu)
-
+    device = init_distributed().device
     if on_gpu:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references stay fp32
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-
-    import triton
-
-    import ringattn
-    from ringattn.distributed import destroy
 
     dtype = DTYPES[args.dtype]
     ref_dtype = torch.float64 if device.type == "cpu" or dtype == torch.float32 else torch.float32
@@ -273,7 +248,10 @@ def main() -> int:
     results = [None] * world_size
     dist.all_gather_object(results, result)
     tokens = args.batch * args.seqlen
-    flops = attention_flops(args)
+    fwd_flops, fwd_bwd_flops = (
+        attention_flops(args.batch, args.heads, args.seqlen, args.head_dim, args.causal, mode)
+        for mode in ("fwd", "fwd+bwd")
+    )
     header = f"  {'rank':>4} {'fwd ms':>10} {'fwd+bwd ms':>11} {'fwd tok/s':>11} {'f+b tok/s':>11}"
     log(header + (f" {'fwd TFLOP/s':>12} {'f+b TFLOP/s':>12}" if on_gpu else "") + f" {'peak MiB':>9}")
     for r, res in enumerate(results):
@@ -283,7 +261,7 @@ def main() -> int:
             f"{tokens / fwd_s:>11.4g} {tokens / fwd_bwd_s:>11.4g}"
         )
         if on_gpu:
-            line += f" {flops / fwd_s / 1e12:>12.1f} {3.5 * flops / fwd_bwd_s / 1e12:>12.1f}"
+            line += f" {fwd_flops / fwd_s / 1e12:>12.1f} {fwd_bwd_flops / fwd_bwd_s / 1e12:>12.1f}"
         log(line + f" {res['peak_mib']:>9.1f}")
     if on_gpu:
         log("  (global tokens and FLOPs per pass, backward as 2.5x forward; peak: max_memory_allocated while timing)")

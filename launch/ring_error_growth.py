@@ -27,7 +27,15 @@ import argparse
 import sys
 
 import torch
-from bench_common import DTYPES, env_record, markdown_table, parse_with_tiny, script_parser, write_json
+from bench_common import (
+    DTYPES,
+    attention_inputs,
+    env_record,
+    markdown_table,
+    parse_with_tiny,
+    script_parser,
+    write_json,
+)
 
 from ringattn.ops import KERNEL_OPS
 from ringattn.parallel import LAYOUTS, check_seqlen
@@ -66,10 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def ring_errors(args, dtype: torch.dtype) -> list[dict]:
     """Records of one input dtype: every layout and W, every tensor."""
-    gen = torch.Generator().manual_seed(args.seed)
-    q, k, v, dout = (
-        torch.randn(1, args.seqlen, h, args.head_dim, generator=gen).to(device=args.device, dtype=dtype)
-        for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)
+    q, k, v, dout = attention_inputs(
+        1, args.seqlen, args.heads, args.kv_heads, args.head_dim, dtype, args.device, args.seed
     )
     scale = args.head_dim**-0.5
     ref = reference(q, k, v, dout, scale, args.causal, torch.float64)
