@@ -17,20 +17,15 @@ waits for the work queued on the current stream before it.
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
+from bench_common import host_median_s
 
 
 def median_us(fn, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    """Median microseconds of `calls` host-timed calls of fn()."""
+    return host_median_s(fn, calls) * 1e6
 
 
 def main() -> None:
@@ -40,14 +35,12 @@ def main() -> None:
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before ringattn is imported
 
-    from ringattn.distributed import destroy
+    from ringattn.distributed import destroy, init_distributed
     from ringattn.parallel import agreement
+
+    device = init_distributed().device
 
     q = torch.zeros(1, 4096, 16, 128, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     k = torch.zeros(1, 4096, 4, 128, device=device, dtype=q.dtype)

@@ -76,12 +76,18 @@ def time_ms(fn: Callable, warmup: int, rep: int) -> float:
     calls (warmup, rep ignored)."""
     if torch.cuda.is_available():
         return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    return host_median_s(fn, CPU_REPEATS) * 1e3
+
+
+def host_median_s(fn: Callable, calls: int) -> float:
+    """Median seconds of `calls` calls of fn(), each timed on the host by perf_counter (no device synchronisation:
+    for host-side work, or work that waits for the device itself)."""
     times = []
-    for _ in range(CPU_REPEATS):
+    for _ in range(calls):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(times)
 
 
 def run_measuring_peak(fn: Callable, device: torch.device):
