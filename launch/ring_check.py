@@ -94,11 +94,9 @@ def make_inputs(args, device: torch.device) -> tuple[torch.Tensor, ...]:
     )
 
 
-def local_slice(name: str, t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's contiguous shard of a global tensor (the sequence dim is 2 for lse, else 1)."""
-    dim = 2 if name == "lse" else 1
-    n = t.shape[dim] // world_size
-    return t.narrow(dim, rank * n, n)
+def local_slice(name: str, t: torch.Tensor) -> torch.Tensor:
+    """This rank's contiguous shard of a global tensor: ringattn.shard along the sequence dim (2 for lse, else 1)."""
+    return ringattn.shard(t, dim=2 if name == "lse" else 1, layout="contiguous")
 
 
 def check(args, device: torch.device, ref_dtype: torch.dtype) -> list[dict]:
@@ -106,13 +104,13 @@ def check(args, device: torch.device, ref_dtype: torch.dtype) -> list[dict]:
 
     Returns one row per checked tensor: name, ring error, flash error, allowed error, failure messages.
     """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     scale = args.head_dim**-0.5
     q, k, v, dout = make_inputs(args, device)
 
-    shards = [local_slice("q", t, rank, world_size).detach().clone().requires_grad_() for t in (q, k, v)]
+    shards = [local_slice("q", t).requires_grad_() for t in (q, k, v)]
     out, lse = ringattn.ring_attn_func(*shards, causal=args.causal, return_lse=True)
-    out.backward(local_slice("out", dout, rank, world_size))
+    out.backward(local_slice("out", dout))
     ring = {"out": out, "lse": lse, "dq": shards[0].grad, "dk": shards[1].grad, "dv": shards[2].grad}
 
     full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -125,8 +123,8 @@ def check(args, device: torch.device, ref_dtype: torch.dtype) -> list[dict]:
 
     rows = []
     for name in CHECKED:
-        ref_s, plain_s = (local_slice(name, t[name], rank, world_size) for t in (ref, plain))
-        flash_s = local_slice(name, flash[name], rank, world_size)
+        ref_s, plain_s = (local_slice(name, t[name]) for t in (ref, plain))
+        flash_s = local_slice(name, flash[name].detach())
         row = {"name": name, "failures": []}
         for label, ours in (("ring", ring[name]), ("flash", flash_s)):
             try:
@@ -167,9 +165,7 @@ def time_phase(phase: str, step: Callable[[], None], iters: int, warmup: int, de
 
 def benchmark(args, device: torch.device) -> dict:
     """Median ms of ring forward and forward+backward on this rank's shard, and its peak memory."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    q, k, v, dout = (local_slice("q", t, rank, world_size) for t in make_inputs(args, device))
-    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
+    q, k, v, dout = (local_slice("q", t) for t in make_inputs(args, device))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def fwd():
