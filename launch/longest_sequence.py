@@ -48,10 +48,12 @@ On CPU ranks nothing runs out of memory: the search stops at --max-seqlen, and p
 """
 
 import argparse
+import functools
 import gc
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -117,7 +119,10 @@ def free_memory(device: torch.device) -> None:
 
 
 class Runner:
-    """One provider's model and optimizer; trial(S) runs its training steps at global length S on every rank."""
+    """One provider's model and optimizer; trial(S) runs its training steps at global length S on every rank.
+
+    What search() needs of a runner: provider (its name), memory_exponent (peak memory ~ a + b S^p),
+    sp.world_size, sp.multiple (every S a multiple of it) and trial(S) -> Trial, the same on every rank."""
 
     def __init__(self, provider: str, model_args, sp: ringattn.SequenceParallel, device: torch.device):
         if provider == "ringattn":
@@ -125,6 +130,7 @@ class Runner:
         else:
             attention = SdpaAttention(SDPA_BACKENDS[provider])
         self.provider, self.args, self.sp, self.device = provider, model_args, sp, device
+        self.memory_exponent = MEMORY_EXPONENT[provider]
         self.model = train_gpt.make_model(model_args, attention).to(device)
         self.optimizer = train_gpt.make_optimizer(self.model)
         self.steps, self.warm = 0, False
@@ -138,30 +144,38 @@ class Runner:
 
     def trial(self, seqlen: int) -> Trial:
         """A step at S (after a warm one if none fitted yet); every rank gets the same outcome."""
-        free_memory(self.device)
         tokens, labels = train_gpt.copy_task_batch(1, seqlen, self.args.vocab, self.args.seed + self.steps)  # (1, S)
-        out_of_memory, ms = False, 0.0
-        try:
-            if not self.warm:
-                self._step(tokens, labels)
-            synchronize(self.device)
-            start = time.perf_counter()
-            self._step(tokens, labels)
-            synchronize(self.device)
-            ms = (time.perf_counter() - start) * 1e3
-        except torch.OutOfMemoryError:
-            out_of_memory = True
-        if out_of_memory:  # the failed step's tensors are unreferenced now; its gradients are not
+        t = agreed_trial(seqlen, self.device, lambda: self._step(tokens, labels), self.warm)
+        if not t.ok:  # the failed step's gradients are still referenced
             self.optimizer.zero_grad(set_to_none=True)
-            free_memory(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        outcome = torch.tensor([float(out_of_memory), ms, float(peak)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(outcome, op=dist.ReduceOp.MAX)  # any rank out of memory: failed on all
-        if outcome[0].item():
-            return Trial(seqlen, ok=False)
-        self.warm = True
-        peak_bytes = int(outcome[2].item()) if self.device.type == "cuda" else None
-        return Trial(seqlen, ok=True, ms=outcome[1].item(), peak_bytes=peak_bytes)
+        self.warm = self.warm or t.ok
+        return t
+
+
+def agreed_trial(seqlen: int, device: torch.device, step: Callable[[], object], warm: bool) -> Trial:
+    """step() timed once at global length `seqlen` (after an untimed warm call unless `warm`), from an emptied
+    allocator; every rank catches torch.OutOfMemoryError and the ranks all-reduce the outcome, so all of them
+    return the same Trial: failed if any rank ran out of memory, else the slowest rank's ms and largest peak."""
+    free_memory(device)
+    out_of_memory, ms = False, 0.0
+    try:
+        if not warm:
+            step()
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        ms = (time.perf_counter() - start) * 1e3
+    except torch.OutOfMemoryError:
+        out_of_memory = True
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    outcome = torch.tensor([float(out_of_memory), ms, float(peak)], dtype=torch.float64, device=device)
+    dist.all_reduce(outcome, op=dist.ReduceOp.MAX)  # any rank out of memory: failed on all
+    if outcome[0].item():
+        free_memory(device)
+        return Trial(seqlen, ok=False)
+    peak_bytes = int(outcome[2].item()) if device.type == "cuda" else None
+    return Trial(seqlen, ok=True, ms=outcome[1].item(), peak_bytes=peak_bytes)
 
 
 def estimate_seqlen(trials: list[Trial], exponent: int, limit: int | None, multiple: int) -> int | None:
@@ -215,7 +229,7 @@ def search(runner: Runner, opts, deadline: float, limit: int | None, started: fl
             "tokens_per_s": best and best.seqlen / best.ms * 1e3,
             "stop": stop,
             "shortest_failed": min((t.seqlen for t in trials if not t.ok), default=None),
-            "estimated_seqlen": estimate_seqlen(trials, MEMORY_EXPONENT[runner.provider], limit, multiple),
+            "estimated_seqlen": estimate_seqlen(trials, runner.memory_exponent, limit, multiple),
             "trials": [asdict(t) for t in trials],
         }
 
@@ -243,6 +257,30 @@ def search(runner: Runner, opts, deadline: float, limit: int | None, started: fl
             return record("budget")
         longest, shortest_failed = (mid, shortest_failed) if fits else (longest, mid)
     return record("oom")
+
+
+def search_providers(
+    make_runner: Callable[[str], object], providers: list[str], opts, limit: int | None, started: float, device
+) -> list[dict]:
+    """search() for each provider in turn, each given what is left of opts.budget_s / the providers left;
+    make_runner(provider) builds its runner, dropped (and memory freed) before the next."""
+    records = []
+    for i, provider in enumerate(providers):
+        left = opts.budget_s - (time.perf_counter() - started)
+        deadline = time.perf_counter() + left / (len(providers) - i)
+        runner = make_runner(provider)
+        records.append(search(runner, opts, deadline, limit, started))
+        del runner
+        free_memory(device)
+    return records
+
+
+def cap_memory(fraction: float, device: torch.device) -> int | None:
+    """Cap this rank's caching allocator at `fraction` of its GPU; the cap in bytes (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return int(fraction * torch.cuda.get_device_properties(device).total_memory)
 
 
 def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
@@ -303,10 +341,7 @@ def main() -> int:
     model_args = train_gpt.parse_args(world_size, on_gpu, argv=["--batch", "1"])  # the model at its defaults
     env = init_distributed()
     started = time.perf_counter()
-    limit = None
-    if on_gpu:
-        torch.cuda.set_per_process_memory_fraction(opts.memory_fraction, env.device)
-        limit = int(opts.memory_fraction * torch.cuda.get_device_properties(env.device).total_memory)
+    limit = cap_memory(opts.memory_fraction, env.device)
     sp = ringattn.SequenceParallel(layout="zigzag")
     head_dim = model_args.dim // model_args.heads
     model = {k: getattr(model_args, k) for k in ("vocab", "dim", "layers", "heads", "kv_heads", "batch", "dtype")}
@@ -317,14 +352,8 @@ def main() -> int:
         f"providers {', '.join(opts.providers)}; "
         f"budget {opts.budget_s:.0f} s" + ("" if limit is None else f"; {limit / GIB:.1f} GiB per rank")
     )
-    records = []
-    for i, provider in enumerate(opts.providers):
-        left = opts.budget_s - (time.perf_counter() - started)
-        deadline = time.perf_counter() + left / (len(opts.providers) - i)
-        runner = Runner(provider, model_args, sp, env.device)
-        records.append(search(runner, opts, deadline, limit, started))
-        del runner
-        free_memory(env.device)
+    make_runner = functools.partial(Runner, model_args=model_args, sp=sp, device=env.device)
+    records = search_providers(make_runner, opts.providers, opts, limit, started, env.device)
 
     if env.is_main:
         elapsed = time.perf_counter() - started

@@ -27,7 +27,7 @@ class FakeRunner:
     """Steps fit up to `fits_up_to` tokens, take `ms_per_token2` x S^2 ms and peak at 1000 + 10 S bytes."""
 
     def __init__(self, fits_up_to: int, world_size: int = 1, ms_per_token2: float = 1e-6):
-        self.provider = "ringattn"
+        self.provider, self.memory_exponent = "ringattn", 1
         self.sp = SimpleNamespace(world_size=world_size, multiple=2 * world_size)
         self.fits_up_to, self.ms_per_token2, self.tried = fits_up_to, ms_per_token2, []
 
