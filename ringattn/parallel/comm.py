@@ -116,7 +116,15 @@ class RingComm:
         self._timed = all(op.tensor.device.type == "cpu" for op in self._ops)
         self._label = label
         self._peers = [self._describe(op) for op in self._ops]
-        self._reqs = dist.batch_isend_irecv(self._ops)
+        try:
+            self._reqs = dist.batch_isend_irecv(self._ops)
+        except Exception as err:  # noqa: BLE001 - gloo can refuse to post at once when a peer's connection is gone
+            self._ops = []
+            peers = f"sending to global rank {self.send_peer}, receiving from global rank {self.recv_peer}"
+            raise RuntimeError(
+                f"{self._what()}, {peers}: failed; a peer died, raised, or is not running the same ring call. "
+                f"Backend error: {err}"
+            ) from err
         self._in_flight, self._ops = self._ops, []  # keep the tensors alive until wait()
 
     def _describe(self, op: dist.P2POp) -> str:
@@ -139,7 +147,9 @@ class RingComm:
             return
         # gloo returns one Work per P2P op, in op order; otherwise name the whole batch
         peers = self._peers if len(reqs) == len(self._peers) else None
+        wait_all(reqs, self.timeout_s, self._what(), peers)
+
+    def _what(self) -> str:
+        """This rank and the batch's label, for errors."""
         what = f"ring P2P of group rank {self.rank} (of {self.world_size})"
-        if self._label:
-            what += f" at {self._label}"
-        wait_all(reqs, self.timeout_s, what, peers)
+        return f"{what} at {self._label}" if self._label else what
