@@ -34,42 +34,40 @@ def _padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+_INTERPRETER_CONFIG = LaunchConfig(32, 32, 4, 1)  # numpy does the work: few large tiles
+# Per kernel, (largest padded head dim, config) pairs; the first that fits wins. The 16-bit configs up to
+# D = 128 come from launch/config_sweep.py on the H200 (docs/performance.md, "Launch configs"). For dK/dV,
+# block_n keys belong to one program and block_m query rows are a loop step; for dQ the other way round.
+_CUDA_16BIT_CONFIGS = {
+    "fwd": ((64, LaunchConfig(128, 64, 4, 3)), (128, LaunchConfig(128, 128, 8, 3)), (256, LaunchConfig(64, 64, 8, 2))),
+    "dkdv": ((64, LaunchConfig(64, 64, 4, 3)), (128, LaunchConfig(64, 64, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
+    "dq": ((64, LaunchConfig(64, 64, 4, 2)), (128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(32, 32, 4, 1))),
+}
+_CUDA_FP32_CONFIGS = {
+    "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
+    "dkdv": ((256, LaunchConfig(32, 32, 4, 1)),),
+    "dq": ((256, LaunchConfig(32, 32, 4, 1)),),
+}
+
+
+def _launch_config(kernel: str, block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """The config of `kernel` ("fwd", "dkdv" or "dq") for a padded head dim, dtype and device."""
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    table = (_CUDA_FP32_CONFIGS if dtype == torch.float32 else _CUDA_16BIT_CONFIGS)[kernel]
+    return next(config for max_block_d, config in table if block_d <= max_block_d)
+
+
 def _fwd_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    if device.type != "cuda":  # interpreter: few large tiles, numpy does the work
-        return LaunchConfig(32, 32, 4, 1)
-    if dtype == torch.float32:
-        return LaunchConfig(64, 32, 4, 2) if block_d <= 128 else LaunchConfig(32, 32, 4, 1)
-    if block_d <= 64:
-        return LaunchConfig(128, 64, 4, 3)
-    if block_d <= 128:  # H200 bf16, B x S = 32k, H = 32: 474 TFLOP/s vs 462 for 128 x 64 (config_sweep_h200.json)
-        return LaunchConfig(128, 128, 8, 3)
-    return LaunchConfig(64, 64, 8, 2)
+    return _launch_config("fwd", block_d, dtype, device)
 
 
 def _bwd_dkdv_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """dK/dV kernel: block_n keys per program, block_m query rows per loop step."""
-    if device.type != "cuda":
-        return LaunchConfig(32, 32, 4, 1)
-    if dtype == torch.float32:
-        return LaunchConfig(32, 32, 4, 1)
-    if block_d <= 64:  # H200 bf16 (config_sweep_h200.json): 3 stages 6% faster than 2 at D = 64
-        return LaunchConfig(64, 64, 4, 3)
-    if block_d <= 128:  # D = 128: 4 warps 376 TFLOP/s; 8 warps with 128 keys 175
-        return LaunchConfig(64, 64, 4, 2)
-    return LaunchConfig(32, 32, 4, 1)
+    return _launch_config("dkdv", block_d, dtype, device)
 
 
 def _bwd_dq_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """dQ kernel: block_m query rows per program, block_n keys per loop step."""
-    if device.type != "cuda":
-        return LaunchConfig(32, 32, 4, 1)
-    if dtype == torch.float32:
-        return LaunchConfig(32, 32, 4, 1)
-    if block_d <= 64:
-        return LaunchConfig(64, 64, 4, 2)
-    if block_d <= 128:  # H200 bf16, D = 128: 128 rows x 64 keys, 8 warps, 3 stages 5% faster than 64 x 64 x 4 x 2
-        return LaunchConfig(128, 64, 8, 3)
-    return LaunchConfig(32, 32, 4, 1)
+    return _launch_config("dq", block_d, dtype, device)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
