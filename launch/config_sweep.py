@@ -117,20 +117,20 @@ def sweep(seqlen: int, head_dim: int, causal: bool, rep: int) -> list[dict]:
 
 
 def best_configs(records: list[dict]) -> dict:
-    """Per (kernel, D): the config with the least total time over the causal settings (among configs that ran
-    in all of them) and the default's time."""
+    """Per swept (kernel, D): the config with the least total time over the causal settings, among configs
+    that ran in all of them, and the default's total (None if the default could not run)."""
     best = {}
-    for kernel in CANDIDATES:
-        for head_dim in sorted({r["D"] for r in records}):
-            mine = [r for r in records if r["kernel"] == kernel and r["D"] == head_dim]
-            failed = {tuple(r["config"]) for r in mine if "ms" not in r}
-            totals: dict = {}
-            for r in mine:
-                if tuple(r["config"]) not in failed:
-                    totals[tuple(r["config"])] = totals.get(tuple(r["config"]), 0.0) + r["ms"]
-            default = CANDIDATES[kernel][head_dim][0]
+    for kernel, head_dim in sorted({(r["kernel"], r["D"]) for r in records}):
+        mine = [r for r in records if r["kernel"] == kernel and r["D"] == head_dim]
+        failed = {tuple(r["config"]) for r in mine if "ms" not in r}
+        totals: dict = {}
+        for r in mine:
+            if tuple(r["config"]) not in failed:
+                totals[tuple(r["config"])] = totals.get(tuple(r["config"]), 0.0) + r["ms"]
+        if totals:
             winner = min(totals, key=totals.get)
-            best[f"{kernel} D{head_dim}"] = dict(config=list(winner), ms=totals[winner], default_ms=totals[default])
+            default_ms = totals.get(CANDIDATES[kernel][head_dim][0])
+            best[f"{kernel} D{head_dim}"] = dict(config=list(winner), ms=totals[winner], default_ms=default_ms)
     return best
 
 
@@ -148,7 +148,8 @@ def main():
             records += sweep(args.seqlen, head_dim, causal, args.rep)
     best = best_configs(records)
     for name, b in best.items():
-        print(f"best {name}: {tuple(b['config'])} {b['ms']:.3f} ms (default {b['default_ms']:.3f} ms)")
+        default = "could not run" if b["default_ms"] is None else f"{b['default_ms']:.3f} ms"
+        print(f"best {name}: {tuple(b['config'])} {b['ms']:.3f} ms (default {default})")
     env = env_record(torch.device("cuda"), dtype="bfloat16", tokens=TOKENS)
     write_json(args.out, env, [*records, dict(kind="best", **best)])
 
