@@ -14,7 +14,7 @@ whose documents do not meet, as in the forward. Derivation in docs/design.md.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, _doc_span, _key_range, _load_kv_tile, _q_tile_docs
+from .common import LOG2E, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _q_tile_docs
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])  # one compile for every length
@@ -199,12 +199,7 @@ def _attn_bwd_dq_tile(
     k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:  # mask the scores, not P (as in the dK/dV kernel)
-        visible = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-        if DOCS:
-            k_doc = tl.load(KDoc + offs_n, mask=offs_n < seqlen_k, other=-2)
-            visible = visible & (q_doc[:, None] == k_doc[None, :])
+        visible = _key_tile_visible(offs_m, offs_n, seqlen_k, causal_shift, q_doc, KDoc, CAUSAL, DOCS)
         s = tl.where(visible, s, float("-inf"))
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)

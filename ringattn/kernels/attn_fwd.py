@@ -13,7 +13,7 @@ in the epilogue, so a ring step needs no separate merge pass. See docs/design.md
 import triton
 import triton.language as tl
 
-from .common import LN2, _doc_span, _key_range, _load_kv_tile, _q_tile_docs
+from .common import LN2, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _q_tile_docs
 from .merge import _merge_into_state
 
 
@@ -33,12 +33,7 @@ def _attn_fwd_tile(
     k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASKED:
-        visible = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-        if DOCS:
-            k_doc = tl.load(KDoc + offs_n, mask=offs_n < seqlen_k, other=-2)
-            visible = visible & (q_doc[:, None] == k_doc[None, :])
+        visible = _key_tile_visible(offs_m, offs_n, seqlen_k, causal_shift, q_doc, KDoc, CAUSAL, DOCS)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked row: exp2(-inf - 0) = 0

@@ -1,4 +1,5 @@
-"""Pieces shared by the forward and backward kernels: log-base constants and causal key ranges."""
+"""Pieces shared by the forward and backward kernels: log-base constants, key ranges, document spans,
+tile loads and masks."""
 
 import triton
 import triton.language as tl
@@ -57,3 +58,18 @@ def _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, 
     k = tl.load(k_base + rows * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_base + rows * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _key_tile_visible(
+    offs_m, offs_n, seqlen_k, causal_shift, q_doc, KDoc, CAUSAL: tl.constexpr, DOCS: tl.constexpr
+):
+    """(BLOCK_M, BLOCK_N) bool: which keys offs_n rows offs_m may see in a masked tile of the row-major
+    loops (forward, dQ): keys before seqlen_k, (CAUSAL) up to row + causal_shift, (DOCS) of the row's document."""
+    visible = offs_n[None, :] < seqlen_k
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+    if DOCS:
+        k_doc = tl.load(KDoc + offs_n, mask=offs_n < seqlen_k, other=-2)
+        visible = visible & (q_doc[:, None] == k_doc[None, :])
+    return visible
