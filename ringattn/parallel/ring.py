@@ -20,7 +20,7 @@ import torch
 from ..ops import AttnOps
 from .comm import RingComm
 from .documents import ShardDocuments
-from .schedule import BlockMode, BlockTask, block_tasks, kv_source_rank
+from .schedule import BlockMode, block_tasks, kv_source_rank
 
 
 def state_dtype(q: torch.Tensor) -> torch.dtype:
@@ -33,13 +33,16 @@ def _rows(t: torch.Tensor, rows: range, dim: int = 1) -> torch.Tensor:
     return t.narrow(dim, rows.start, len(rows))
 
 
-def _task_doc_ids(docs: ShardDocuments | None, rank: int, kv_rank: int, task: BlockTask) -> dict | None:
-    """Document-id keyword arguments of a task's kernel call; None when its documents never meet (skip)."""
-    if docs is None:
-        return {}
-    if not docs.meet(rank, task.q_rows, kv_rank, task.kv_rows):
-        return None
-    return dict(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
+def _computed_tasks(
+    layout: str, rank: int, kv_rank: int, world_size: int, causal: bool, seqlen_local: int, docs: ShardDocuments | None
+):
+    """The tasks of block_tasks that run, each with its kernel call's document-id keyword arguments (empty
+    without documents); tasks whose documents never meet are skipped."""
+    for task in block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local):
+        if docs is None:
+            yield task, {}
+        elif docs.meet(rank, task.q_rows, kv_rank, task.kv_rows):
+            yield task, dict(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
 
 
 def init_forward_state(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,11 +76,8 @@ def forward_step(
         docs: packed documents (ring_attn_varlen_func): sub-blocks whose documents never meet are
             skipped, the others masked by document.
     """
-    for task in block_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1]):
+    for task, doc_ids in _computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs):
         qs, kvs = task.q_rows, task.kv_rows
-        doc_ids = _task_doc_ids(docs, rank, kv_rank, task)
-        if doc_ids is None:
-            continue
         ops.fwd_merge_(
             _rows(q, qs),
             _rows(k_blk, kvs),
@@ -126,11 +126,8 @@ def backward_step(
         k_blk, v_blk, dk_acc, dv_acc: (B, S_local, Hkv, D).
         docs: packed documents, as in forward_step.
     """
-    for task in block_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1]):
+    for task, doc_ids in _computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs):
         qs, kvs = task.q_rows, task.kv_rows
-        doc_ids = _task_doc_ids(docs, rank, kv_rank, task)
-        if doc_ids is None:
-            continue
         ops.bwd(
             _rows(dout, qs),
             _rows(q, qs),
