@@ -14,11 +14,31 @@ import time
 import traceback
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+# The backends the ring numerics tests run on: gloo on CPU (fp32, interpreted kernels) always; NCCL in the
+# training dtypes (bf16, fp16), one rank per GPU, where there are enough GPUs (skip_without_gpus).
+RING_BACKENDS = [
+    pytest.param("gloo", torch.float32, id="gloo-float32"),
+    pytest.param("nccl", torch.bfloat16, id="nccl-bfloat16"),
+    pytest.param("nccl", torch.float16, id="nccl-float16"),
+]
+
+
+def rank_device(rank: int, backend: str) -> torch.device:
+    """The device of a rank spawned by run_ranks: its own GPU on NCCL, the CPU on gloo."""
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def skip_without_gpus(backend: str, world_size: int) -> None:
+    """Skip an NCCL test that needs more GPUs (one per rank) than this machine has."""
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        pytest.skip(f"NCCL ring needs {world_size} GPUs, found {torch.cuda.device_count()}")
 
 
 def _rank_entry(fn, rank, world_size, init_file, backend, results, args, barrier):

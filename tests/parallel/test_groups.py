@@ -9,51 +9,58 @@ import torch.distributed as dist
 import ringattn
 from ringattn.parallel import RingComm
 from ringattn.testing import check_close, magnitude
-from tests.distributed import run_ranks
+from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
 from tests.utils import make_qkv, reference_attention
 
 
-def _check_ring_in_group(group, ring_index, layout, causal):
+def _check_ring_in_group(group, ring_index, layout, causal, device, dtype):
     """This process's ring holds its own sequence (seeded by ring_index); compare with float64 attention."""
     ring_rank, ring_size = dist.get_rank(group), dist.get_world_size(group)
     seqlen = 22 * ring_size
-    q, k, v, dout = make_qkv(1, seqlen, seqlen, 4, 2, 32, torch.float32, device="cpu", seed=100 + ring_index)
-    idx = ringattn.shard_indices(seqlen, ring_rank, ring_size, layout)
+    q, k, v, dout = make_qkv(1, seqlen, seqlen, 4, 2, 32, dtype, device=device, seed=100 + ring_index)
+    idx = ringattn.shard_indices(seqlen, ring_rank, ring_size, layout, device=device)
     q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
     out = ringattn.ring_attn_func(q_l, k_l, v_l, causal=causal, group=group, layout=layout)
     out.backward(dout[:, idx])
     ref = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float64)
-    pt = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float32)
+    pt = reference_attention(q, k, v, dout, 32**-0.5, causal, dtype)
     grad_scale = max(magnitude(g) for g in ref[2:])
     for name, ours, i in (("out", out, 0), ("dq", q_l.grad, 2), ("dk", k_l.grad, 3), ("dv", v_l.grad, 4)):
         check_close(f"ring {ring_index} rank {ring_rank} {name}", ours, pt[i][:, idx], ref[i][:, idx],
                     None if i == 0 else grad_scale)  # fmt: skip
 
 
-def _two_rings_by_subgroups(rank, world_size, layout, causal):
+def _two_rings_by_subgroups(rank, world_size, backend, dtype, layout, causal):
     rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every process creates every group
     group = rings[rank % 2]
     comm = RingComm(group)
     assert comm.world_size == 2 and {comm.send_peer, comm.recv_peer} == {(rank + 2) % 4}
-    _check_ring_in_group(group, rank % 2, layout, causal)
+    _check_ring_in_group(group, rank % 2, layout, causal, rank_device(rank, backend), dtype)
     return rank
 
 
-def _two_rings_by_device_mesh(rank, world_size, layout, causal):
+def _two_rings_by_device_mesh(rank, world_size, backend, dtype, layout, causal):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))  # cp rings: {0, 1} and {2, 3}
+    device = rank_device(rank, backend)
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("dp", "cp"))  # cp rings: {0, 1} and {2, 3}
     group = mesh.get_group("cp")
     comm = RingComm(group)
     assert {comm.send_peer, comm.recv_peer} == {rank ^ 1}
-    _check_ring_in_group(group, mesh.get_local_rank("dp"), layout, causal)
+    _check_ring_in_group(group, mesh.get_local_rank("dp"), layout, causal, device, dtype)
     return rank
 
 
 @pytest.mark.parametrize("layout,causal", [("contiguous", False), ("zigzag", True)])
-def test_two_rings_on_subgroups(layout, causal):
-    assert run_ranks(_two_rings_by_subgroups, 4, layout, causal) == [0, 1, 2, 3]
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
+def test_two_rings_on_subgroups(backend, dtype, layout, causal):
+    skip_without_gpus(backend, 4)
+    ranks = run_ranks(_two_rings_by_subgroups, 4, backend, dtype, layout, causal, backend=backend)
+    assert ranks == [0, 1, 2, 3]
 
 
-def test_two_rings_on_a_device_mesh_dimension():
-    assert run_ranks(_two_rings_by_device_mesh, 4, "zigzag", True) == [0, 1, 2, 3]
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
+def test_two_rings_on_a_device_mesh_dimension(backend, dtype):
+    skip_without_gpus(backend, 4)
+    ranks = run_ranks(_two_rings_by_device_mesh, 4, backend, dtype, "zigzag", True, backend=backend)
+    assert ranks == [0, 1, 2, 3]

@@ -9,29 +9,18 @@ import ringattn
 from ringattn.ops import REFERENCE_OPS
 from ringattn.parallel import LAYOUTS, RingComm, ring_attn_backward, ring_attn_forward, shard_indices
 from ringattn.testing import check_close, magnitude
-from tests.distributed import run_ranks
+from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
 from tests.utils import make_qkv, reference_attention
 
 WORLD_SIZES = [1, 2, 3, 4]
 
-
-# gloo on CPU (fp32, interpreted kernels) always; NCCL (bf16, fp16) when there are enough GPUs.
-BACKENDS = [
-    pytest.param("gloo", torch.float32, id="gloo-float32"),
-    pytest.param("nccl", torch.bfloat16, id="nccl-bfloat16"),
-    pytest.param("nccl", torch.float16, id="nccl-float16"),
-]
-
-
-def _device(rank, backend):
-    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
 def _ring_matches_reference(
     rank, world_size, backend, dtype, seqlen_local, heads_q, heads_k, head_dim, causal, layout="contiguous"
 ):
     seqlen = seqlen_local * world_size
-    device = _device(rank, backend)
+    device = rank_device(rank, backend)
     idx = shard_indices(seqlen, rank, world_size, layout, device=device)  # this rank's global positions
     q, k, v, dout = make_qkv(2, seqlen, seqlen, heads_q, heads_k, head_dim, dtype, device=device, seed=seqlen)
     q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
@@ -58,11 +47,10 @@ def _ring_matches_reference(
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
-@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
 def test_ring_matches_single_device_reference(backend, dtype, world_size, causal):
     """S_local = 37 is not a multiple of any block size; GQA (4 q heads, 2 kv heads), D = 40."""
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        pytest.skip(f"NCCL ring needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    skip_without_gpus(backend, world_size)
     run_ranks(_ring_matches_reference, world_size, backend, dtype, 37, 4, 2, 40, causal, backend=backend)
 
 
@@ -79,12 +67,11 @@ ZIGZAG_RINGS = [(2, 4, 2), (3, 4, 1), (4, 4, 2)]
 @pytest.mark.parametrize(
     "world_size,heads_q,heads_k", ZIGZAG_RINGS, ids=[f"W{w}-Hq{hq}-Hkv{hk}" for w, hq, hk in ZIGZAG_RINGS]
 )
-@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
 def test_zigzag_ring_matches_single_device_reference(backend, dtype, world_size, heads_q, heads_k, causal):
     """Chunks of 19 tokens (S_local = 38): neither the chunks nor the local shard are block multiples,
     so the sub-block views start and end inside kernel tiles; D = 40."""
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        pytest.skip(f"NCCL ring needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    skip_without_gpus(backend, world_size)
     run_ranks(
         _ring_matches_reference, world_size, backend, dtype, 38, heads_q, heads_k, 40, causal, "zigzag", backend=backend
     )

@@ -1,4 +1,5 @@
-"""ring_attn_varlen_func on spawned gloo ranks: packed documents vs float64 attention masked by document."""
+"""ring_attn_varlen_func on spawned ranks (gloo on CPU; NCCL on GPUs where there are enough): packed documents
+vs float64 attention masked by document."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 import ringattn
 from ringattn.parallel.documents import document_ids
 from ringattn.testing import check_close, magnitude
-from tests.distributed import run_ranks
+from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
 from tests.utils import make_qkv, reference_attention
 
 # documents of length 1, documents shorter than W, documents crossing rank and chunk boundaries
@@ -17,14 +18,17 @@ CASES = {
 }
 
 
-def _varlen_ring_matches_reference(rank, world_size, lengths, heads_q, heads_k, causal, layout, pad_to=1):
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+def _varlen_ring_matches_reference(
+    rank, world_size, backend, dtype, lengths, heads_q, heads_k, causal, layout, pad_to=1
+):
+    device = rank_device(rank, backend)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     cu_seqlens, padding = ringattn.pad_cu_seqlens(cu_seqlens, pad_to)
     total = int(cu_seqlens[-1])
-    q, k, v, dout = make_qkv(1, total, total, heads_q, heads_k, 32, torch.float32, device="cpu", seed=total)
+    q, k, v, dout = make_qkv(1, total, total, heads_q, heads_k, 32, dtype, device=device, seed=total)
     if padding:
         dout[:, total - padding :] = 0  # padding is left out of the loss
-    idx = ringattn.shard_indices(total, rank, world_size, layout)
+    idx = ringattn.shard_indices(total, rank, world_size, layout, device=device)
     q_l, k_l, v_l = (t[0, idx].requires_grad_() for t in (q, k, v))
     out, lse = ringattn.ring_attn_varlen_func(q_l, k_l, v_l, cu_seqlens, causal=causal, layout=layout, return_lse=True)
     out.backward(dout[0, idx])
@@ -33,7 +37,7 @@ def _varlen_ring_matches_reference(rank, world_size, lengths, heads_q, heads_k, 
     ids = document_ids(cu_seqlens, total)
     docs = dict(q_doc_ids=ids, k_doc_ids=ids)
     ref = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float64, **docs)
-    pt = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float32, **docs)
+    pt = reference_attention(q, k, v, dout, 32**-0.5, causal, dtype, **docs)
     grad_scale = max(magnitude(g) for g in ref[2:])
     ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
@@ -47,18 +51,35 @@ def _varlen_ring_matches_reference(rank, world_size, lengths, heads_q, heads_k, 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("world_size", sorted(CASES), ids=[f"W{w}" for w in sorted(CASES)])
-def test_varlen_zigzag_matches_reference(world_size, causal):
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
+def test_varlen_zigzag_matches_reference(backend, dtype, world_size, causal):
+    skip_without_gpus(backend, world_size)
     heads = (4, 2) if world_size != 3 else (4, 1)  # GQA, and MQA at W = 3
-    run_ranks(_varlen_ring_matches_reference, world_size, CASES[world_size], *heads, causal, "zigzag")
+    run_ranks(
+        _varlen_ring_matches_reference, world_size, backend, dtype, CASES[world_size], *heads, causal, "zigzag",
+        backend=backend,
+    )  # fmt: skip
 
 
-def test_varlen_contiguous_matches_reference():
-    run_ranks(_varlen_ring_matches_reference, 3, CASES[3], 4, 2, True, "contiguous")
+@pytest.mark.parametrize("world_size", [2, 3], ids=["W2", "W3"])
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
+def test_varlen_contiguous_matches_reference(backend, dtype, world_size):
+    skip_without_gpus(backend, world_size)
+    run_ranks(
+        _varlen_ring_matches_reference, world_size, backend, dtype, CASES[world_size], 4, 2, True, "contiguous",
+        backend=backend,
+    )  # fmt: skip
 
 
-def test_varlen_padding_gets_no_gradient():
-    """45 tokens padded to 48 for W = 4 zigzag: the padding is a document of its own."""
-    run_ranks(_varlen_ring_matches_reference, 4, [10, 1, 30, 4], 4, 2, True, "zigzag", 8)
+@pytest.mark.parametrize("world_size", [2, 4], ids=["W2", "W4"])
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
+def test_varlen_padding_gets_no_gradient(backend, dtype, world_size):
+    """45 tokens padded to a multiple of 2W for zigzag: the padding is a document of its own."""
+    skip_without_gpus(backend, world_size)
+    run_ranks(
+        _varlen_ring_matches_reference, world_size, backend, dtype, [10, 1, 30, 4], 4, 2, True, "zigzag",
+        2 * world_size, backend=backend,
+    )  # fmt: skip
 
 
 def _bad_cu_seqlens_raise(rank, world_size):
