@@ -41,7 +41,7 @@ _INTERPRETER_CONFIG = LaunchConfig(32, 32, 4, 1)  # numpy does the work: few lar
 _CUDA_16BIT_CONFIGS = {
     "fwd": ((64, LaunchConfig(128, 64, 4, 3)), (128, LaunchConfig(128, 128, 8, 3)), (256, LaunchConfig(64, 64, 8, 2))),
     "dkdv": ((64, LaunchConfig(64, 64, 4, 3)), (128, LaunchConfig(64, 64, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
-    "dq": ((64, LaunchConfig(64, 64, 4, 2)), (128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(32, 32, 4, 1))),
+    "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(32, 32, 4, 1))),
 }
 _CUDA_FP32_CONFIGS = {
     "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
