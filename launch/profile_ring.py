@@ -7,8 +7,9 @@ overlaps compute (issues #4 and #7).
 
 Every rank draws its own shard of q, k, v, dout (1, S_local, H or Hkv, D) (defaults on GPUs: S_local = 8192, H =
 Hkv = 32, D = 128, bf16, zigzag, causal; on CPU ranks 32 tokens, 2 heads of 16, fp32), runs --warmup forward+backward
-passes of ringattn.ring_attn_func (the gradients of q, k and v by torch.autograd.grad), then one more under
-torch.profiler (CPU and, on GPUs, CUDA activities) and writes its Chrome trace to --out-dir/ring_trace_rank{r}.json
+passes of ringattn.ring_attn_func (the gradients of q, k and v by torch.autograd.grad), then two more under
+torch.profiler (CPU and, on GPUs, CUDA activities): an untraced one that absorbs the profiler's start-up, which
+differs between ranks, a barrier, and the traced one, whose Chrome trace goes to --out-dir/ring_trace_rank{r}.json
 (open it in https://ui.perfetto.dev or chrome://tracing). Each call of the ring's block ops (attn_fwd_merge_, attn_bwd,
 attn_bwd_preprocess) runs inside a profiler range named "ringattn::<op>": the trace shows which step launched what.
 
@@ -44,7 +45,7 @@ if not torch.cuda.is_available():
 
 import torch.distributed as dist  # noqa: E402
 from bench_common import DTYPES, env_record, markdown_table, write_json  # noqa: E402 (beside this script in launch/)
-from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function, schedule  # noqa: E402
 
 import ringattn  # noqa: E402
 import ringattn.functional  # noqa: E402
@@ -192,15 +193,24 @@ def main() -> int:
 
     for _ in range(args.warmup):
         step()
-    dist.barrier()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    # the ring's autograd Function takes its block ops from this module global: the same ops, labelled
-    with mock.patch.object(ringattn.functional, "KERNEL_OPS", annotated(ringattn.functional.KERNEL_OPS)):
-        with profile(activities=activities) as prof:
-            step()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     trace = args.out_dir / f"ring_trace_rank{env.rank}.json"
-    prof.export_chrome_trace(str(trace))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    # One untraced pass under the profiler first: its start-up takes different times on different ranks, and
+    # a rank that starts the traced pass late would show up as its peers' NCCL kernels waiting for it. The
+    # ranks then meet at a barrier (untraced) and trace the next pass together.
+    recorded = schedule(wait=0, warmup=1, active=1, repeat=1)
+    # the ring's autograd Function takes its block ops from this module global: the same ops, labelled
+    with mock.patch.object(ringattn.functional, "KERNEL_OPS", annotated(ringattn.functional.KERNEL_OPS)):
+        with profile(activities=activities, schedule=recorded,
+                     on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:  # fmt: skip
+            step()
+            dist.barrier()
+            if on_gpu:
+                torch.cuda.synchronize(env.device)
+            prof.step()
+            step()
+            prof.step()
     summary = dict(rank=env.rank, trace=str(trace), **overlap_summary(json.loads(trace.read_text())["traceEvents"],
                                                                      on_gpu))  # fmt: skip
     summaries = [None] * env.world_size

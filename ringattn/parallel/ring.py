@@ -205,7 +205,9 @@ def ring_attn_backward(
         lse: (B, Hq, S_local) fp32, the global normaliser from the forward.
         layout, docs: what the forward ran with.
     Returns:
-        dq, dk, dv in fp32 (float64 for float64 inputs), shaped like q, k, v.
+        dq, dk, dv shaped like q, k, v: dq in fp32 (float64 for float64 inputs); dk and dv in k's dtype when
+        W > 1 (their complete sums are rounded before the last hop, which then carries half the bytes of
+        fp32: the same rounding as after it), else fp32 like dq.
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
@@ -236,6 +238,8 @@ def ring_attn_backward(
         if dk_in is not None:
             dk += dk_in
             dv += dv_in
+        if step == world_size - 1:  # the sums are complete: round them now, not after the hop (half the bytes)
+            dk, dv = dk.to(k.dtype), dv.to(v.dtype)
         dk_in, dv_in = comm.send_recv(dk), comm.send_recv(dv)  # the last hop brings each rank its own
         if step + 1 < world_size:
             k_cur, v_cur = k_next, v_next

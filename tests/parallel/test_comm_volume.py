@@ -23,9 +23,9 @@ class ByteCountingComm(RingComm):
         return super().send_recv(to_send, recv_buffer)
 
 
-def _bytes_per_pass(rank, world_size, heads_k):
-    """(forward bytes, forward tensors, backward bytes, backward tensors) for Hq = 8, S_local = 16, D = 16, fp32."""
-    q, k, v, dout = make_qkv(1, 16, 16, 8, heads_k, 16, torch.float32, "cpu", seed=rank)
+def _bytes_per_pass(rank, world_size, heads_k, dtype=torch.float32):
+    """(forward bytes, forward tensors, backward bytes, backward tensors) for Hq = 8, S_local = 16, D = 16."""
+    q, k, v, dout = make_qkv(1, 16, 16, 8, heads_k, 16, dtype, "cpu", seed=rank)
     comm = ByteCountingComm()
     out, lse = ring_attn_forward(comm, REFERENCE_OPS, q, k, v, 0.25, True, "zigzag")
     fwd = (comm.sent_bytes, comm.sent_tensors)
@@ -35,6 +35,10 @@ def _bytes_per_pass(rank, world_size, heads_k):
 
 def _volumes(rank, world_size):
     return {heads_k: _bytes_per_pass(rank, world_size, heads_k) for heads_k in (8, 2, 1)}
+
+
+def _bf16_volumes(rank, world_size):
+    return _bytes_per_pass(rank, world_size, 2, torch.bfloat16)
 
 
 def test_bytes_sent_are_proportional_to_kv_heads():
@@ -47,3 +51,14 @@ def test_bytes_sent_are_proportional_to_kv_heads():
             assert fwd_bytes == 2 * (world_size - 1) * heads_k * kv_block
             assert bwd_bytes == (2 * (world_size - 1) + 2 * world_size) * heads_k * kv_block
         assert volumes[8][0] == 8 * volumes[1][0] and volumes[2][2] == 2 * volumes[1][2]
+
+
+def test_last_dkdv_hop_carries_the_input_dtype():
+    """bf16 inputs: K/V travel in bf16, the dK/dV accumulators in fp32, except on their last hop, which carries
+    the complete sums already rounded to bf16 (the rounding the caller would do after it)."""
+    world_size, heads_k, kv_block = 3, 2, 16 * 16  # S_local x D elements per kv head
+    for fwd_bytes, fwd_tensors, bwd_bytes, bwd_tensors in run_ranks(_bf16_volumes, world_size):
+        assert fwd_bytes == 2 * (world_size - 1) * heads_k * kv_block * 2
+        kv_hops = 2 * (world_size - 1) * heads_k * kv_block * 2
+        accumulator_hops = 2 * (world_size - 1) * heads_k * kv_block * 4 + 2 * heads_k * kv_block * 2
+        assert bwd_bytes == kv_hops + accumulator_hops and bwd_tensors == 2 * (world_size - 1) + 2 * world_size
