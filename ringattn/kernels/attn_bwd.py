@@ -14,7 +14,7 @@ whose documents do not meet, as in the forward. Derivation in docs/design.md.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _q_tile_docs, _query_tile
+from .common import LOG2E, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _q_tile_docs
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])  # one compile for every length
@@ -245,7 +245,7 @@ def _attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head)."""
-    start_m = _query_tile(CAUSAL)
+    start_m = tl.program_id(0)
     off_hq = tl.program_id(1)
     off_b = tl.program_id(2).to(tl.int64)
     off_hk = (off_hq // GROUP_SIZE).to(tl.int64)

@@ -13,7 +13,7 @@ in the epilogue, so a ring step needs no separate merge pass. See docs/design.md
 import triton
 import triton.language as tl
 
-from .common import LN2, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _q_tile_docs, _query_tile
+from .common import LN2, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _q_tile_docs
 from .merge import _merge_into_state
 
 
@@ -95,7 +95,7 @@ def _attn_fwd_kernel(
     HAS_DOCS: QDoc (Sq,) and KDoc (Sk,) int32 document ids, non-decreasing; row i sees key j only
     if QDoc[i] == KDoc[j].
     """
-    start_m = _query_tile(CAUSAL)
+    start_m = tl.program_id(0)
     off_hq = tl.program_id(1)
     off_b = tl.program_id(2).to(tl.int64)
     off_hk = (off_hq // GROUP_SIZE).to(tl.int64)

@@ -9,17 +9,6 @@ LOG2E = tl.constexpr(1.4426950408889634)  # natural log -> log2 units
 
 
 @triton.jit
-def _query_tile(CAUSAL: tl.constexpr):
-    """The query tile of this program, from grid axis 0. Causal rows see more keys the later they are, so
-    the tiles run longest first (longest-processing-time order): the last wave of a launch then holds the
-    shortest tiles, not the longest. Programs of one head stay adjacent, sharing its K/V in L2."""
-    tile = tl.program_id(0)
-    if CAUSAL:
-        tile = tl.num_programs(0) - 1 - tile
-    return tile
-
-
-@triton.jit
 def _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Key tiles a Q tile visits: (full_end, end_n).
 

@@ -15,6 +15,7 @@ from tests.utils import make_qkv, reference_attention
 WORLD_SIZES = [1, 2, 3, 4]
 
 
+
 def _ring_matches_reference(
     rank, world_size, backend, dtype, seqlen_local, heads_q, heads_k, head_dim, causal, layout="contiguous"
 ):
