@@ -111,7 +111,8 @@ TORCH_CP = {"torch_cp_cudnn": SDPBackend.CUDNN_ATTENTION, "torch_cp_flash": SDPB
 PROVIDERS = ("single_gpu", "ringattn", *TORCH_CP)
 MAX_RELATIVE_ERROR = 1e-2
 MAX_CALLS = 100  # timed (and warm-up) calls per measurement at most
-LINESTYLES = {"ringattn": "-", "torch_cp_cudnn": "--", "torch_cp_flash": ":"}
+PROVIDER_COLORS = {"ringattn": "C0", "torch_cp_cudnn": "C1", "torch_cp_flash": "C2"}
+WORLD_SIZE_STYLES = ["-o", "--s", ":^", "-.D"]  # line and marker of the 1st, 2nd, ... W in the plot
 OPTIONS_RECORDED = ("seqlens_local", "kv_heads", "t1_max_seqlen", "torch_cp_gqa", "warmup_ms", "rep_ms", "budget_s",
                     "providers")  # fmt: skip
 LONGEST_OPTIONS_RECORDED = ("start_seqlen", "max_seqlen", "bisect_steps", "budget_s", "memory_fraction")
@@ -497,6 +498,7 @@ def plot(records: list[dict], out: Path) -> list[Path]:
         return []
     records = [r for r in records if r.get("efficiency") is not None]
     world_sizes, seqlens = sorted({r["W"] for r in records}), sorted({r["S_local"] for r in records})
+    top = max(1.1, 1.05 * max((r["efficiency"] for r in records), default=1.0))
     paths = []
     for kv_heads in sorted({r["Hkv"] for r in records}):
         fig, axes = plt.subplots(len(MODES), len(CASES), figsize=(15, 7), sharex=True, sharey=True, squeeze=False)
@@ -508,11 +510,11 @@ def plot(records: list[dict], out: Path) -> list[Path]:
             ax = axes[i][j]
             for (provider, world_size), points in sorted(lines.items()):
                 xs, ys = zip(*sorted(points), strict=True)
-                ax.plot(xs, ys, LINESTYLES[provider], marker="o", color=f"C{world_sizes.index(world_size)}",
-                        label=f"{provider} W={world_size}")  # fmt: skip
+                style = WORLD_SIZE_STYLES[world_sizes.index(world_size) % len(WORLD_SIZE_STYLES)]
+                ax.plot(xs, ys, style, color=PROVIDER_COLORS[provider], label=f"{provider} W={world_size}")
             ax.set_xscale("log", base=2)
             ax.set_xticks(seqlens, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])
-            ax.set_ylim(bottom=0)
+            ax.set_ylim(0, top)
             ax.axhline(1.0, color="gray", linewidth=0.5)
             ax.set_title(f"{mode}, {layout}, {'causal' if causal else 'non-causal'}", fontsize=9)
             if lines:

@@ -89,3 +89,16 @@ def test_bad_arguments_exit_2_on_every_rank_and_rank_0_says_why(rank, monkeypatc
         exit_on_bad_arguments(parser, ["--a is bad", "--b too"])
     assert exc.value.code == 2
     assert ("job: error: --a is bad; --b too" in capsys.readouterr().err) == (rank == "0")
+
+
+def test_nccl_high_priority_setting(monkeypatch):
+    """High-priority NCCL streams by default; RINGATTN_NCCL_HIGH_PRIORITY=0 turns them off, an argument wins."""
+    from ringattn.distributed import nccl_high_priority
+
+    monkeypatch.delenv("RINGATTN_NCCL_HIGH_PRIORITY", raising=False)
+    assert nccl_high_priority() is True
+    monkeypatch.setenv("RINGATTN_NCCL_HIGH_PRIORITY", "0")
+    assert nccl_high_priority() is False and nccl_high_priority(True) is True
+    monkeypatch.setenv("RINGATTN_NCCL_HIGH_PRIORITY", "yes")
+    with pytest.raises(ValueError, match="RINGATTN_NCCL_HIGH_PRIORITY must be '0' or '1', got 'yes'"):
+        nccl_high_priority()
