@@ -45,6 +45,12 @@ def _computed_tasks(
             yield task, dict(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
 
 
+def _whole_sequence_task(layout: str, causal: bool, seqlen_local: int, docs: ShardDocuments | None):
+    """The one task of a ring of one rank (every layout holds the sequence in order), with its document ids."""
+    ((task, doc_ids),) = _computed_tasks(layout, 0, 0, 1, causal, seqlen_local, docs)
+    return task, doc_ids
+
+
 def init_forward_state(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The merge's identity: out (B, S_local, Hq, D) zeros and lse (B, Hq, S_local) -inf, in state_dtype(q)."""
     batch, seqlen, heads_q, head_dim = q.shape
@@ -163,10 +169,14 @@ def ring_attn_forward(
             ("contiguous" or "zigzag"; S_local even for "zigzag").
         docs: packed documents (B = 1): attention stays inside each document.
     Returns:
-        out (B, S_local, Hq, D) and lse (B, Hq, S_local), both fp32 (float64 for float64 inputs).
+        out (B, S_local, Hq, D) and lse (B, Hq, S_local), both fp32 (float64 for float64 inputs); with
+        W = 1, out in q's dtype (the whole sequence is here: one fused call, no state to merge).
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
+    if comm.world_size == 1:
+        task, doc_ids = _whole_sequence_task(layout, causal, q.shape[1], docs)
+        return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
     out, lse = init_forward_state(q)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(comm.world_size):
@@ -205,22 +215,19 @@ def ring_attn_backward(
         lse: (B, Hq, S_local) fp32, the global normaliser from the forward.
         layout, docs: what the forward ran with.
     Returns:
-        dq, dk, dv shaped like q, k, v: dq in fp32 (float64 for float64 inputs); dk and dv in k's dtype when
-        W > 1 (their complete sums are rounded before the last hop, which then carries half the bytes of
-        fp32: the same rounding as after it), else fp32 like dq.
+        dq, dk, dv shaped like q, k, v: dq in fp32 (float64 for float64 inputs); dk and dv in k's dtype
+        (their complete sums are rounded before the last hop, which then carries half the bytes of fp32:
+        the same rounding as after it). With W = 1 all three in the inputs' dtype, from one fused call.
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
+    world_size = comm.world_size
+    if world_size == 1:
+        task, doc_ids = _whole_sequence_task(layout, causal, q.shape[1], docs)
+        return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
     delta = ops.bwd_preprocess(out, dout)
     dq, dk, dv = init_backward_state(q, k, v)
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    world_size = comm.world_size
-    if world_size == 1:
-        backward_step(
-            ops, layout, comm.rank, comm.rank, 1, causal, softmax_scale,
-            dout, q, k_cur, v_cur, out, lse, delta, dq, dk, dv, docs,
-        )  # fmt: skip
-        return dq, dk, dv
     # One batch in flight at a time, overlapping the next step's kernels: K/V for the step after
     # next, and the dK/dV accumulators of the block just finished (they travel with their block).
     k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)

@@ -38,7 +38,7 @@ def simulate_ring_forward(
         k_shards, v_shards: W tensors (B, S_local, Hkv, D).
     Returns:
         [(out, lse)] per rank: out (B, S_local, Hq, D), lse (B, Hq, S_local), fp32 (float64 for
-        float64 inputs), as ring.ring_attn_forward returns them on that rank.
+        float64 inputs), as ring.ring_attn_forward returns them on that rank when W > 1 (also for W = 1 here).
     Raises:
         ValueError: shard lists of different lengths, an unknown layout, an odd S_local with "zigzag".
     """

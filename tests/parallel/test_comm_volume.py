@@ -58,7 +58,7 @@ def test_last_dkdv_hop_carries_the_input_dtype():
     the complete sums already rounded to bf16 (the rounding the caller would do after it)."""
     world_size, heads_k, kv_block = 3, 2, 16 * 16  # S_local x D elements per kv head
     for fwd_bytes, fwd_tensors, bwd_bytes, bwd_tensors in run_ranks(_bf16_volumes, world_size):
-        assert fwd_bytes == 2 * (world_size - 1) * heads_k * kv_block * 2
+        assert fwd_bytes == 2 * (world_size - 1) * heads_k * kv_block * 2 and fwd_tensors == 2 * (world_size - 1)
         kv_hops = 2 * (world_size - 1) * heads_k * kv_block * 2
         accumulator_hops = 2 * (world_size - 1) * heads_k * kv_block * 4 + 2 * heads_k * kv_block * 2
         assert bwd_bytes == kv_hops + accumulator_hops and bwd_tensors == 2 * (world_size - 1) + 2 * world_size

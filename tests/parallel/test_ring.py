@@ -15,7 +15,6 @@ from tests.utils import make_qkv, reference_attention
 WORLD_SIZES = [1, 2, 3, 4]
 
 
-
 def _ring_matches_reference(
     rank, world_size, backend, dtype, seqlen_local, heads_q, heads_k, head_dim, causal, layout="contiguous"
 ):
@@ -75,6 +74,25 @@ def test_zigzag_ring_matches_single_device_reference(backend, dtype, world_size,
     run_ranks(
         _ring_matches_reference, world_size, backend, dtype, 38, heads_q, heads_k, 40, causal, "zigzag", backend=backend
     )
+
+
+def _ring_of_one_is_the_fused_call(rank, world_size, layout):
+    q, k, v, dout = make_qkv(2, 46, 46, 4, 2, 40, torch.float32, device="cpu", seed=5)  # zigzag: chunks of 23
+    results = []
+    for attn in (ringattn.flash_attn_func, lambda *a, **kw: ringattn.ring_attn_func(*a, layout=layout, **kw)):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = attn(q_, k_, v_, causal=True, return_lse=True)
+        out.backward(dout)
+        results.append((out, lse, q_.grad, k_.grad, v_.grad))
+    for name, fused, ring in zip(("out", "lse", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.equal(fused, ring), f"{layout} {name}"
+    return True
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ring_of_one_rank_is_the_fused_call(layout):
+    """W = 1: no state to merge and nothing to send; the ring is flash_attn_func, bit for bit."""
+    assert run_ranks(_ring_of_one_is_the_fused_call, 1, layout) == [True]
 
 
 class CountingComm(RingComm):

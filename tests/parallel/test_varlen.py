@@ -12,6 +12,7 @@ from tests.utils import make_qkv, reference_attention
 
 # documents of length 1, documents shorter than W, documents crossing rank and chunk boundaries
 CASES = {
+    1: [5, 1, 12],
     2: [1, 7, 3, 1, 20, 4],
     3: [2, 1, 1, 30, 5, 1, 2],
     4: [13, 1, 1, 1, 20, 12],
