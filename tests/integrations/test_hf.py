@@ -1,5 +1,5 @@
-"""Hugging Face transformers with attn_implementation="ringattn" on W spawned gloo ranks, against the same
-model with eager attention on the whole sequence in one process.
+"""Hugging Face transformers with attn_implementation="ringattn" on W spawned ranks (gloo on CPU; NCCL on GPUs
+where there are enough), against the same model with eager attention on the whole sequence in one process.
 
 A tiny random Llama (hidden 64, 2 layers, 4 heads, 2 KV heads: GQA, head dim 16, vocab 97), built from a
 config with the same seed on every rank (no downloads). Each rank feeds its shard of input_ids with the
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ringattn.parallel import LAYOUTS
-from tests.distributed import run_ranks
+from tests.distributed import rank_device, run_ranks, skip_without_gpus
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'hf')")
 
@@ -28,20 +28,20 @@ BATCH, VOCAB, IGNORE = 2, 97, -100
 DOCUMENTS = {2: [1, 13, 5, 1, 22, 4], 4: [1, 13, 5, 1, 22, 4, 2, 17, 1, 9]}
 
 
-def _tiny_llama(seed: int, seqlen: int, **overrides):
+def _tiny_llama(seed: int, seqlen: int, device="cpu", **overrides):
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=VOCAB, max_position_embeddings=seqlen, attention_dropout=0.0, tie_word_embeddings=False,
         **overrides,
     )  # fmt: skip
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).train()
+    return transformers.LlamaForCausalLM(config).to(device).train()  # built on the CPU: the same weights anywhere
 
 
-def _batch(seqlen: int):
+def _batch(seqlen: int, device):
     """input_ids (B, S) and labels (B, S) with some ignored positions; the same on every rank."""
     gen = torch.Generator().manual_seed(seqlen)
-    input_ids = torch.randint(0, VOCAB, (BATCH, seqlen), generator=gen)
+    input_ids = torch.randint(0, VOCAB, (BATCH, seqlen), generator=gen).to(device)
     labels = input_ids.clone()
     labels[0, : seqlen // 3] = IGNORE  # e.g. a prompt left out of the loss
     labels[1, 5::7] = IGNORE
@@ -60,20 +60,21 @@ def _unsharded(model, input_ids, labels, dtype):
     return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _hf_matches_eager(rank, world_size, layouts):
+def _hf_matches_eager(rank, world_size, backend, layouts):
     import ringattn
     from ringattn.integrations import hf
     from ringattn.testing import check_close
 
+    device = rank_device(rank, backend)
     seqlen = 32 * world_size
-    input_ids, labels = _batch(seqlen)
-    plain = _unsharded(_tiny_llama(0, seqlen), input_ids, labels, torch.float32)
-    ref = _unsharded(_tiny_llama(0, seqlen), input_ids, labels, torch.float64)
+    input_ids, labels = _batch(seqlen, device)
+    plain = _unsharded(_tiny_llama(0, seqlen, device), input_ids, labels, torch.float32)
+    ref = _unsharded(_tiny_llama(0, seqlen, device), input_ids, labels, torch.float64)
 
     for layout in layouts:
         name = hf.register(f"ringattn-{layout}", layout=layout)
         sp = ringattn.SequenceParallel(layout=layout)
-        model = _tiny_llama(0, seqlen)
+        model = _tiny_llama(0, seqlen, device)
         model.set_attn_implementation(name)
         batch = sp.shard_batch(input_ids, labels)
         pos = batch.position_ids[0]  # (S_local,) this rank's global positions
@@ -104,7 +105,7 @@ def _hf_matches_eager(rank, world_size, layouts):
         if layout == "zigzag" or world_size == 2:
             _refusals(model, batch, name, rank)
         if layout == "zigzag" or world_size == 2:
-            _packed_matches_per_document(rank, world_size, name, sp)
+            _packed_matches_per_document(rank, world_size, name, sp, device)
     return True
 
 
@@ -126,7 +127,7 @@ def _per_document(model, input_ids, labels, cu_seqlens, dtype):
     return torch.cat(logits, 1), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _packed_matches_per_document(rank, world_size, name, sp):
+def _packed_matches_per_document(rank, world_size, name, sp, device):
     """Packed documents through position ids: the attention function recovers the boundaries (one all-gather
     per forward, not per layer) and keeps attention inside each document."""
     import ringattn
@@ -134,16 +135,16 @@ def _packed_matches_per_document(rank, world_size, name, sp):
 
     lengths = DOCUMENTS[world_size]
     total = sum(lengths)
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     gen = torch.Generator().manual_seed(total)
-    input_ids = torch.randint(0, VOCAB, (1, total), generator=gen)
+    input_ids = torch.randint(0, VOCAB, (1, total), generator=gen).to(device)
     labels = input_ids.clone()
     labels[0, 14:17] = IGNORE
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]  # (1, T) restarting per document
-    plain = _per_document(_tiny_llama(1, total), input_ids, labels, cu_seqlens, torch.float32)
-    ref = _per_document(_tiny_llama(1, total), input_ids, labels, cu_seqlens, torch.float64)
+    position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]  # (1, T) restarting per doc
+    plain = _per_document(_tiny_llama(1, total, device), input_ids, labels, cu_seqlens, torch.float32)
+    ref = _per_document(_tiny_llama(1, total, device), input_ids, labels, cu_seqlens, torch.float64)
 
-    model = _tiny_llama(1, total)
+    model = _tiny_llama(1, total, device)
     model.set_attn_implementation(name)
     batch = sp.shard_batch(input_ids, labels, position_ids=position_ids)
     fn = transformers.AttentionInterface._global_mapping[name]
@@ -157,7 +158,7 @@ def _packed_matches_per_document(rank, world_size, name, sp):
     loss.backward()
     sp.sync_gradients(model)
 
-    idx = ringattn.shard_indices(batch.seqlen, rank, world_size, sp.layout)
+    idx = ringattn.shard_indices(batch.seqlen, rank, world_size, sp.layout, device=device)
     real = idx < total  # the padding's logits are not compared
     where = f"packed {sp.layout} rank {rank}"
     check_close(f"{where} logits", out.logits[:, real], plain[0][:, idx[real]], ref[0][:, idx[real]])
@@ -198,9 +199,13 @@ def _refusals(model, batch, name, rank):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
-def test_llama_ring_matches_eager(world_size):
-    """Both layouts in one set of ranks (spawning ranks that import transformers is the slow part)."""
-    assert run_ranks(_hf_matches_eager, world_size, LAYOUTS, timeout=600) == [True] * world_size
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_llama_ring_matches_eager(backend, world_size):
+    """Both layouts in one set of ranks (spawning ranks that import transformers is the slow part). In fp32 and
+    float64 on NCCL too: the plain and reference implementations are eager attention in those dtypes."""
+    skip_without_gpus(backend, world_size)
+    ranks = run_ranks(_hf_matches_eager, world_size, backend, LAYOUTS, backend=backend, timeout=600)
+    assert ranks == [True] * world_size
 
 
 def test_attn_implementation_selected_by_name(tmp_path):
