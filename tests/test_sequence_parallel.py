@@ -124,8 +124,8 @@ def test_document_positions_and_packed_cu_seqlens():
         packed_cu_seqlens(torch.tensor([1, 2, 3]))
 
 
-# packed documents for W = 3: length 1, shorter than W, crossing rank and chunk boundaries; 29 tokens, padded
-# to 30 in both layouts (the padding a document of one token)
+# packed documents: length 1, shorter than W, crossing rank and chunk boundaries; 29 tokens, padded to a multiple
+# of W (contiguous) or 2W (zigzag): 30 in both layouts for W = 3; the padding is a document of its own
 PACKED = [1, 9, 2, 1, 13, 3]
 
 
@@ -150,14 +150,14 @@ class _AttentionModel(torch.nn.Module):
 
 def _per_document(input_ids, labels, lengths, vocab, dtype):
     """The model run on each document alone with plain attention in `dtype`: logits, mean loss, gradients."""
-    model = _AttentionModel(vocab, max(lengths)).to(dtype)
+    model = _AttentionModel(vocab, max(lengths)).to(input_ids.device, dtype)
 
     def attend(q, k, v):
         return attn_fwd_ref(q, k, v, q.shape[-1] ** -0.5, True)[0]
 
     logits, targets, start = [], [], 0
     for n in lengths:
-        logits.append(model(input_ids[:, start : start + n], torch.arange(n)[None], attend))
+        logits.append(model(input_ids[:, start : start + n], torch.arange(n, device=input_ids.device)[None], attend))
         targets.append(shift_labels(labels[:, start : start + n]))  # shifted inside the document
         start += n
     logits, targets = torch.cat(logits, 1), torch.cat(targets, 1)  # (1, T, V), (1, T)
@@ -166,13 +166,14 @@ def _per_document(input_ids, labels, lengths, vocab, dtype):
     return logits.detach(), loss.detach(), [p.grad for p in model.parameters()]
 
 
-def _packed_toolkit_matches_per_document(rank, world_size, lengths):
+def _packed_toolkit_matches_per_document(rank, world_size, backend, lengths):
     vocab, total = 13, sum(lengths)
+    device = rank_device(rank, backend)
     gen = torch.Generator().manual_seed(total)
-    input_ids = torch.randint(0, vocab, (1, total), generator=gen)
+    input_ids = torch.randint(0, vocab, (1, total), generator=gen).to(device)
     labels = input_ids.clone()
     labels[0, 3:6] = IGNORE_INDEX
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     position_ids = document_positions(cu)[None]  # (1, T)
     plain = _per_document(input_ids, labels, lengths, vocab, torch.float32)
     ref = _per_document(input_ids, labels, lengths, vocab, torch.float64)
@@ -187,14 +188,14 @@ def _packed_toolkit_matches_per_document(rank, world_size, lengths):
         s_pad = batch.seqlen
         padded_cu, pad = ringattn.pad_cu_seqlens(cu, sp.multiple)
         assert s_pad == total + pad and torch.equal(batch.cu_seqlens, padded_cu)
-        idx = ringattn.shard_indices(s_pad, rank, world_size, layout)
+        idx = ringattn.shard_indices(s_pad, rank, world_size, layout, device=device)
         assert torch.equal(batch.position_ids[0], document_positions(padded_cu)[idx])
         # no document's last token is trained on the next document's first token
         targets = shift_labels(labels)
         targets[0, cu[1:].long() - 1] = IGNORE_INDEX
         assert torch.equal(batch.labels[0], F.pad(targets, (0, pad), value=IGNORE_INDEX)[0, idx])
 
-        model = _AttentionModel(vocab, max(lengths))
+        model = _AttentionModel(vocab, max(lengths)).to(device)
         attend = functools.partial(sp.attention, cu_seqlens=batch.cu_seqlens, causal=True)
         logits = model(batch.input_ids, batch.position_ids, attend)  # (1, S_local, V)
         loss = sp.cross_entropy(logits, batch.labels)
@@ -214,12 +215,15 @@ def _packed_toolkit_matches_per_document(rank, world_size, lengths):
         sp.shard_batch(input_ids, cu_seqlens=cu[:-1])
     with pytest.raises(ValueError, match="restart at 0"):
         sp.shard_batch(input_ids, position_ids=position_ids + 1 - (position_ids == 0).long())
-    q = torch.zeros(2, batch.input_ids.shape[1], 2, 8)
+    q = torch.zeros(2, batch.input_ids.shape[1], 2, 8, device=device)
     with pytest.raises(ValueError, match="batch 1"):
         sp.attention(q, q, q, batch.cu_seqlens, causal=True)
     return True
 
 
-def test_packed_documents_loss_and_gradients_equal_per_document_on_3_ranks():
+@pytest.mark.parametrize("backend,world_size", [("gloo", 3), ("nccl", 2)], ids=["gloo-W3", "nccl-W2"])
+def test_packed_documents_loss_and_gradients_equal_per_document(backend, world_size):
     """Both layouts; position_ids and cu_seqlens give the same batch; fp32 against float64 (tolerance rule)."""
-    assert run_ranks(_packed_toolkit_matches_per_document, 3, PACKED) == [True] * 3
+    skip_without_gpus(backend, world_size)
+    ranks = run_ranks(_packed_toolkit_matches_per_document, world_size, backend, PACKED, backend=backend)
+    assert ranks == [True] * world_size
