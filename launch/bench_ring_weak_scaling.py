@@ -55,8 +55,8 @@ and this run's W replaces its own, so the runs at W = 1, 2, 4, 8 fill one file.
 
 Time: --budget-s (420) bounds the sweep: before each block of measurements the ranks compare the elapsed time,
 and past the budget the remaining blocks are skipped with a printed note (listed under "skipped" in the env record).
-Estimated, not measured (no multi-GPU machine yet), from the kernel benchmark's rates: about 4 to 5 minutes at
-W = 8 with defaults, plus start-up and compilation; W = 1, 2, 4 less.
+Measured at W = 2 (2 x H200): the whole default sweep in 137 s, plus about 20 s of start-up. Estimated from the
+kernel benchmark's rates: about 4 to 5 minutes at W = 8, plus start-up and compilation.
 
 --longest (issue #7, run 3): the longest global causal sequence whose forward+backward of ring_attn_func runs on
 the W ranks (zigzag, B = 1, H = --heads, Hkv = the first --kv-heads, D = --head-dim), and with W = 1 also of
