@@ -7,15 +7,16 @@ overlaps compute (issues #4 and #7).
 
 Every rank draws its own shard of q, k, v, dout (1, S_local, H or Hkv, D) (defaults on GPUs: S_local = 8192, H =
 Hkv = 32, D = 128, bf16, zigzag, causal; on CPU ranks 32 tokens, 2 heads of 16, fp32), runs --warmup forward+backward
-passes of ringattn.ring_attn_func (the gradients of q, k and v by torch.autograd.grad), then two more under
-torch.profiler (CPU and, on GPUs, CUDA activities): an untraced one that absorbs the profiler's start-up, which
-differs between ranks, a barrier, and the traced one, whose Chrome trace goes to --out-dir/ring_trace_rank{r}.json
+passes of ringattn.ring_attn_func (the gradients of q, k and v by torch.autograd.grad), then one untraced pass
+under a first torch.profiler (its start-up differs between ranks), a barrier, and one traced pass under a
+second profiler (CPU and, on GPUs, CUDA activities), whose Chrome trace goes to --out-dir/ring_trace_rank{r}.json
 (open it in https://ui.perfetto.dev or chrome://tracing). Each call of the ring's block ops (attn_fwd_merge_, attn_bwd,
 attn_bwd_preprocess) runs inside a profiler range named "ringattn::<op>": the trace shows which step launched what.
 
 Overlap summary, from the exported trace's complete ("X") events, per rank:
-- communication: on GPUs the NCCL kernels (names containing "nccl"); on CPU ranks the gloo send and receive
-  spans ("gloo:send", "gloo:recv": from a batch's start to the end of that transfer, on gloo's threads);
+- communication: on GPUs NCCL's point-to-point kernels (names containing "SendRecv": the barrier's all-reduce
+  is not a ring transfer); on CPU ranks the gloo send and receive spans ("gloo:send", "gloo:recv": from a
+  batch's start to the end of that transfer, on gloo's threads);
 - compute: on GPUs the Triton attention kernels (_attn_fwd_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,
   _attn_bwd_preprocess_kernel); on CPU ranks the "ringattn::" ranges (the interpreter runs the kernels on the host);
 - comm_ms and compute_ms, the lengths of the unions of their intervals; overlap_ms, the length of the intersection
@@ -45,7 +46,7 @@ if not torch.cuda.is_available():
 
 import torch.distributed as dist  # noqa: E402
 from bench_common import DTYPES, env_record, markdown_table, write_json  # noqa: E402 (beside this script in launch/)
-from torch.profiler import ProfilerActivity, profile, record_function, schedule  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 import ringattn  # noqa: E402
 import ringattn.functional  # noqa: E402
@@ -128,7 +129,7 @@ def intersection_length(a: list[Interval], b: list[Interval]) -> float:
 
 def is_communication(event: dict, on_gpu: bool) -> bool:
     if on_gpu:
-        return event.get("cat") == "kernel" and "nccl" in event["name"].lower()
+        return event.get("cat") == "kernel" and "sendrecv" in event["name"].lower()
     return event["name"] in ("gloo:send", "gloo:recv")
 
 
@@ -196,21 +197,18 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     trace = args.out_dir / f"ring_trace_rank{env.rank}.json"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    # One untraced pass under the profiler first: its start-up takes different times on different ranks, and
-    # a rank that starts the traced pass late would show up as its peers' NCCL kernels waiting for it. The
-    # ranks then meet at a barrier (untraced) and trace the next pass together.
-    recorded = schedule(wait=0, warmup=1, active=1, repeat=1)
+    # The profiler's first start takes different times on different ranks, and a rank that starts the traced
+    # pass late shows up as its peers' NCCL kernels waiting for it: a first profiler, around one untraced pass,
+    # absorbs that start-up; the ranks then meet at a barrier and trace the next pass together. (A barrier
+    # inside a profiler made gloo ranks abort at exit now and then.)
+    with profile(activities=activities):
+        step()
+    dist.barrier()
     # the ring's autograd Function takes its block ops from this module global: the same ops, labelled
     with mock.patch.object(ringattn.functional, "KERNEL_OPS", annotated(ringattn.functional.KERNEL_OPS)):
-        with profile(activities=activities, schedule=recorded,
-                     on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:  # fmt: skip
+        with profile(activities=activities) as prof:
             step()
-            dist.barrier()
-            if on_gpu:
-                torch.cuda.synchronize(env.device)
-            prof.step()
-            step()
-            prof.step()
+    prof.export_chrome_trace(str(trace))
     summary = dict(rank=env.rank, trace=str(trace), **overlap_summary(json.loads(trace.read_text())["traceEvents"],
                                                                      on_gpu))  # fmt: skip
     summaries = [None] * env.world_size

@@ -44,14 +44,16 @@ def _event(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
 
 
 def test_overlap_summary_of_gpu_kernels():
-    """Two compute kernels at 0-100 and 150-250 us, NCCL at 50-200 us (twice, on two channels): 150 us of
-    communication of which 100 overlap compute; other kernels and CPU ops are ignored."""
+    """Two compute kernels at 0-100 and 150-250 us, NCCL send/recv at 50-200 us (twice, on two channels): 150 us
+    of communication of which 100 overlap compute; other kernels (the barrier's all-reduce too) and CPU ops are
+    ignored."""
     events = [
         _event("_attn_fwd_kernel", 0, 100),
         _event("_attn_bwd_dkdv_kernel", 150, 100),
         _event("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 50, 150),
         _event("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 60, 100),
         _event("void at::native::vectorized_elementwise_kernel<4>", 300, 50),  # a copy: neither
+        _event("ncclDevKernel_AllReduce_Sum_u8_RING_LL(ncclDevKernelArgsStorage<4096ul>)", -900, 800),  # barrier
         _event("_attn_fwd_kernel", 400, 10, cat="cpu_op"),  # not a GPU kernel
         dict(ph="i", name="ncclDevKernel_SendRecv", ts=0),  # an instant event: no duration
     ]
