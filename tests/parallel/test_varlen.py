@@ -50,37 +50,32 @@ def _varlen_ring_matches_reference(
             assert torch.isfinite(g).all() and (g[pad_rows] == 0).all()
 
 
+def _run_varlen(backend, dtype, world_size, *args):
+    """_varlen_ring_matches_reference(rank, world_size, backend, dtype, *args) on world_size ranks of `backend`
+    (skipped on NCCL without a GPU per rank)."""
+    skip_without_gpus(backend, world_size)
+    run_ranks(_varlen_ring_matches_reference, world_size, backend, dtype, *args, backend=backend)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("world_size", sorted(CASES), ids=[f"W{w}" for w in sorted(CASES)])
 @pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
 def test_varlen_zigzag_matches_reference(backend, dtype, world_size, causal):
-    skip_without_gpus(backend, world_size)
     heads = (4, 2) if world_size != 3 else (4, 1)  # GQA, and MQA at W = 3
-    run_ranks(
-        _varlen_ring_matches_reference, world_size, backend, dtype, CASES[world_size], *heads, causal, "zigzag",
-        backend=backend,
-    )  # fmt: skip
+    _run_varlen(backend, dtype, world_size, CASES[world_size], *heads, causal, "zigzag")
 
 
 @pytest.mark.parametrize("world_size", [2, 3], ids=["W2", "W3"])
 @pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
 def test_varlen_contiguous_matches_reference(backend, dtype, world_size):
-    skip_without_gpus(backend, world_size)
-    run_ranks(
-        _varlen_ring_matches_reference, world_size, backend, dtype, CASES[world_size], 4, 2, True, "contiguous",
-        backend=backend,
-    )  # fmt: skip
+    _run_varlen(backend, dtype, world_size, CASES[world_size], 4, 2, True, "contiguous")
 
 
 @pytest.mark.parametrize("world_size", [2, 4], ids=["W2", "W4"])
 @pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
 def test_varlen_padding_gets_no_gradient(backend, dtype, world_size):
     """45 tokens padded to a multiple of 2W for zigzag: the padding is a document of its own."""
-    skip_without_gpus(backend, world_size)
-    run_ranks(
-        _varlen_ring_matches_reference, world_size, backend, dtype, [10, 1, 30, 4], 4, 2, True, "zigzag",
-        2 * world_size, backend=backend,
-    )  # fmt: skip
+    _run_varlen(backend, dtype, world_size, [10, 1, 30, 4], 4, 2, True, "zigzag", 2 * world_size)
 
 
 def _bad_cu_seqlens_raise(rank, world_size):
