@@ -55,8 +55,8 @@ and this run's W replaces its own, so the runs at W = 1, 2, 4, 8 fill one file.
 
 Time: --budget-s (420) bounds the sweep: before each block of measurements the ranks compare the elapsed time,
 and past the budget the remaining blocks are skipped with a printed note (listed under "skipped" in the env record).
-Measured at W = 2 (2 x H200): the whole default sweep in 137 s, plus about 20 s of start-up. Estimated from the
-kernel benchmark's rates: about 4 to 5 minutes at W = 8, plus start-up and compilation.
+Measured: the whole default sweep in 104 to 137 s at W = 2 and 183 s at W = 4 (H200s), plus about 20 s of
+start-up. Estimated from those: about 4 to 5 minutes at W = 8, plus start-up and compilation.
 
 --longest (issue #7, run 3): the longest global causal sequence whose forward+backward of ring_attn_func runs on
 the W ranks (zigzag, B = 1, H = --heads, Hkv = the first --kv-heads, D = --head-dim), and with W = 1 also of
@@ -66,8 +66,8 @@ caching allocator capped at --memory-fraction, --budget-s 330 shared by the prov
 past it not started, a memory-bound estimate from the peak memory of the two longest fits; the ranks allocate the
 same, so they run out of memory together, not one alone inside the ring). Each trial allocates
 its random inputs inside the timed step (< 1% of a step at these lengths). Output: a markdown table and --out
-(default docs/benchmarks/ring_longest_{h200|cpu}_w{W}.json) as longest_sequence.py writes them. Estimated:
-W = 8 stops on the budget near 4M tokens (a step there takes minutes) with the memory estimate beyond it.
+(default docs/benchmarks/ring_longest_{h200|cpu}_w{W}.json) as longest_sequence.py writes them. Measured at
+W = 4: 2M tokens at 85 s a step, then the budget; estimated: W = 8 stops on the budget near 4M tokens.
 """
 
 import argparse
