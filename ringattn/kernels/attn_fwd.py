@@ -13,24 +13,28 @@ in the epilogue, so a ring step needs no separate merge pass. See docs/design.md
 import triton
 import triton.language as tl
 
-from .common import LN2, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _q_tile_docs
+from .common import LN2, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _load_kv_tile_tma, _q_tile_docs
 from .merge import _merge_into_state
 
 
 @triton.jit
 def _attn_fwd_tile(
-    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords,
     offs_m, offs_d, mask_d, n0, seqlen_k, causal_shift, qk_scale, q_doc, KDoc,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) by the key tile starting at n0.
 
     MASKED tiles mask keys past seqlen_k, (CAUSAL) keys after row + causal_shift and (DOCS) keys
     of other documents with -inf; rows whose keys are all masked keep m_i = -inf and gain nothing.
+    KV_TMA: k_base, v_base are tensor descriptors of K and V and kv_coords their (batch, head).
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
+    if KV_TMA:
+        k, v = _load_kv_tile_tma(k_base, v_base, kv_coords, n0, BLOCK_N, offs_d.shape[0])
+    else:
+        k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASKED:
         visible = _key_tile_visible(offs_m, offs_n, seqlen_k, causal_shift, q_doc, KDoc, CAUSAL, DOCS)
@@ -49,11 +53,11 @@ def _attn_fwd_tile(
 
 @triton.jit
 def _attn_fwd_tiles(
-    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords,
     offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, causal_shift, qk_scale,
     q_doc, q_doc_first, q_doc_last, KDoc,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Key tiles [start_n, end_n); DOCS skips tiles whose document span misses [q_doc_first, q_doc_last]."""
     for n0 in range(start_n, end_n, BLOCK_N):
@@ -61,13 +65,15 @@ def _attn_fwd_tiles(
             k_doc_first, k_doc_last = _doc_span(KDoc, n0, seqlen_k, BLOCK_N)
             if (k_doc_last >= q_doc_first) & (k_doc_first <= q_doc_last):
                 acc, l_i, m_i = _attn_fwd_tile(
-                    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, mask_d, n0, seqlen_k,
-                    causal_shift, qk_scale, q_doc, KDoc, BLOCK_N, MASKED, CAUSAL, DOCS, DOT_PRECISION,
+                    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords, offs_m, offs_d, mask_d, n0,
+                    seqlen_k, causal_shift, qk_scale, q_doc, KDoc, BLOCK_N, MASKED, CAUSAL, DOCS, KV_TMA,
+                    DOT_PRECISION,
                 )
         else:
             acc, l_i, m_i = _attn_fwd_tile(
-                acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, mask_d, n0, seqlen_k,
-                causal_shift, qk_scale, q_doc, KDoc, BLOCK_N, MASKED, CAUSAL, DOCS, DOT_PRECISION,
+                acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords, offs_m, offs_d, mask_d, n0,
+                seqlen_k, causal_shift, qk_scale, q_doc, KDoc, BLOCK_N, MASKED, CAUSAL, DOCS, KV_TMA,
+                DOT_PRECISION,
             )
     return acc, l_i, m_i
 
@@ -83,7 +89,8 @@ def _attn_fwd_kernel(
     seqlen_q, seqlen_k, qk_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, MERGE_STATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, MERGE_STATE: tl.constexpr, KV_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile; Lse[b, h, m] in natural log.
 
@@ -94,6 +101,8 @@ def _attn_fwd_kernel(
     CAUSAL is aligned bottom-right: row i sees keys j <= i + (Sk - Sq).
     HAS_DOCS: QDoc (Sq,) and KDoc (Sk,) int32 document ids, non-decreasing; row i sees key j only
     if QDoc[i] == KDoc[j].
+    KV_TMA: K and V are tensor descriptors of the (B, Sk, Hkv, HEAD_DIM) tensors with block
+    (1, BLOCK_N, 1, HEAD_DIM) (HEAD_DIM == BLOCK_D): tiles load by TMA, rows past Sk as zeros.
     """
     start_m = tl.program_id(0)
     off_hq = tl.program_id(1)
@@ -109,8 +118,12 @@ def _attn_fwd_kernel(
 
     q_ptrs = Q + off_b * stride_qb + off_hq * stride_qh + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_mask, other=0.0)
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    if KV_TMA:
+        k_base, v_base = K, V
+    else:
+        k_base = K + off_b * stride_kb + off_hk * stride_kh
+        v_base = V + off_b * stride_vb + off_hk * stride_vh
+    kv_coords = (off_b.to(tl.int32), off_hk.to(tl.int32))
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -123,14 +136,14 @@ def _attn_fwd_kernel(
         full_end = 0  # any tile may cross a document boundary
 
     acc, l_i, m_i = _attn_fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,
+        acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, kv_coords, offs_m, offs_d, mask_d,
         0, full_end, seqlen_k, causal_shift, qk_scale, q_doc, q_doc_first, q_doc_last, KDoc,
-        BLOCK_N, False, CAUSAL, False, DOT_PRECISION,
+        BLOCK_N, False, CAUSAL, False, KV_TMA, DOT_PRECISION,
     )
     acc, l_i, m_i = _attn_fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, mask_d,
+        acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, kv_coords, offs_m, offs_d, mask_d,
         full_end, end_n, seqlen_k, causal_shift, qk_scale, q_doc, q_doc_first, q_doc_last, KDoc,
-        BLOCK_N, True, CAUSAL, HAS_DOCS, DOT_PRECISION,
+        BLOCK_N, True, CAUSAL, HAS_DOCS, KV_TMA, DOT_PRECISION,
     )
 
     empty = l_i == 0.0  # every key masked: output 0, lse -inf

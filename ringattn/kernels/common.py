@@ -61,6 +61,16 @@ def _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, 
 
 
 @triton.jit
+def _load_kv_tile_tma(k_desc, v_desc, kv_coords, n0, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(BLOCK_N, BLOCK_D) tiles of K and V at rows [n0, n0 + BLOCK_N) of (batch, head) kv_coords, by TMA from
+    descriptors of the (B, Sk, Hkv, D) tensors with block (1, BLOCK_N, 1, BLOCK_D); rows past Sk load as zeros."""
+    off_b, off_h = kv_coords
+    k = k_desc.load([off_b, n0, off_h, 0]).reshape(BLOCK_N, BLOCK_D)
+    v = v_desc.load([off_b, n0, off_h, 0]).reshape(BLOCK_N, BLOCK_D)
+    return k, v
+
+
+@triton.jit
 def _key_tile_visible(
     offs_m, offs_n, seqlen_k, causal_shift, q_doc, KDoc, CAUSAL: tl.constexpr, DOCS: tl.constexpr
 ):

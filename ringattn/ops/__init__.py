@@ -7,7 +7,7 @@ knows whether it runs the compiled kernel, the interpreted kernel or the referen
 from collections.abc import Callable
 from typing import NamedTuple
 
-from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd, attn_fwd_merge_
+from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd, attn_fwd_merge_, fwd_tma_enabled
 from .attn_ref import attn_bwd_preprocess_ref, attn_bwd_ref, attn_fwd_merge_ref_, attn_fwd_ref
 from .merge import merge_attn_states_
 
@@ -37,5 +37,6 @@ __all__ = [
     "attn_fwd_merge_",
     "attn_fwd_merge_ref_",
     "attn_fwd_ref",
+    "fwd_tma_enabled",
     "merge_attn_states_",
 ]

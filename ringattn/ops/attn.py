@@ -7,10 +7,12 @@ natural log. Causal masking is aligned bottom-right (row i sees keys j <= i + Sk
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from ..kernels.attn_fwd import _attn_fwd_kernel
@@ -90,6 +92,32 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def fwd_tma_enabled() -> bool:
+    """$RINGATTN_FWD_TMA: "1" (default) lets the forward load K/V tiles by TMA where it can, "0" never."""
+    value = os.environ.get("RINGATTN_FWD_TMA", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"$RINGATTN_FWD_TMA must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _tma_ready(t: torch.Tensor, head_dim: int, block_d: int) -> bool:
+    """Whether TMA can load t's (B, S, H, D) tiles: Hopper or newer (or the interpreter), D a power of two
+    (no padding), every stride but the last and the base address 16-byte aligned."""
+    if t.is_cuda and torch.cuda.get_device_capability(t.device) < (9, 0):
+        return False
+    size = t.element_size()
+    return head_dim == block_d and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+
+
+def _kv_descriptors(k, v, head_dim: int, block_d: int, block_n: int):
+    """TMA descriptors of k and v (B, Sk, Hkv, D) with block (1, block_n, 1, D), or None: TMA switched off
+    ($RINGATTN_FWD_TMA=0) or unable to load them (pointer loads then)."""
+    if not (fwd_tma_enabled() and _tma_ready(k, head_dim, block_d) and _tma_ready(v, head_dim, block_d)):
+        return None
+    block = [1, block_n, 1, head_dim]
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (k, v))
+
+
 def _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool) -> None:
     """Launch _attn_fwd_kernel writing (or, with merge_state, merging into) out and lse; inputs checked."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -97,14 +125,16 @@ def _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, 
     block_d = _padded_head_dim(head_dim)
     cfg = _fwd_config(block_d, q.dtype, q.device)
     has_docs = q_doc_ids is not None
+    kv_desc = _kv_descriptors(k, v, head_dim, block_d, cfg.block_n)
     with _device_guard(q):
         _attn_fwd_kernel[(triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
-            q, k, v, out, lse, q_doc_ids if has_docs else lse, k_doc_ids if has_docs else lse,
+            q, *(kv_desc or (k, v)), out, lse, q_doc_ids if has_docs else lse, k_doc_ids if has_docs else lse,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(0), lse.stride(1),
             seqlen_q, seqlen_k, softmax_scale * LOG2E,
             GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=bool(causal), HAS_DOCS=has_docs, MERGE_STATE=merge_state, DOT_PRECISION=_dot_precision(q.dtype),
+            CAUSAL=bool(causal), HAS_DOCS=has_docs, MERGE_STATE=merge_state, KV_TMA=kv_desc is not None,
+            DOT_PRECISION=_dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

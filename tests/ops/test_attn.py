@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import ringattn
-from ringattn.ops import attn_bwd, attn_bwd_ref, attn_fwd, attn_fwd_ref
+from ringattn.ops import attn_bwd, attn_bwd_ref, attn_fwd, attn_fwd_merge_, attn_fwd_ref
+from ringattn.ops.attn import _kv_descriptors
 from ringattn.testing import check_close, magnitude
 from tests.utils import DEVICE, DTYPES, dtype_id, make_qkv, reference_attention
 
@@ -61,6 +62,39 @@ def test_any_strides_give_the_contiguous_result():
     assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
     for g, g_c in zip(grads, grads_c, strict=True):
         assert torch.equal(g, g_c)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(97, 97), (17, 97), (97, 17)], ids=lambda n: str(n))
+def test_tma_and_pointer_kv_loads_agree_bitwise(seqlen_q, seqlen_k, causal, monkeypatch):
+    """The forward's K/V tiles by TMA descriptors (rows past Sk zero-filled by the copy engine) and by masked
+    pointer loads: the same bits, in the public call and the ring's merge; GQA; Sk not a multiple of a tile."""
+    q, k, v, _ = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 64, DTYPES[0], seed=seqlen_q + seqlen_k)
+    state = torch.randn(2, seqlen_q, 4, 64, device=DEVICE), torch.randn(2, 4, seqlen_q, device=DEVICE)
+    results = {}
+    for tma in ("0", "1"):
+        monkeypatch.setenv("RINGATTN_FWD_TMA", tma)
+        out, lse = (t.clone() for t in state)
+        attn_fwd_merge_(q, k, v, 0.125, causal, out, lse)
+        results[tma] = (*attn_fwd(q, k, v, 0.125, causal), out, lse)
+    for off, on in zip(results["0"], results["1"], strict=True):
+        assert torch.equal(off, on)
+
+
+def test_tma_is_used_only_where_it_can_load():
+    """A padded head dim or a base address off 16 bytes takes the pointer loads; contiguous and packed-qkv
+    views take TMA (where the device has it)."""
+    dtype = DTYPES[0]
+    packed = torch.randn(2, 9, 3, 4, 64, device=DEVICE, dtype=dtype).unbind(dim=2)[1]
+    assert _kv_descriptors(packed, packed, 64, 64, 32) is not None
+    padded = torch.randn(2, 9, 4, 40, device=DEVICE, dtype=dtype)
+    assert _kv_descriptors(padded, padded, 40, 64, 32) is None
+    unaligned = torch.randn(2 * 9 * 4 * 64 + 1, device=DEVICE, dtype=dtype)[1:].view(2, 9, 4, 64)
+    assert _kv_descriptors(unaligned, unaligned, 64, 64, 32) is None
+    q = torch.randn(2, 9, 4, 64, device=DEVICE, dtype=dtype)
+    out, lse = attn_fwd(q, unaligned, unaligned, 0.125, True)
+    out_c, lse_c = attn_fwd(q, unaligned.contiguous(), unaligned.contiguous(), 0.125, True)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
 
 
 def test_rows_that_see_no_key_give_zeros_not_nan():
