@@ -77,7 +77,8 @@ CASES = [
          env={AGREEMENT_ENV: "sometimes"}),
     Case("ring-timeout-env", dict(), ValueError, r"\$RINGATTN_P2P_TIMEOUT_S must be a positive", ring_only=True,
          env={P2P_TIMEOUT_ENV: "soon"}),
-    Case("tma-env", dict(), ValueError, r"\$RINGATTN_FWD_TMA must be 0 or 1, got 'yes'", env={"RINGATTN_FWD_TMA": "yes"}),
+    Case("tma-env", dict(), ValueError, r"\$RINGATTN_FWD_TMA must be 0 or 1, got 'yes'",
+         env={"RINGATTN_FWD_TMA": "yes"}),
 ]  # fmt: skip
 if DEVICE.type == "cpu":
     CASES.append(
