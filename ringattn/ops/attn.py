@@ -235,6 +235,7 @@ def attn_bwd(
     dv_acc: torch.Tensor | None = None,
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
+    add_dkdv: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused attention backward: gradients of out = softmax(q k^T * scale) v.
 
@@ -247,6 +248,8 @@ def attn_bwd(
             accumulators); when given, the gradients are added to them in place and they are returned.
             All three or none.
         q_doc_ids, k_doc_ids: document ids as in attn_fwd.
+        add_dkdv: with accumulators, False stores dK and dV into dk_acc and dv_acc (whatever they held is
+            ignored, not read) while dQ is still added to dq_acc: the ring's share of a block in transit.
     Returns:
         (dq, dk, dv), new tensors in q's dtype unless accumulators were given.
     """
@@ -274,7 +277,7 @@ def attn_bwd(
     docs = (q_doc_ids, k_doc_ids) if has_docs else (lse, lse)
     common = dict(
         GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=bool(causal), HAS_DOCS=has_docs,
-        ACCUMULATE=accumulate, DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
     qk_scale = softmax_scale * LOG2E
     dkdv_cfg = _bwd_dkdv_config(block_d, q.dtype, q.device)
@@ -283,14 +286,14 @@ def attn_bwd(
         _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, dkdv_cfg.block_n), heads_k, batch)](
             q, k, v, dout, lse, delta, dk, dv, *docs,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-            seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale, **common,
+            seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale, **common, ACCUMULATE=accumulate and add_dkdv,
             BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
             num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
         )  # fmt: skip
         _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, dq_cfg.block_m), heads_q, batch)](
             q, k, v, dout, lse, delta, dq, *docs,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-            seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale, **common,
+            seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale, **common, ACCUMULATE=accumulate,
             BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
             num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
         )  # fmt: skip

@@ -123,7 +123,8 @@ def backward_step(
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
     docs: ShardDocuments | None = None,
-) -> None:
+    add_dkdv: bool = True,
+) -> list[range]:
     """One ring step of the backward on one rank: add the gradients of q's attention to the block of `kv_rank`
     into dq (this rank's) and dk_acc, dv_acc (the accumulators of the block in hand), in place.
 
@@ -131,9 +132,15 @@ def backward_step(
         dout, q, out: (B, S_local, Hq, D); lse, delta: (B, Hq, S_local), the global lse and rowsum(dout * out).
         k_blk, v_blk, dk_acc, dv_acc: (B, S_local, Hkv, D).
         docs: packed documents, as in forward_step.
+        add_dkdv: False stores the block's dK, dV into the rows of dk_acc, dv_acc it computes instead of adding
+            (for a step of at most one task, which block_tasks gives whenever kv_rank != rank).
+    Returns:
+        the K/V rows whose dK, dV were added or stored, one range per computed task.
     """
+    rows = []
     for task, doc_ids in _computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs):
         qs, kvs = task.q_rows, task.kv_rows
+        rows.append(kvs)
         ops.bwd(
             _rows(dout, qs),
             _rows(q, qs),
@@ -148,7 +155,9 @@ def backward_step(
             dk_acc=_rows(dk_acc, kvs),
             dv_acc=_rows(dv_acc, kvs),
             **doc_ids,
+            add_dkdv=add_dkdv,
         )
+    return rows
 
 
 def ring_attn_forward(
@@ -226,7 +235,8 @@ def ring_attn_backward(
         task, doc_ids = _whole_sequence_task(layout, causal, q.shape[1], docs)
         return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
     delta = ops.bwd_preprocess(out, dout)
-    dq, dk, dv = init_backward_state(q, k, v)
+    dq, dk, dv = init_backward_state(q, k, v)  # dk, dv: the accumulators of this rank's own block, at step 0
+    share_k, share_v = torch.empty_like(dk), torch.empty_like(dv)  # this rank's share of a later step's block
     k_cur, v_cur = k.contiguous(), v.contiguous()
     # One batch in flight at a time, overlapping the next step's kernels: K/V for the step after
     # next, and the dK/dV accumulators of the block just finished (they travel with their block).
@@ -235,16 +245,19 @@ def ring_attn_backward(
     dk_in = dv_in = None  # accumulators of the block in hand, from the ranks that held it before
     for step in range(world_size):
         kv_rank = kv_source_rank(comm.rank, step, world_size)
-        if step > 0:
-            dk, dv = torch.zeros_like(dk), torch.zeros_like(dv)  # this rank's share of the block in hand
-        backward_step(
+        # From step 1 on the accumulators arrive only after the kernels (they overlap the transfer): the kernels
+        # store this rank's share, which is then added to the arrived accumulators, in the rows it covers.
+        into = (dk, dv) if step == 0 else (share_k, share_v)
+        rows = backward_step(
             ops, layout, comm.rank, kv_rank, world_size, causal, softmax_scale,
-            dout, q, k_cur, v_cur, out, lse, delta, dq, dk, dv, docs,
+            dout, q, k_cur, v_cur, out, lse, delta, dq, *into, docs, add_dkdv=step == 0,
         )  # fmt: skip
         comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
-        if dk_in is not None:
-            dk += dk_in
-            dv += dv_in
+        if step > 0:
+            dk, dv = dk_in, dv_in  # received, ours now: added to in place, then passed on
+            for kvs in rows:
+                _rows(dk, kvs).add_(_rows(share_k, kvs))
+                _rows(dv, kvs).add_(_rows(share_v, kvs))
         if step == world_size - 1:  # the sums are complete: round them now, not after the hop (half the bytes)
             dk, dv = dk.to(k.dtype), dv.to(v.dtype)
         dk_in, dv_in = comm.send_recv(dk), comm.send_recv(dv)  # the last hop brings each rank its own

@@ -123,6 +123,26 @@ def test_bwd_accumulates_into_given_buffers(causal):
         torch.testing.assert_close(acc, s + g.float(), rtol=0, atol=4 * torch.finfo(g.dtype).eps * g.abs().max())
 
 
+@pytest.mark.parametrize("bwd", [attn_bwd, attn_bwd_ref], ids=["kernel", "reference"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_stores_dkdv_without_reading_them_when_asked(causal, bwd):
+    """add_dkdv=False (the ring's share of a block in transit): dK, dV are stored into their buffers, which
+    hold NaN before and are never read; dQ is still added; the same bits as adding to zeros."""
+    q, k, v, dout = make_qkv(1, 40, 50, 4, 2, 32, DTYPES[0], seed=8)
+    out, lse = attn_fwd(q, k, v, 0.2, causal)
+    dq_start = torch.randn(q.shape, device=DEVICE)
+    added = [dq_start.clone(), torch.zeros(k.shape, device=DEVICE), torch.zeros(v.shape, device=DEVICE)]
+    bwd(dout, q, k, v, out, lse, 0.2, causal, None, *added)
+    stored = [
+        dq_start.clone(),
+        torch.full(k.shape, float("nan"), device=DEVICE),
+        torch.full(v.shape, float("nan"), device=DEVICE),
+    ]
+    bwd(dout, q, k, v, out, lse, 0.2, causal, None, *stored, add_dkdv=False)
+    for s_, a_ in zip(stored, added, strict=True):
+        assert torch.equal(s_, a_)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_reference_bwd_matches_autograd(causal):
     """attn_bwd_ref's closed-form gradients equal autograd through attn_fwd_ref (float64)."""
