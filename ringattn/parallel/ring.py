@@ -160,6 +160,16 @@ def backward_step(
     return rows
 
 
+def add_share_(
+    dk_acc: torch.Tensor, dv_acc: torch.Tensor, share_k: torch.Tensor, share_v: torch.Tensor, rows: list[range]
+) -> None:
+    """Add a rank's share of a block's dK, dV (stored by backward_step with add_dkdv=False) to the block's
+    accumulators in place, over the K/V rows backward_step returned. All (B, S_local, Hkv, D)."""
+    for kvs in rows:
+        _rows(dk_acc, kvs).add_(_rows(share_k, kvs))
+        _rows(dv_acc, kvs).add_(_rows(share_v, kvs))
+
+
 def ring_attn_forward(
     comm: RingComm,
     ops: AttnOps,
@@ -255,9 +265,7 @@ def ring_attn_backward(
         comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
         if step > 0:
             dk, dv = dk_in, dv_in  # received, ours now: added to in place, then passed on
-            for kvs in rows:
-                _rows(dk, kvs).add_(_rows(share_k, kvs))
-                _rows(dv, kvs).add_(_rows(share_v, kvs))
+            add_share_(dk, dv, share_k, share_v, rows)
         if step == world_size - 1:  # the sums are complete: round them now, not after the hop (half the bytes)
             dk, dv = dk.to(k.dtype), dv.to(v.dtype)
         dk_in, dv_in = comm.send_recv(dk), comm.send_recv(dv)  # the last hop brings each rank its own

@@ -1,7 +1,7 @@
 """A simulated ring: W virtual ranks in one process, no communication (docs/design.md, section 7).
 
 It runs the same schedule (schedule.kv_source_rank, schedule.block_tasks) and the same per-step
-code (ring.forward_step, ring.backward_step) as the distributed loops in ring.py, with the block
+code (ring.forward_step, ring.backward_step, ring.add_share_) as the distributed loops in ring.py, with the block
 that rank r would hold at step t taken from a list instead of received. Steps run in ring order
 and, within a step, ranks in order, so the dK/dV accumulator of every block collects its
 contributions in the order the real ring adds them: the results are bitwise those of the
@@ -13,7 +13,7 @@ import torch
 
 from ..ops import AttnOps
 from .layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
-from .ring import backward_step, forward_step, init_backward_state, init_forward_state
+from .ring import add_share_, backward_step, forward_step, init_backward_state, init_forward_state
 from .schedule import kv_source_rank
 
 
@@ -91,14 +91,19 @@ def simulate_ring_backward(
     dq = [g[0] for g in grads]
     dk_acc = [g[1] for g in grads]  # dk_acc[b]: the accumulator travelling with block b
     dv_acc = [g[2] for g in grads]
+    share_k, share_v = torch.empty_like(dk_acc[0]), torch.empty_like(dv_acc[0])
     for step in range(world_size):
         for rank in range(world_size):
             kv = kv_source_rank(rank, step, world_size)
-            backward_step(
+            # as ring_attn_backward: the own block's accumulators added to at step 0, later shares stored then added
+            into = (dk_acc[kv], dv_acc[kv]) if step == 0 else (share_k, share_v)
+            rows = backward_step(
                 ops, layout, rank, kv, world_size, causal, softmax_scale,
                 dout_shards[rank], q_shards[rank], k_shards[kv], v_shards[kv], out_shards[rank],
-                lse_shards[rank], deltas[rank], dq[rank], dk_acc[kv], dv_acc[kv],
+                lse_shards[rank], deltas[rank], dq[rank], *into, add_dkdv=step == 0,
             )  # fmt: skip
+            if step > 0:
+                add_share_(dk_acc[kv], dv_acc[kv], share_k, share_v, rows)
     return [(dq[r], dk_acc[r], dv_acc[r]) for r in range(world_size)]
 
 
