@@ -137,8 +137,11 @@ def backward_step(
     Returns:
         the K/V rows whose dK, dV were added or stored, one range per computed task.
     """
+    tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs))
+    if not add_dkdv and len(tasks) > 1:  # a second stored share would overwrite the first's rows
+        raise RuntimeError(f"add_dkdv=False needs at most one task; rank {rank}, kv_rank {kv_rank} has {len(tasks)}")
     rows = []
-    for task, doc_ids in _computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs):
+    for task, doc_ids in tasks:
         qs, kvs = task.q_rows, task.kv_rows
         rows.append(kvs)
         ops.bwd(

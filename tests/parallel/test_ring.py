@@ -156,3 +156,22 @@ def test_ring_without_process_group_raises():
     q = torch.zeros(1, 8, 2, 32)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ringattn.ring_attn_func(q, q, q)
+
+
+def test_stored_share_refuses_a_step_of_two_tasks(monkeypatch):
+    """backward_step(add_dkdv=False) stores a share, so a schedule that gave one step two tasks would lose the
+    first's rows: it raises instead (block_tasks gives at most one task whenever kv_rank != rank)."""
+    from ringattn.parallel import ring
+    from ringattn.parallel.schedule import BlockMode, BlockTask
+
+    half, whole = range(0, 4), range(0, 8)
+    two = [BlockTask(half, whole, BlockMode.FULL), BlockTask(range(4, 8), whole, BlockMode.FULL)]
+    monkeypatch.setattr(ring, "block_tasks", lambda *args: two)
+    q, k, v, dout = make_qkv(1, 8, 8, 2, 2, 16, torch.float32, seed=1)
+    out, lse = REFERENCE_OPS.fwd(q, k, v, 0.25, False)
+    delta = REFERENCE_OPS.bwd_preprocess(out, dout)
+    grads = [torch.zeros(t.shape, device=t.device) for t in (q, k, v)]
+    step = (REFERENCE_OPS, "contiguous", 1, 0, 2, False, 0.25, dout, q, k, v, out, lse, delta, *grads)
+    with pytest.raises(RuntimeError, match="add_dkdv=False needs at most one task; rank 1, kv_rank 0 has 2"):
+        ring.backward_step(*step, add_dkdv=False)
+    assert ring.backward_step(*step) == [whole, whole]  # adding two shares is fine
