@@ -154,7 +154,7 @@ def attn_fwd(
     Args:
         q: (B, Sq, Hq, D); k, v: (B, Sk, Hkv, D), Hq % Hkv == 0; any strides, last dim contiguous
             preferred (otherwise copied). D a multiple of 8 up to 256; fp16, bf16 or fp32.
-        softmax_scale: multiplies q k^T before the softmax.
+        softmax_scale: multiplies q k^T before the softmax; positive (the kernel folds it into the row max).
         causal: bottom-right aligned causal mask.
         out_dtype: dtype of out (default q.dtype).
         q_doc_ids, k_doc_ids: optional (Sq,) and (Sk,) int32 document ids, non-decreasing along the
