@@ -118,25 +118,54 @@ def _kv_descriptors(k, v, head_dim: int, block_d: int, block_n: int):
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (k, v))
 
 
-def _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool) -> None:
-    """Launch _attn_fwd_kernel writing (or, with merge_state, merging into) out and lse; inputs checked."""
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch, built but not run: kernel[grid](*args, **kwargs). launch/kernel_resources.py
+    compiles the same launches for a GPU architecture without running them."""
+
+    kernel: triton.JITFunction
+    grid: tuple[int, int, int]
+    args: tuple
+    kwargs: dict
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+def _fwd_launch(
+    q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool, cfg: LaunchConfig
+) -> KernelLaunch:
+    """_attn_fwd_kernel writing (or, with merge_state, merging into) out and lse; inputs checked."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     block_d = _padded_head_dim(head_dim)
-    cfg = _fwd_config(block_d, q.dtype, q.device)
     has_docs = q_doc_ids is not None
     kv_desc = _kv_descriptors(k, v, head_dim, block_d, cfg.block_n)
-    with _device_guard(q):
-        _attn_fwd_kernel[(triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
+    return KernelLaunch(
+        _attn_fwd_kernel,
+        (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
+        (
             q, *(kv_desc or (k, v)), out, lse, q_doc_ids if has_docs else lse, k_doc_ids if has_docs else lse,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(0), lse.stride(1),
             seqlen_q, seqlen_k, softmax_scale * LOG2E,
+        ),
+        dict(
             GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=bool(causal), HAS_DOCS=has_docs, MERGE_STATE=merge_state, KV_TMA=kv_desc is not None,
             DOT_PRECISION=_dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+            enable_fp_fusion=True,  # exp2(s * qk_scale - m) as one FMA; explicit, as triton's default will flip
+        ),
+    )  # fmt: skip
+
+
+def _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool) -> None:
+    """Run _fwd_launch with the launch config of q's head dim, dtype and device."""
+    cfg = _fwd_config(_padded_head_dim(q.shape[-1]), q.dtype, q.device)
+    launch = _fwd_launch(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state, cfg)
+    with _device_guard(q):
+        launch()
 
 
 def attn_fwd(
@@ -220,6 +249,66 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return delta
 
 
+def _bwd_launches(
+    dout,
+    q,
+    k,
+    v,
+    lse,
+    delta,
+    dq,
+    dk,
+    dv,
+    softmax_scale,
+    causal,
+    q_doc_ids,
+    k_doc_ids,
+    accumulate: bool,
+    add_dkdv: bool,
+    dkdv_cfg: LaunchConfig,
+    dq_cfg: LaunchConfig,
+) -> tuple[KernelLaunch, KernelLaunch]:
+    """_attn_bwd_dkdv_kernel then _attn_bwd_dq_kernel, writing (accumulate: adding; dK/dV only if add_dkdv)
+    the gradients into dq, dk, dv; inputs checked, lse and delta contiguous."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    block_d = _padded_head_dim(head_dim)
+    has_docs = q_doc_ids is not None
+    docs = (q_doc_ids, k_doc_ids) if has_docs else (lse, lse)
+    common = dict(
+        GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=bool(causal), HAS_DOCS=has_docs,
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )  # fmt: skip
+    qk_scale = softmax_scale * LOG2E
+    dkdv = KernelLaunch(
+        _attn_bwd_dkdv_kernel,
+        (triton.cdiv(seqlen_k, dkdv_cfg.block_n), heads_k, batch),
+        (
+            q, k, v, dout, lse, delta, dk, dv, *docs,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
+            seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale,
+        ),
+        dict(
+            **common, ACCUMULATE=accumulate and add_dkdv, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
+            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
+        ),
+    )  # fmt: skip
+    dq_launch = KernelLaunch(
+        _attn_bwd_dq_kernel,
+        (triton.cdiv(seqlen_q, dq_cfg.block_m), heads_q, batch),
+        (
+            q, k, v, dout, lse, delta, dq, *docs,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale,
+        ),
+        dict(
+            **common, ACCUMULATE=accumulate, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
+            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
+        ),
+    )  # fmt: skip
+    return dkdv, dq_launch
+
+
 def attn_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -257,8 +346,6 @@ def attn_bwd(
     check_runnable_device(q)
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_k = k.shape[1], k.shape[2]
     lse = lse.contiguous()
     delta = attn_bwd_preprocess(out, dout) if delta is None else delta.contiguous()
     accumulate = dq_acc is not None
@@ -272,29 +359,12 @@ def attn_bwd(
     else:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    block_d = _padded_head_dim(head_dim)
-    has_docs = q_doc_ids is not None
-    docs = (q_doc_ids, k_doc_ids) if has_docs else (lse, lse)
-    common = dict(
-        GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=bool(causal), HAS_DOCS=has_docs,
-        DOT_PRECISION=_dot_precision(q.dtype),
-    )  # fmt: skip
-    qk_scale = softmax_scale * LOG2E
-    dkdv_cfg = _bwd_dkdv_config(block_d, q.dtype, q.device)
-    dq_cfg = _bwd_dq_config(block_d, q.dtype, q.device)
+    block_d = _padded_head_dim(q.shape[-1])
+    cfgs = _bwd_dkdv_config(block_d, q.dtype, q.device), _bwd_dq_config(block_d, q.dtype, q.device)
+    launches = _bwd_launches(
+        dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, causal, q_doc_ids, k_doc_ids, accumulate, add_dkdv, *cfgs
+    )
     with _device_guard(q):
-        _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, dkdv_cfg.block_n), heads_k, batch)](
-            q, k, v, dout, lse, delta, dk, dv, *docs,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-            seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale, **common, ACCUMULATE=accumulate and add_dkdv,
-            BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
-        )  # fmt: skip
-        _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, dq_cfg.block_m), heads_q, batch)](
-            q, k, v, dout, lse, delta, dq, *docs,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-            seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale, **common, ACCUMULATE=accumulate,
-            BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
-            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
-        )  # fmt: skip
+        for launch in launches:
+            launch()
     return dq, dk, dv
