@@ -1,0 +1,146 @@
+"""Registers, spills and shared memory of the attention kernels compiled for a GPU architecture, on any
+machine (no GPU needed): the resource report to read before guessing why a kernel is slow.
+
+    python3 -m venv --system-site-packages /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0  # the GPU image's
+    PYTHONPATH=. /tmp/t36/bin/python launch/kernel_resources.py --out docs/benchmarks/kernel_resources_sm90.json
+    PYTHONPATH=. python3 launch/kernel_resources.py --kernels dkdv --head-dims 128 --configs 64,64,4,2 128,64,8,2
+    PYTHONPATH=. python3 launch/kernel_resources.py --candidates   # every config launch/config_sweep.py times
+
+The launches are the launchers' own (ops/attn.py: _fwd_launch, _bwd_launches), built from CPU tensors laid out
+as in launch/bench_kernel.py (bf16, H = 32, strides divisible by 16, so the same specialisation as the
+benchmark's), then compiled, not run, by the installed triton for --arch. `ptxas -v` on the PTX gives the
+registers per thread and the spill bytes; shared memory is the compiler's. CTAs per SM is the least of what
+registers (65536 per SM), shared memory (228 KiB per SM, 227 KiB at most per CTA) and threads (2048 per SM)
+allow, for the Hopper limits. Kernels: "fwd" (the public forward), "fwd_merge" (the ring's step, merging
+into an fp32 state), "dkdv" and "dq" (the backward, as the ring calls it: gradients added to fp32
+accumulators). Without --configs or --candidates, each at the launch config the launchers pick on a GPU.
+"""
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from bench_common import markdown_table, write_json
+from config_sweep import CANDIDATES
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from ringattn.ops import attn as attn_ops
+
+KERNELS = ("fwd", "fwd_merge", "dkdv", "dq")
+HEADS, SEQLEN = 32, 64  # strides as the benchmark's; the length is not specialised on
+REGS_PER_SM, SMEM_PER_SM, SMEM_PER_CTA, THREADS_PER_SM = 65536, 228 * 1024, 227 * 1024, 2048
+
+
+def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg) -> attn_ops.KernelLaunch:
+    """The launch the launchers build for `kernel` on CPU tensors, with config `cfg` (None: the GPU's choice)."""
+    q, dout = (torch.empty(1, SEQLEN, HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.empty(1, SEQLEN, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    lse, delta = (torch.empty(1, HEADS, SEQLEN) for _ in range(2))
+    block_d = attn_ops._padded_head_dim(head_dim)
+    cuda = torch.device("cuda")
+    scale = head_dim**-0.5
+    if kernel.startswith("fwd"):
+        merge = kernel == "fwd_merge"
+        out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
+        cfg = cfg or attn_ops._fwd_config(block_d, q.dtype, cuda)
+        return attn_ops._fwd_launch(q, k, v, scale, causal, out, lse, None, None, merge, cfg)
+    dkdv_cfg = attn_ops._bwd_dkdv_config(block_d, q.dtype, cuda)
+    dq_cfg = attn_ops._bwd_dq_config(block_d, q.dtype, cuda)
+    if cfg is not None:
+        dkdv_cfg, dq_cfg = (cfg, dq_cfg) if kernel == "dkdv" else (dkdv_cfg, cfg)
+    acc = [torch.empty(t.shape) for t in (q, k, v)]
+    launches = attn_ops._bwd_launches(
+        dout, q, k, v, lse, delta, *acc, scale, causal, None, None, True, True, dkdv_cfg, dq_cfg
+    )
+    return launches[0] if kernel == "dkdv" else launches[1]
+
+
+def compile_launch(launch: attn_ops.KernelLaunch, target: GPUTarget):
+    """Compile `launch` for `target` as JITFunction.run would on such a GPU, without running it."""
+    backend = make_backend(target)
+    fn = launch.kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(launch.kwargs)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def resources(compiled, arch: int, num_warps: int) -> dict:
+    """Registers per thread and spill bytes (ptxas -v), shared memory bytes, CTAs per SM."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        cmd = [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(ptx.with_suffix(".o"))]
+        report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if regs is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas report: {report}")
+    regs, smem, threads = int(regs.group(1)), compiled.metadata.shared, 32 * num_warps
+    by_regs = REGS_PER_SM // (regs * threads)
+    by_smem = SMEM_PER_SM // smem if 0 < smem <= SMEM_PER_CTA else (0 if smem else by_regs)
+    return dict(
+        regs=regs, spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)),
+        smem_bytes=smem, ctas_per_sm=min(by_regs, by_smem, THREADS_PER_SM // threads),
+    )  # fmt: skip
+
+
+def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: int) -> dict:
+    """One record: the kernel's launch config and its resources on `arch`."""
+    launch = _launch(kernel, head_dim, kv_heads, causal, cfg)
+    kw = launch.kwargs
+    record = dict(kernel=kernel, D=head_dim, H=HEADS, Hkv=kv_heads, causal=causal, dtype="bfloat16",
+                  config=[kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]],
+                  tma=bool(kw.get("KV_TMA", False)))  # fmt: skip
+    try:
+        compiled = compile_launch(launch, GPUTarget("cuda", arch, 32))
+    except Exception as err:  # noqa: BLE001 - a config the compiler refuses is a result, recorded
+        return dict(record, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+    return dict(record, **resources(compiled, arch, kw["num_warps"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=[HEADS], help="8 for GQA 32:8")
+    parser.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each")
+    parser.add_argument("--candidates", action="store_true", help="config_sweep.py's candidates per kernel and D")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    parser.add_argument("--out", default=None, help="JSON path")
+    args = parser.parse_args()
+    given = None if args.configs is None else [attn_ops.LaunchConfig(*map(int, c.split(","))) for c in args.configs]
+    records = []
+    for kernel in args.kernels:
+        for head_dim in args.head_dims:
+            if args.candidates:
+                configs = [attn_ops.LaunchConfig(*c) for c in CANDIDATES[kernel.removesuffix("_merge")][head_dim]]
+            else:
+                configs = given or [None]
+            for kv_heads in args.kv_heads:
+                for causal in (False, True):
+                    for cfg in configs:
+                        records.append(measure(kernel, head_dim, kv_heads, causal, cfg, args.arch))
+                        print(records[-1], file=sys.stderr, flush=True)
+    if args.out:
+        env = dict(kind="env", triton=triton.__version__, torch=torch.__version__, arch=f"sm_{args.arch}a")
+        write_json(args.out, env, records)
+    header = ["kernel", "D", "Hkv", "causal", "config", "TMA", "regs", "spill st/ld B", "smem KiB", "CTAs/SM"]
+    rows = [[r["kernel"], r["D"], r["Hkv"], "yes" if r["causal"] else "no", "x".join(map(str, r["config"])),
+             "yes" if r["tma"] else "no"] + ([r["error"], "", "", ""] if "error" in r else
+             [r["regs"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}", f"{r['smem_bytes'] / 1024:.0f}",
+              r["ctas_per_sm"]]) for r in records]  # fmt: skip
+    print(markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""launch/kernel_resources.py on the CPU: it compiles the launchers' own launches for Hopper, without a GPU,
+and reports what ptxas and the compiler say. Run in a subprocess: the test session interprets the kernels
+(TRITON_INTERPRET=1), and an interpreted kernel cannot be compiled."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ringattn.ops.attn as attn_ops
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(600)
+def test_reports_the_dq_kernel_at_its_gpu_config(tmp_path):
+    out = tmp_path / "resources.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)])
+    cmd = [sys.executable, str(ROOT / "launch/kernel_resources.py"), "--kernels", "dq", "--head-dims", "64"]
+    result = subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stderr[-2000:]
+    env_record, *records = json.loads(out.read_text())
+    assert env_record["arch"] == "sm_90a"
+    assert [r["causal"] for r in records] == [False, True]
+    gpu_config = list(attn_ops._bwd_dq_config(64, torch.bfloat16, torch.device("cuda")).__dict__.values())
+    for r in records:
+        assert "error" not in r, r
+        assert r["config"] == gpu_config
+        assert 0 < r["regs"] <= 255 and r["smem_bytes"] > 0 and r["ctas_per_sm"] >= 1
+        assert r["spill_store_bytes"] >= 0 and r["spill_load_bytes"] >= 0
+    assert "| dq | 64 | 32 | yes |" in result.stdout
