@@ -64,7 +64,8 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg) -> att
 
 
 def compile_launch(launch: attn_ops.KernelLaunch, target: GPUTarget):
-    """Compile `launch` for `target` as JITFunction.run would on such a GPU, without running it."""
+    """Compile `launch` for `target` as JITFunction.run would on such a GPU, without running it (through
+    triton's binder and _pack_args, internals that triton 3.6 to 3.9 share)."""
     backend = make_backend(target)
     fn = launch.kernel
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -86,11 +87,12 @@ def resources(compiled, arch: int, num_warps: int) -> dict:
     if regs is None or spills is None:
         raise RuntimeError(f"unexpected ptxas report: {report}")
     regs, smem, threads = int(regs.group(1)), compiled.metadata.shared, 32 * num_warps
-    by_regs = REGS_PER_SM // (regs * threads)
-    by_smem = SMEM_PER_SM // smem if 0 < smem <= SMEM_PER_CTA else (0 if smem else by_regs)
+    limits = [REGS_PER_SM // (regs * threads), THREADS_PER_SM // threads]
+    if smem:
+        limits.append(SMEM_PER_SM // smem if smem <= SMEM_PER_CTA else 0)  # over the per-CTA cap: not launchable
     return dict(
         regs=regs, spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)),
-        smem_bytes=smem, ctas_per_sm=min(by_regs, by_smem, THREADS_PER_SM // threads),
+        smem_bytes=smem, ctas_per_sm=min(limits),
     )  # fmt: skip
 
 
