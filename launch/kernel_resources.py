@@ -52,8 +52,7 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg) -> att
         out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
         cfg = cfg or attn_ops._fwd_config(block_d, q.dtype, cuda)
         return attn_ops._fwd_launch(q, k, v, scale, causal, out, lse, None, None, merge, cfg)
-    dkdv_cfg = attn_ops._bwd_dkdv_config(block_d, q.dtype, cuda)
-    dq_cfg = attn_ops._bwd_dq_config(block_d, q.dtype, cuda)
+    dkdv_cfg, dq_cfg = attn_ops._bwd_configs(block_d, q.dtype, cuda)
     if cfg is not None:
         dkdv_cfg, dq_cfg = (cfg, dq_cfg) if kernel == "dkdv" else (dkdv_cfg, cfg)
     acc = [torch.empty(t.shape) for t in (q, k, v)]

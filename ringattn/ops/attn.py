@@ -72,6 +72,11 @@ def _bwd_dq_config(block_d: int, dtype: torch.dtype, device: torch.device) -> La
     return _launch_config("dq", block_d, dtype, device)
 
 
+def _bwd_configs(block_d: int, dtype: torch.dtype, device: torch.device) -> tuple[LaunchConfig, LaunchConfig]:
+    """(dK/dV config, dQ config) of one backward."""
+    return _bwd_dkdv_config(block_d, dtype, device), _bwd_dq_config(block_d, dtype, device)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs multiply in full fp32 ("ieee"), never tf32: exactness over speed for fp32.
     (fp16/bf16 dots ignore the setting.)"""
@@ -250,24 +255,9 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 
 def _bwd_launches(
-    dout,
-    q,
-    k,
-    v,
-    lse,
-    delta,
-    dq,
-    dk,
-    dv,
-    softmax_scale,
-    causal,
-    q_doc_ids,
-    k_doc_ids,
-    accumulate: bool,
-    add_dkdv: bool,
-    dkdv_cfg: LaunchConfig,
-    dq_cfg: LaunchConfig,
-) -> tuple[KernelLaunch, KernelLaunch]:
+    dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, causal, q_doc_ids, k_doc_ids,
+    accumulate: bool, add_dkdv: bool, dkdv_cfg: LaunchConfig, dq_cfg: LaunchConfig,
+) -> tuple[KernelLaunch, KernelLaunch]:  # fmt: skip
     """_attn_bwd_dkdv_kernel then _attn_bwd_dq_kernel, writing (accumulate: adding; dK/dV only if add_dkdv)
     the gradients into dq, dk, dv; inputs checked, lse and delta contiguous."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -359,8 +349,7 @@ def attn_bwd(
     else:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    block_d = _padded_head_dim(q.shape[-1])
-    cfgs = _bwd_dkdv_config(block_d, q.dtype, q.device), _bwd_dq_config(block_d, q.dtype, q.device)
+    cfgs = _bwd_configs(_padded_head_dim(q.shape[-1]), q.dtype, q.device)
     launches = _bwd_launches(
         dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, causal, q_doc_ids, k_doc_ids, accumulate, add_dkdv, *cfgs
     )
