@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ringattn
+from ringattn.ops import attn as attn_ops
 from ringattn.ops import attn_bwd, attn_bwd_ref, attn_fwd, attn_fwd_merge_, attn_fwd_ref
 from ringattn.ops.attn import _kv_descriptors
 from ringattn.testing import check_close, magnitude
@@ -252,3 +253,36 @@ def test_document_ids_are_validated():
         attn_fwd(q, k, v, 1.0, False, q_doc_ids=ids.long(), k_doc_ids=ids)
     with pytest.raises(ValueError, match=r"k_doc_ids must have shape \(8,\)"):
         attn_fwd(q, k, v, 1.0, False, q_doc_ids=ids, k_doc_ids=ids[:5])
+
+
+UNEQUAL_BWD_TILES = {  # (dK/dV rows x keys, dQ rows x keys): the GPU's tiles are not square (64 x 128 at D = 128)
+    "dkdv16x64-dq64x16": ((16, 64), (64, 16)),
+    "dkdv64x32-dq32x64": ((64, 32), (32, 64)),
+}
+
+
+@pytest.mark.parametrize("case", [None, "tile-crossing"], ids=["dense", "docs"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("tiles", list(UNEQUAL_BWD_TILES))
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(97, 97), (17, 97), (97, 17)], ids=lambda n: str(n))
+def test_bwd_with_unequal_tile_sides_matches_reference(seqlen_q, seqlen_k, tiles, causal, case, monkeypatch):
+    """The interpreter's tiles are square, the GPU's backward tiles are not: the causal diagonal crossing
+    a tile of unequal sides, the row-masked last Q tile and the (q head, Q tile) loop of a GQA group must
+    hold for any pair of tile sides, with and without documents."""
+    (dkdv_m, dkdv_n), (dq_m, dq_n) = UNEQUAL_BWD_TILES[tiles]
+    configs = attn_ops.LaunchConfig(dkdv_m, dkdv_n, 4, 1), attn_ops.LaunchConfig(dq_m, dq_n, 4, 1)
+    monkeypatch.setattr(attn_ops, "_bwd_configs", lambda *_: configs)
+    docs = {}
+    if case is not None:
+        lengths = DOC_CASES[case][0]
+        seqlen_q = seqlen_k = sum(lengths)
+        docs = dict(q_doc_ids=_doc_ids(lengths), k_doc_ids=_doc_ids(lengths))
+    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 40, DTYPES[0], seed=seqlen_q + 3 * seqlen_k)
+    scale = 40**-0.5
+    out, lse = attn_fwd(q, k, v, scale, causal, **docs)
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, scale, causal, **docs)
+    ref = reference_attention(q, k, v, dout, scale, causal, torch.float64, **docs)
+    pt = reference_attention(q, k, v, dout, scale, causal, q.dtype, **docs)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    for name, ours, p, r in zip(("dq", "dk", "dv"), (dq, dk, dv), pt[2:], ref[2:], strict=True):
+        check_close(name, ours, p, r, grad_scale)
