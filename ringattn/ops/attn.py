@@ -250,6 +250,7 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, block_m), heads_q, batch)](
             out, dout, delta, *_strides(out), *_strides(dout), seqlen_q, heads_q,
             HEAD_DIM=head_dim, BLOCK_D=_padded_head_dim(head_dim), BLOCK_M=block_m,
+            enable_fp_fusion=True,  # as the forward's: triton's default will flip
         )  # fmt: skip
     return delta
 
@@ -268,6 +269,7 @@ def _bwd_launches(
     common = dict(
         GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=bool(causal), HAS_DOCS=has_docs,
         DOT_PRECISION=_dot_precision(q.dtype),
+        enable_fp_fusion=True,  # as the forward's: triton's default (fused multiply-adds on) will flip
     )  # fmt: skip
     qk_scale = softmax_scale * LOG2E
     dkdv = KernelLaunch(
