@@ -3,12 +3,17 @@
 
     PYTHONPATH=. python3 launch/config_sweep.py --out docs/benchmarks/config_sweep_h200.json
 
-bf16, H = 32, B x S = 32768 tokens (S = --seqlen), per head dim and causal setting. A config is
-(BLOCK_M, BLOCK_N, num_warps, num_stages). The forward is timed alone; a dK/dV config is timed as the
+    PYTHONPATH=. python3 launch/config_sweep.py --kernels dkdv --head-dims 128 --kv-heads 32 8 --configs 64,64,4,2
+
+bf16, Hq = 32, B x S = 32768 tokens (S = --seqlen), per head dim, K/V head count (--kv-heads; 8 is
+GQA 32:8) and causal setting. A config is (BLOCK_M, BLOCK_N, num_warps, num_stages); --configs replaces
+the candidate lists of the swept --kernels. The forward is timed alone; a dK/dV config is timed as the
 whole backward with the default dQ config, and a dQ config with the default dK/dV config, so the two
-backward sweeps differ only in the kernel under test. TFLOP/s: forward 4 B H S^2 D (x 0.5 causal),
-backward 2.5 x that. Every config's result is checked against the default config's before timing.
-Prints the best config per kernel and writes all timings as JSON.
+backward sweeps differ only in the kernel under test (each record also holds the time of the kernel
+under test alone, kernel_ms). TFLOP/s: forward 4 B H S^2 D (x 0.5 causal), backward 2.5 x that.
+Every config's result is checked against the default config's before timing. Prints the best config
+per kernel and head dim (least time summed over the K/V head counts and causal settings) and writes
+all timings as JSON; launch/bench_kernel.py --configs launches with those best configs.
 """
 
 import argparse
@@ -27,7 +32,7 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
         64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
         128: [(128, 128, 8, 3), (128, 64, 8, 3)],
     },
-    "dkdv": {
+    "dkdv": {  # BLOCK_M query rows per loop step, BLOCK_N keys per program
         64: [(64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)],
         128: [
             (64, 64, 4, 2),
@@ -84,19 +89,35 @@ def _check_defaults(head_dims: list[int]) -> None:
                 )
 
 
-def sweep(seqlen: int, head_dim: int, causal: bool, rep: int) -> list[dict]:
+def _kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
+    """A callable running only `kernel`'s launch at its current config ("fwd": the whole forward), on the
+    backward's own buffers (delta computed once, gradients new)."""
+    if kernel == "fwd":
+        return partial(attn_ops.attn_fwd, q, k, v, scale, causal)
+    delta = attn_ops.attn_bwd_preprocess(out, dout)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    block_d = attn_ops._padded_head_dim(q.shape[-1])
+    cfgs = attn_ops._bwd_configs(block_d, q.dtype, q.device)
+    launches = attn_ops._bwd_launches(dout, q, k, v, lse, delta, *grads, scale, causal, None, None, False, True, *cfgs)
+    return launches[0] if kernel == "dkdv" else launches[1]
+
+
+def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, rep: int, candidates: dict) -> list[dict]:
+    """Time each candidate config of each kernel in `candidates` (kernel -> head dim -> configs)."""
     batch = TOKENS // seqlen
     scale = head_dim**-0.5
-    shape = (batch, seqlen, HEADS, head_dim)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, dout = (torch.randn(batch, seqlen, HEADS, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(batch, seqlen, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     fwd_flops, bwd_flops = (attention_flops(batch, HEADS, seqlen, head_dim, causal, mode) for mode in ("fwd", "bwd"))
     out, lse = attn_ops.attn_fwd(q, k, v, scale, causal)
     want_bwd = attn_ops.attn_bwd(dout, q, k, v, out, lse, scale, causal)
     records = []
-    for kernel, by_dim in CANDIDATES.items():
+    for kernel, by_dim in candidates.items():
         for config in by_dim[head_dim]:
             _set_config(kernel, config)
-            base = dict(kernel=kernel, config=list(config), S=seqlen, B=batch, H=HEADS, D=head_dim, causal=causal)
+            base = dict(kernel=kernel, config=list(config), S=seqlen, B=batch, H=HEADS, Hkv=kv_heads, D=head_dim,
+                        causal=causal)  # fmt: skip
+            label = f"D{head_dim} Hkv{kv_heads} causal={causal!s:5} {kernel:4} {config}"
             try:
                 if kernel == "fwd":
                     run = partial(attn_ops.attn_fwd, q, k, v, scale, causal)
@@ -111,22 +132,25 @@ def sweep(seqlen: int, head_dim: int, causal: bool, rep: int) -> list[dict]:
             except OutOfResources as exc:  # e.g. more shared memory than the GPU has: not a candidate here
                 _set_config(kernel, None)
                 records.append(dict(base, error=str(exc)[:200]))
-                print(f"D{head_dim} causal={causal!s:5} {kernel:4} {config}: {exc}", flush=True)
+                print(f"{label}: {exc}", flush=True)
                 continue
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
             if not err < 1e-2:
-                raise AssertionError(f"{kernel} {config}: result off the default config's by {err:.2e}")
+                raise AssertionError(f"{label}: result off the default config's by {err:.2e}")
             ms = do_bench(run, warmup=10, rep=rep, return_mode="median")
+            alone = _kernel_alone(kernel, dout, q, k, v, out, lse, scale, causal)
+            kernel_ms = do_bench(alone, warmup=10, rep=rep, return_mode="median")
             _set_config(kernel, None)
-            records.append(dict(base, ms=ms, tflops=flops / ms / 1e9))
-            print(f"D{head_dim} causal={causal!s:5} {kernel:4} {config}: {ms:7.3f} ms {records[-1]['tflops']:5.0f} "
-                  "TFLOP/s", flush=True)  # fmt: skip
+            records.append(dict(base, ms=ms, tflops=flops / ms / 1e9, kernel_ms=kernel_ms))
+            print(f"{label}: {ms:7.3f} ms {records[-1]['tflops']:5.0f} TFLOP/s; kernel alone {kernel_ms:7.3f} ms",
+                  flush=True)  # fmt: skip
     return records
 
 
 def best_configs(records: list[dict]) -> dict:
-    """Per swept (kernel, D): the config with the least total time over the causal settings, among configs
-    that ran in all of them, and the default's total (None if the default could not run)."""
+    """Per swept (kernel, D): the config with the least total time over the causal settings and K/V head
+    counts, among configs that ran in all of them, and the default's total (None if the default could not
+    run or was not swept)."""
     best = {}
     for kernel, head_dim in sorted({(r["kernel"], r["D"]) for r in records}):
         mine = [r for r in records if r["kernel"] == kernel and r["D"] == head_dim]
@@ -137,7 +161,8 @@ def best_configs(records: list[dict]) -> dict:
                 totals[tuple(r["config"])] = totals.get(tuple(r["config"]), 0.0) + r["ms"]
         if totals:
             winner = min(totals, key=totals.get)
-            default_ms = totals.get(CANDIDATES[kernel][head_dim][0])
+            default = DEFAULT_FUNCTIONS[kernel](head_dim, torch.bfloat16, torch.device("cuda"))
+            default_ms = totals.get(tuple(default.__dict__.values()))
             best[f"{kernel} D{head_dim}"] = dict(config=list(winner), ms=totals[winner], default_ms=default_ms)
     return best
 
@@ -146,14 +171,22 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=[HEADS], help="8 for GQA 32:8")
+    parser.add_argument("--kernels", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    parser.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each: these only")
     parser.add_argument("--rep", type=int, default=100, help="do_bench's rep (ms)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
     _check_defaults(args.head_dims)
+    candidates = {kernel: CANDIDATES[kernel] for kernel in args.kernels}
+    if args.configs:
+        given = [tuple(map(int, c.split(","))) for c in args.configs]
+        candidates = {kernel: dict.fromkeys(args.head_dims, given) for kernel in args.kernels}
     records = []
     for head_dim in args.head_dims:
-        for causal in (False, True):
-            records += sweep(args.seqlen, head_dim, causal, args.rep)
+        for kv_heads in args.kv_heads:
+            for causal in (False, True):
+                records += sweep(args.seqlen, head_dim, kv_heads, causal, args.rep, candidates)
     best = best_configs(records)
     for name, b in best.items():
         default = "could not run" if b["default_ms"] is None else f"{b['default_ms']:.3f} ms"
