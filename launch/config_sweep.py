@@ -78,22 +78,25 @@ def use_configs(best: dict) -> None:
         setattr(attn_ops, name, function)
 
 
+def _default_config(kernel: str, head_dim: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) that ops/attn.py launches today for bf16 on a GPU."""
+    return tuple(DEFAULT_FUNCTIONS[kernel](head_dim, torch.bfloat16, torch.device("cuda")).__dict__.values())
+
+
 def _check_defaults(head_dims: list[int]) -> None:
     """The first candidate of each list must be what ops/attn.py launches today (it is reported as the default)."""
     for kernel, by_dim in CANDIDATES.items():
         for head_dim in head_dims:
-            current = tuple(DEFAULT_FUNCTIONS[kernel](head_dim, torch.bfloat16, torch.device("cuda")).__dict__.values())
+            current = _default_config(kernel, head_dim)
             if by_dim[head_dim][0] != current:
                 raise AssertionError(
                     f"{kernel} D{head_dim}: first candidate {by_dim[head_dim][0]} != default {current}"
                 )
 
 
-def _kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
-    """A callable running only `kernel`'s launch at its current config ("fwd": the whole forward), on the
-    backward's own buffers (delta computed once, gradients new)."""
-    if kernel == "fwd":
-        return partial(attn_ops.attn_fwd, q, k, v, scale, causal)
+def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
+    """The launch of backward kernel `kernel` ("dkdv" or "dq") alone at its current config, on buffers of its
+    own (delta computed once, gradients new)."""
     delta = attn_ops.attn_bwd_preprocess(out, dout)
     grads = [torch.empty_like(t) for t in (q, k, v)]
     block_d = attn_ops._padded_head_dim(q.shape[-1])
@@ -138,8 +141,10 @@ def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, rep: int, can
             if not err < 1e-2:
                 raise AssertionError(f"{label}: result off the default config's by {err:.2e}")
             ms = do_bench(run, warmup=10, rep=rep, return_mode="median")
-            alone = _kernel_alone(kernel, dout, q, k, v, out, lse, scale, causal)
-            kernel_ms = do_bench(alone, warmup=10, rep=rep, return_mode="median")
+            kernel_ms = ms  # the forward is one kernel
+            if kernel != "fwd":
+                alone = _bwd_kernel_alone(kernel, dout, q, k, v, out, lse, scale, causal)
+                kernel_ms = do_bench(alone, warmup=10, rep=rep, return_mode="median")
             _set_config(kernel, None)
             records.append(dict(base, ms=ms, tflops=flops / ms / 1e9, kernel_ms=kernel_ms))
             print(f"{label}: {ms:7.3f} ms {records[-1]['tflops']:5.0f} TFLOP/s; kernel alone {kernel_ms:7.3f} ms",
@@ -161,8 +166,7 @@ def best_configs(records: list[dict]) -> dict:
                 totals[tuple(r["config"])] = totals.get(tuple(r["config"]), 0.0) + r["ms"]
         if totals:
             winner = min(totals, key=totals.get)
-            default = DEFAULT_FUNCTIONS[kernel](head_dim, torch.bfloat16, torch.device("cuda"))
-            default_ms = totals.get(tuple(default.__dict__.values()))
+            default_ms = totals.get(_default_config(kernel, head_dim))
             best[f"{kernel} D{head_dim}"] = dict(config=list(winner), ms=totals[winner], default_ms=default_ms)
     return best
 

@@ -255,27 +255,33 @@ def test_document_ids_are_validated():
         attn_fwd(q, k, v, 1.0, False, q_doc_ids=ids, k_doc_ids=ids[:5])
 
 
-UNEQUAL_BWD_TILES = {  # (dK/dV rows x keys, dQ rows x keys): the GPU's tiles are not square (64 x 128 at D = 128)
+UNEQUAL_BWD_TILES = {  # (dK/dV rows x keys, dQ rows x keys); the GPU's dQ tile is 128 x 64
     "dkdv16x64-dq64x16": ((16, 64), (64, 16)),
     "dkdv64x32-dq32x64": ((64, 32), (32, 64)),
 }
+UNEQUAL_TILE_SHAPES = {  # name: (seqlen_q, seqlen_k, DOC_CASES entry or None)
+    "97-97": (97, 97, None),
+    "17-97": (17, 97, None),
+    "97-17": (97, 17, None),
+    "docs": (100, 100, "tile-crossing"),
+}
 
 
-@pytest.mark.parametrize("case", [None, "tile-crossing"], ids=["dense", "docs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("tiles", list(UNEQUAL_BWD_TILES))
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(97, 97), (17, 97), (97, 17)], ids=lambda n: str(n))
-def test_bwd_with_unequal_tile_sides_matches_reference(seqlen_q, seqlen_k, tiles, causal, case, monkeypatch):
-    """The interpreter's tiles are square, the GPU's backward tiles are not: the causal diagonal crossing
-    a tile of unequal sides, the row-masked last Q tile and the (q head, Q tile) loop of a GQA group must
-    hold for any pair of tile sides, with and without documents."""
+@pytest.mark.parametrize("shape", list(UNEQUAL_TILE_SHAPES))
+def test_bwd_with_unequal_tile_sides_matches_reference(shape, tiles, causal, monkeypatch):
+    """The interpreter's tiles are square, the GPU's are not: the causal diagonal crossing a tile of unequal
+    sides, ragged ends of both sequences and GQA must hold for any pair of tile sides, with and without
+    documents."""
+    seqlen_q, seqlen_k, doc_case = UNEQUAL_TILE_SHAPES[shape]
     (dkdv_m, dkdv_n), (dq_m, dq_n) = UNEQUAL_BWD_TILES[tiles]
     configs = attn_ops.LaunchConfig(dkdv_m, dkdv_n, 4, 1), attn_ops.LaunchConfig(dq_m, dq_n, 4, 1)
     monkeypatch.setattr(attn_ops, "_bwd_configs", lambda *_: configs)
     docs = {}
-    if case is not None:
-        lengths = DOC_CASES[case][0]
-        seqlen_q = seqlen_k = sum(lengths)
+    if doc_case is not None:
+        lengths = DOC_CASES[doc_case][0]
+        assert sum(lengths) == seqlen_q == seqlen_k
         docs = dict(q_doc_ids=_doc_ids(lengths), k_doc_ids=_doc_ids(lengths))
     q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 40, DTYPES[0], seed=seqlen_q + 3 * seqlen_k)
     scale = 40**-0.5
