@@ -20,9 +20,10 @@ block, in both layouts). Providers, each timed "fwd" and "fwd+bwd":
 Before any timing, the ring's out, dq, dk, dv must be within 1e-2 relative L2 error of the fused call's
 (a failing cell is recorded with "error" and not timed; the script then exits with status 1).
 
-Block entry point (skip with --no-block): one ring.forward_step and one ring.backward_step, the very
-functions the ring calls per step (whatever they do now: kernel launch, merge into the fp32 running
-state, accumulation into fp32 dK/dV), on a full off-diagonal S_local x S_local block (contiguous
+Block entry point (skip with --no-block): one ring.forward_step and one ring.backward_step with
+ring.add_share_, the very functions the ring calls at every step after the first (whatever they do now:
+kernel launch, merge into the fp32 running state, dQ added into fp32, dK/dV stored as an fp32 share and
+added to the block's accumulators), on a full off-diagonal S_local x S_local block (contiguous
 causal, rank 1 holding kv block 0 of W = 2), against the public attn_fwd (out in bf16) and attn_bwd
 (delta computed inside) on the same block: providers block_step and block_public, modes fwd and bwd.
 
@@ -52,7 +53,7 @@ from bench_common import (
 
 from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd
 from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, shard_indices
-from ringattn.parallel.ring import backward_step, forward_step, init_backward_state, init_forward_state
+from ringattn.parallel.ring import add_share_, backward_step, forward_step
 from ringattn.parallel.simulate import simulate_ring_backward, simulate_ring_forward
 
 MAX_RELATIVE_ERROR = 1e-2
@@ -218,20 +219,23 @@ def bench_block(seqlen_local: int, args) -> list[dict]:
     scale = args.head_dim**-0.5
     step = (KERNEL_OPS, layout, rank, kv_rank, world_size, causal, scale)
     out, lse = attn_fwd(q, k, v, scale, False)  # the ring saves out in the input dtype
-    state = init_forward_state(q)
+    f32 = dict(dtype=torch.float32, device=args.device)
+    state = (torch.zeros(q.shape, **f32), torch.full(lse.shape, float("-inf"), **f32))  # the merge's identity
     delta = KERNEL_OPS.bwd_preprocess(out, dout)
-    grads = init_backward_state(q, k, v)
+    grads = [torch.zeros(t.shape, **f32) for t in (q, k, v)]
+    shares = [torch.empty(t.shape, **f32) for t in (k, v)]
+
+    def ring_bwd_step():  # a later step's backward as the ring runs it: dK, dV stored as a share, then added
+        rows = backward_step(*step, dout, q, k, v, out, lse, delta, grads[0], *shares, add_dkdv=False)
+        add_share_(*grads[1:], *shares, rows)
 
     calls = {  # mode: (public, ring step); the step merges into `state` and adds into `grads` at every call
         "fwd": (lambda: attn_fwd(q, k, v, scale, False), lambda: forward_step(*step, q, k, v, *state)),
-        "bwd": (
-            lambda: attn_bwd(dout, q, k, v, out, lse, scale, False),
-            lambda: backward_step(*step, dout, q, k, v, out, lse, delta, *grads),
-        ),
+        "bwd": (lambda: attn_bwd(dout, q, k, v, out, lse, scale, False), ring_bwd_step),
     }
-    # check: from the empty state / zero accumulators, one step gives the public call's result
+    # check: from the merge's identity / zero accumulators, one step gives the public call's result
     forward_step(*step, q, k, v, *state)
-    backward_step(*step, dout, q, k, v, out, lse, delta, *grads)
+    ring_bwd_step()
     expected = (out, *attn_bwd(dout, q, k, v, out, lse, scale, False))
     whole_idx = [torch.arange(seqlen_local, device=args.device)]
     errors = [relative_error([g], e, whole_idx) for g, e in zip((state[0], *grads), expected, strict=True)]

@@ -46,12 +46,19 @@ def test_fully_masked_rows_give_zero_output_and_grads_flash():
 
 
 class _QueryPaddingOps(AttnOps):
-    """Block ops for which some query rows see no key, as padding tokens would: each forward step leaves
-    their running state untouched (merging a block output 0 with lse -inf), so they stay (0, -inf) through
-    every step, which the backward must carry. `padded_rows(q_block)` gives the rows of a block (a view of
-    one rank's queries) to mask."""
+    """Block ops for which some query rows see no key, as padding tokens would: the first step's block output
+    is 0 with lse -inf there, and each later step leaves their running state untouched (merging a block
+    output 0 with lse -inf), so they stay (0, -inf) through every step, which the backward must carry.
+    `padded_rows(q_block)` gives the rows of a block (a view of one rank's queries) to mask."""
 
     def __new__(cls, ops: AttnOps, padded_rows):
+        def fwd(q, k, v, softmax_scale, causal, out_dtype=None):
+            out, lse = ops.fwd(q, k, v, softmax_scale, causal, out_dtype)
+            rows = padded_rows(q)
+            out[:, rows] = 0
+            lse[:, :, rows] = float("-inf")
+            return out, lse
+
         def fwd_merge_(q, k, v, softmax_scale, causal, out, lse):
             rows = padded_rows(q)
             kept_out, kept_lse = out[:, rows].clone(), lse[:, :, rows].clone()
@@ -59,7 +66,7 @@ class _QueryPaddingOps(AttnOps):
             out[:, rows] = kept_out
             lse[:, :, rows] = kept_lse
 
-        return super().__new__(cls, ops.fwd, ops.bwd, ops.bwd_preprocess, fwd_merge_)
+        return super().__new__(cls, fwd, ops.bwd, ops.bwd_preprocess, fwd_merge_)
 
 
 def test_fully_masked_rows_give_zero_output_and_grads_ring():

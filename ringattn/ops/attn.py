@@ -257,10 +257,10 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 def _bwd_launches(
     dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, causal, q_doc_ids, k_doc_ids,
-    accumulate: bool, add_dkdv: bool, dkdv_cfg: LaunchConfig, dq_cfg: LaunchConfig,
+    add_dq: bool, add_dkdv: bool, dkdv_cfg: LaunchConfig, dq_cfg: LaunchConfig,
 ) -> tuple[KernelLaunch, KernelLaunch]:  # fmt: skip
-    """_attn_bwd_dkdv_kernel then _attn_bwd_dq_kernel, writing (accumulate: adding; dK/dV only if add_dkdv)
-    the gradients into dq, dk, dv; inputs checked, lse and delta contiguous."""
+    """_attn_bwd_dkdv_kernel then _attn_bwd_dq_kernel, adding dQ into dq if add_dq and dK, dV into dk, dv if
+    add_dkdv, else storing them; inputs checked, lse and delta contiguous."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     block_d = _padded_head_dim(head_dim)
@@ -281,7 +281,7 @@ def _bwd_launches(
             seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale,
         ),
         dict(
-            **common, ACCUMULATE=accumulate and add_dkdv, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
+            **common, ACCUMULATE=add_dkdv, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
             num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
         ),
     )  # fmt: skip
@@ -294,7 +294,7 @@ def _bwd_launches(
             seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale,
         ),
         dict(
-            **common, ACCUMULATE=accumulate, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
+            **common, ACCUMULATE=add_dq, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
             num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
         ),
     )  # fmt: skip
@@ -316,6 +316,7 @@ def attn_bwd(
     dv_acc: torch.Tensor | None = None,
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
+    add_dq: bool = True,
     add_dkdv: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused attention backward: gradients of out = softmax(q k^T * scale) v.
@@ -329,8 +330,9 @@ def attn_bwd(
             accumulators); when given, the gradients are added to them in place and they are returned.
             All three or none.
         q_doc_ids, k_doc_ids: document ids as in attn_fwd.
-        add_dkdv: with accumulators, False stores dK and dV into dk_acc and dv_acc (whatever they held is
-            ignored, not read) while dQ is still added to dq_acc: the ring's share of a block in transit.
+        add_dq, add_dkdv: with accumulators, False stores dQ into dq_acc (add_dq), or dK and dV into dk_acc and
+            dv_acc (add_dkdv), instead of adding: whatever they held is ignored, not read. The ring stores both
+            at its first step, and dK, dV alone (its share of a block in transit) at later ones.
     Returns:
         (dq, dk, dv), new tensors in q's dtype unless accumulators were given.
     """
@@ -353,8 +355,9 @@ def attn_bwd(
 
     cfgs = _bwd_configs(_padded_head_dim(q.shape[-1]), q.dtype, q.device)
     launches = _bwd_launches(
-        dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, causal, q_doc_ids, k_doc_ids, accumulate, add_dkdv, *cfgs
-    )
+        dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, causal, q_doc_ids, k_doc_ids,
+        accumulate and add_dq, accumulate and add_dkdv, *cfgs,
+    )  # fmt: skip
     with _device_guard(q):
         for launch in launches:
             launch()

@@ -101,11 +101,12 @@ def attn_bwd_ref(
     dv_acc: torch.Tensor | None = None,
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
+    add_dq: bool = True,
     add_dkdv: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of attn_bwd: P = exp(s - lse); dV = P^T dO; dS = P (dO V^T - delta);
-    dQ = scale dS K; dK = scale dS^T Q. Accumulators, when given, are added to in place (dK, dV stored
-    instead with add_dkdv False)."""
+    dQ = scale dS K; dK = scale dS^T Q. Accumulators, when given, are added to in place (dQ stored
+    instead with add_dq False, dK and dV with add_dkdv False)."""
     heads_q, heads_k = q.shape[2], k.shape[2]
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
     if delta is None:
@@ -120,7 +121,7 @@ def attn_bwd_ref(
     grads = (dq, _reduce_kv(dk, heads_k), _reduce_kv(dv, heads_k))
     if dq_acc is None:
         return tuple(g.to(q.dtype) for g in grads)
-    for acc, g, add in zip((dq_acc, dk_acc, dv_acc), grads, (True, add_dkdv, add_dkdv), strict=True):
+    for acc, g, add in zip((dq_acc, dk_acc, dv_acc), grads, (add_dq, add_dkdv, add_dkdv), strict=True):
         if add:
             acc.add_(g.to(acc.dtype))
         else:

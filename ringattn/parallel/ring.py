@@ -1,18 +1,20 @@
 """Op-agnostic ring attention forward and backward loops (schedule in docs/design.md, section 4).
 
 Forward: at step t, rank r computes its queries against the K/V block of rank r - t while
-the block for step t + 1 is in flight, and merges (out, lse) in fp32, in the kernel's epilogue
-(ops.fwd_merge_: no separate merge pass). Which sub-blocks are computed, and with which mask,
+the block for step t + 1 is in flight. Step 0 (the rank's own block) writes the fp32 state
+(out, lse); later steps merge into it in the kernel's epilogue (ops.fwd_merge_: no separate
+merge pass). Which sub-blocks are computed, and with which mask,
 is the pure function schedule.block_tasks of the layout; the loops run its tasks on views of
 the local tensors and state (no copies).
 Backward: K/V travel the ring again together with fp32 dK/dV accumulators; each rank adds
 its contribution to the accumulators of the block in hand and passes them on, so after W
 steps (and one last hop) every rank holds the full gradient of its own K/V. dQ accumulates
-locally in fp32.
+locally in fp32. Step 0 stores dQ and the own block's accumulators into uninitialised buffers.
 
-What one rank computes at one step, given the K/V block in hand, is `forward_step` and
-`backward_step`; the distributed loops here and the one-process simulated ring
-(parallel/simulate.py) both call them, so they compute bitwise the same thing.
+What one rank computes at one step, given the K/V block in hand, is `own_block_forward` and
+`own_block_backward` at step 0 and `forward_step` and `backward_step` after; the distributed
+loops here and the one-process simulated ring (parallel/simulate.py) both call them, so they
+compute bitwise the same thing.
 """
 
 import torch
@@ -45,18 +47,43 @@ def _computed_tasks(
             yield task, dict(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
 
 
-def _whole_sequence_task(layout: str, causal: bool, seqlen_local: int, docs: ShardDocuments | None):
-    """The one task of a ring of one rank (every layout holds the sequence in order), with its document ids."""
-    ((task, doc_ids),) = _computed_tasks(layout, 0, 0, 1, causal, seqlen_local, docs)
-    return task, doc_ids
+def _own_block_task(
+    layout: str, rank: int, world_size: int, causal: bool, seqlen_local: int, docs: ShardDocuments | None
+):
+    """The one task of step 0, where a rank holds its own block, with its document ids: every layout computes
+    that block whole (block_tasks with kv_rank == rank; with W = 1 it is the whole sequence), and every row
+    shares its own document. So the task covers every row of the shard, and its results can be stored
+    into uninitialised state rather than merged or added into an identity."""
+    tasks = list(_computed_tasks(layout, rank, rank, world_size, causal, seqlen_local, docs))
+    whole = range(0, seqlen_local)
+    if len(tasks) != 1 or tasks[0][0].q_rows != whole or tasks[0][0].kv_rows != whole:
+        raise RuntimeError(f"step 0 must compute rank {rank}'s own block whole, the schedule gave {tasks}")
+    return tasks[0]
 
 
-def init_forward_state(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merge's identity: out (B, S_local, Hq, D) zeros and lse (B, Hq, S_local) -inf, in state_dtype(q)."""
-    batch, seqlen, heads_q, head_dim = q.shape
-    out = torch.zeros((batch, seqlen, heads_q, head_dim), dtype=state_dtype(q), device=q.device)
-    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=state_dtype(q), device=q.device)
-    return out, lse
+def own_block_forward(
+    ops: AttnOps,
+    layout: str,
+    rank: int,
+    world_size: int,
+    causal: bool,
+    softmax_scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    docs: ShardDocuments | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 0 of the forward on one rank: q's attention to the rank's own K/V block, which starts the running state.
+
+    Args:
+        q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards.
+    Returns:
+        out (B, S_local, Hq, D) and lse (B, Hq, S_local) in state_dtype(q), for forward_step to merge into: the
+        same bits as merging the block into the merge's identity (out 0, lse -inf), without filling that
+        identity and reading it back.
+    """
+    task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs)
+    return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, state_dtype(q), **doc_ids)
 
 
 def forward_step(
@@ -78,7 +105,7 @@ def forward_step(
 
     Args:
         q: (B, S_local, Hq, D) this rank's queries; k_blk, v_blk: (B, S_local, Hkv, D) the block in hand.
-        out, lse: the running state (init_forward_state), updated in place.
+        out, lse: the running state (from own_block_forward), updated in place.
         docs: packed documents (ring_attn_varlen_func): sub-blocks whose documents never meet are
             skipped, the others masked by document.
     """
@@ -96,12 +123,39 @@ def forward_step(
         )
 
 
-def init_backward_state(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+def own_block_backward(
+    ops: AttnOps,
+    layout: str,
+    rank: int,
+    world_size: int,
+    causal: bool,
+    softmax_scale: float,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    docs: ShardDocuments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zero gradient accumulators dq, dk, dv shaped like q, k, v, in state_dtype(q)."""
+    """Step 0 of the backward on one rank: the gradients of q's attention to the rank's own block, stored into new
+    state_dtype(q) buffers (nothing zeroed, nothing read back): this rank's dq and its own block's dK, dV
+    accumulators, which later steps add to.
+
+    Args:
+        dout, q, out: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards;
+        lse, delta: (B, Hq, S_local), the global lse and rowsum(dout * out).
+    Returns:
+        dq, dk, dv shaped like q, k, v, in state_dtype(q).
+    """
+    task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs)
     dtype = state_dtype(q)
-    return tuple(torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+    dq, dk, dv = (torch.empty(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+    return ops.bwd(
+        dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, delta=delta,
+        dq_acc=dq, dk_acc=dk, dv_acc=dv, **doc_ids, add_dq=False, add_dkdv=False,
+    )  # fmt: skip
 
 
 def backward_step(
@@ -197,19 +251,21 @@ def ring_attn_forward(
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
     if comm.world_size == 1:
-        task, doc_ids = _whole_sequence_task(layout, causal, q.shape[1], docs)
+        task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs)
         return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
-    out, lse = init_forward_state(q)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(comm.world_size):
         last = step == comm.world_size - 1
         if not last:
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit(f"forward step {step} (K/V)")
-        kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
-        forward_step(
-            ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale, q, k_cur, v_cur, out, lse, docs
-        )
+        if step == 0:
+            out, lse = own_block_forward(ops, layout, comm.rank, comm.world_size, causal, softmax_scale, q, k_cur,
+                                         v_cur, docs)  # fmt: skip
+        else:
+            kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
+            forward_step(ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale, q, k_cur, v_cur,
+                         out, lse, docs)  # fmt: skip
         if not last:
             comm.wait()
             k_cur, v_cur = k_next, v_next
@@ -245,11 +301,11 @@ def ring_attn_backward(
     """
     world_size = comm.world_size
     if world_size == 1:
-        task, doc_ids = _whole_sequence_task(layout, causal, q.shape[1], docs)
+        task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs)
         return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
     delta = ops.bwd_preprocess(out, dout)
-    dq, dk, dv = init_backward_state(q, k, v)  # dk, dv: the accumulators of this rank's own block, at step 0
-    share_k, share_v = torch.empty_like(dk), torch.empty_like(dv)  # this rank's share of a later step's block
+    # this rank's share of a later step's block
+    share_k, share_v = (torch.empty(t.shape, dtype=state_dtype(q), device=t.device) for t in (k, v))
     k_cur, v_cur = k.contiguous(), v.contiguous()
     # One batch in flight at a time, overlapping the next step's kernels: K/V for the step after
     # next, and the dK/dV accumulators of the block just finished (they travel with their block).
@@ -257,14 +313,17 @@ def ring_attn_backward(
     comm.commit("backward step 0 (K/V)")
     dk_in = dv_in = None  # accumulators of the block in hand, from the ranks that held it before
     for step in range(world_size):
-        kv_rank = kv_source_rank(comm.rank, step, world_size)
-        # From step 1 on the accumulators arrive only after the kernels (they overlap the transfer): the kernels
-        # store this rank's share, which is then added to the arrived accumulators, in the rows it covers.
-        into = (dk, dv) if step == 0 else (share_k, share_v)
-        rows = backward_step(
-            ops, layout, comm.rank, kv_rank, world_size, causal, softmax_scale,
-            dout, q, k_cur, v_cur, out, lse, delta, dq, *into, docs, add_dkdv=step == 0,
-        )  # fmt: skip
+        if step == 0:  # dq and the accumulators of this rank's own block
+            dq, dk, dv = own_block_backward(ops, layout, comm.rank, world_size, causal, softmax_scale, dout, q, k_cur,
+                                            v_cur, out, lse, delta, docs)  # fmt: skip
+        else:
+            # From step 1 on the accumulators arrive only after the kernels (they overlap the transfer): the kernels
+            # store this rank's share, which is then added to the arrived accumulators, in the rows it covers.
+            kv_rank = kv_source_rank(comm.rank, step, world_size)
+            rows = backward_step(
+                ops, layout, comm.rank, kv_rank, world_size, causal, softmax_scale,
+                dout, q, k_cur, v_cur, out, lse, delta, dq, share_k, share_v, docs, add_dkdv=False,
+            )  # fmt: skip
         comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
         if step > 0:
             dk, dv = dk_in, dv_in  # received, ours now: added to in place, then passed on

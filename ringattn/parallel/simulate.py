@@ -1,7 +1,8 @@
 """A simulated ring: W virtual ranks in one process, no communication (docs/design.md, section 7).
 
 It runs the same schedule (schedule.kv_source_rank, schedule.block_tasks) and the same per-step
-code (ring.forward_step, ring.backward_step, ring.add_share_) as the distributed loops in ring.py, with the block
+code (ring.own_block_forward, ring.own_block_backward at step 0; ring.forward_step, ring.backward_step,
+ring.add_share_ after) as the distributed loops in ring.py, with the block
 that rank r would hold at step t taken from a list instead of received. Steps run in ring order
 and, within a step, ranks in order, so the dK/dV accumulator of every block collects its
 contributions in the order the real ring adds them: the results are bitwise those of the
@@ -13,7 +14,7 @@ import torch
 
 from ..ops import AttnOps
 from .layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
-from .ring import add_share_, backward_step, forward_step, init_backward_state, init_forward_state
+from .ring import add_share_, backward_step, forward_step, own_block_backward, own_block_forward
 from .schedule import kv_source_rank
 
 
@@ -47,8 +48,11 @@ def simulate_ring_forward(
     _check_shards("v_shards", v_shards, world_size)
     k_shards = [k.contiguous() for k in k_shards]  # what the real ring holds: its own block, then received copies
     v_shards = [v.contiguous() for v in v_shards]
-    states = [init_forward_state(q) for q in q_shards]
-    for step in range(world_size):
+    states = [
+        own_block_forward(ops, layout, rank, world_size, causal, softmax_scale, q, k, v)
+        for rank, (q, k, v) in enumerate(zip(q_shards, k_shards, v_shards, strict=True))
+    ]
+    for step in range(1, world_size):
         for rank in range(world_size):
             kv = kv_source_rank(rank, step, world_size)
             out, lse = states[rank]
@@ -87,23 +91,25 @@ def simulate_ring_backward(
     k_shards = [k.contiguous() for k in k_shards]
     v_shards = [v.contiguous() for v in v_shards]
     deltas = [ops.bwd_preprocess(o, d) for o, d in zip(out_shards, dout_shards, strict=True)]
-    grads = [init_backward_state(q, k, v) for q, k, v in zip(q_shards, k_shards, v_shards, strict=True)]
+    # as ring_attn_backward: step 0 stores dq and the own block's accumulators, later shares are stored then added
+    grads = [
+        own_block_backward(ops, layout, rank, world_size, causal, softmax_scale, dout_shards[rank], q_shards[rank],
+                           k_shards[rank], v_shards[rank], out_shards[rank], lse_shards[rank], deltas[rank])
+        for rank in range(world_size)
+    ]  # fmt: skip
     dq = [g[0] for g in grads]
     dk_acc = [g[1] for g in grads]  # dk_acc[b]: the accumulator travelling with block b
     dv_acc = [g[2] for g in grads]
     share_k, share_v = torch.empty_like(dk_acc[0]), torch.empty_like(dv_acc[0])
-    for step in range(world_size):
+    for step in range(1, world_size):
         for rank in range(world_size):
             kv = kv_source_rank(rank, step, world_size)
-            # as ring_attn_backward: the own block's accumulators added to at step 0, later shares stored then added
-            into = (dk_acc[kv], dv_acc[kv]) if step == 0 else (share_k, share_v)
             rows = backward_step(
                 ops, layout, rank, kv, world_size, causal, softmax_scale,
                 dout_shards[rank], q_shards[rank], k_shards[kv], v_shards[kv], out_shards[rank],
-                lse_shards[rank], deltas[rank], dq[rank], *into, add_dkdv=step == 0,
+                lse_shards[rank], deltas[rank], dq[rank], share_k, share_v, add_dkdv=False,
             )  # fmt: skip
-            if step > 0:
-                add_share_(dk_acc[kv], dv_acc[kv], share_k, share_v, rows)
+            add_share_(dk_acc[kv], dv_acc[kv], share_k, share_v, rows)
     return [(dq[r], dk_acc[r], dv_acc[r]) for r in range(world_size)]
 
 

@@ -126,20 +126,22 @@ def test_bwd_accumulates_into_given_buffers(causal):
 
 @pytest.mark.parametrize("bwd", [attn_bwd, attn_bwd_ref], ids=["kernel", "reference"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_bwd_stores_dkdv_without_reading_them_when_asked(causal, bwd):
-    """add_dkdv=False (the ring's share of a block in transit): dK, dV are stored into their buffers, which
-    hold NaN before and are never read; dQ is still added; the same bits as adding to zeros."""
+@pytest.mark.parametrize("add_dq,add_dkdv", [(True, False), (False, False), (False, True)],
+                         ids=["store-dkdv", "store-all", "store-dq"])  # fmt: skip
+def test_bwd_stores_gradients_without_reading_them_when_asked(add_dq, add_dkdv, causal, bwd):
+    """add_dkdv=False (the ring's share of a block in transit) and add_dq=False (with both: the ring's first
+    step): those gradients are stored into their buffers, which hold NaN before and are never read; the
+    others are still added; the same bits as adding to zeros."""
     q, k, v, dout = make_qkv(1, 40, 50, 4, 2, 32, DTYPES[0], seed=8)
     out, lse = attn_fwd(q, k, v, 0.2, causal)
-    dq_start = torch.randn(q.shape, device=DEVICE)
-    added = [dq_start.clone(), torch.zeros(k.shape, device=DEVICE), torch.zeros(v.shape, device=DEVICE)]
+    starts = [torch.randn(t.shape, device=DEVICE) for t in (q, k, v)]
+    stores = (not add_dq, not add_dkdv, not add_dkdv)
+    added = [torch.zeros_like(s_) if store else s_.clone() for s_, store in zip(starts, stores, strict=True)]
     bwd(dout, q, k, v, out, lse, 0.2, causal, None, *added)
     stored = [
-        dq_start.clone(),
-        torch.full(k.shape, float("nan"), device=DEVICE),
-        torch.full(v.shape, float("nan"), device=DEVICE),
+        torch.full_like(s_, float("nan")) if store else s_.clone() for s_, store in zip(starts, stores, strict=True)
     ]
-    bwd(dout, q, k, v, out, lse, 0.2, causal, None, *stored, add_dkdv=False)
+    bwd(dout, q, k, v, out, lse, 0.2, causal, None, *stored, add_dq=add_dq, add_dkdv=add_dkdv)
     for s_, a_ in zip(stored, added, strict=True):
         assert torch.equal(s_, a_)
 

@@ -43,11 +43,17 @@ class _DyingOps:
         self.rank, self.calls = rank, 0
         self.bwd, self.bwd_preprocess = REFERENCE_OPS.bwd, REFERENCE_OPS.bwd_preprocess
 
-    def fwd_merge_(self, *args, **kwargs):
+    def _block(self, op, *args, **kwargs):
         self.calls += 1
         if self.rank == DEAD_RANK and self.calls == 1:
             os._exit(DEAD_EXIT_CODE)
-        REFERENCE_OPS.fwd_merge_(*args, **kwargs)
+        return op(*args, **kwargs)
+
+    def fwd(self, *args, **kwargs):  # step 0, the own block
+        return self._block(REFERENCE_OPS.fwd, *args, **kwargs)
+
+    def fwd_merge_(self, *args, **kwargs):  # later steps
+        return self._block(REFERENCE_OPS.fwd_merge_, *args, **kwargs)
 
 
 def _ring_with_a_failing_peer(rank, world_size, failure):

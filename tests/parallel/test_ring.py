@@ -175,3 +175,40 @@ def test_stored_share_refuses_a_step_of_two_tasks(monkeypatch):
     with pytest.raises(RuntimeError, match="add_dkdv=False needs at most one task; rank 1, kv_rank 0 has 2"):
         ring.backward_step(*step, add_dkdv=False)
     assert ring.backward_step(*step) == [whole, whole]  # adding two shares is fine
+
+
+@pytest.mark.parametrize("ops_name", ["kernel", "reference"])
+@pytest.mark.parametrize("layout,causal", [("contiguous", True), ("zigzag", True), ("contiguous", False)])
+def test_own_block_step_stores_what_merging_into_the_identity_gives(layout, causal, ops_name):
+    """Step 0 writes the state and stores the gradients into uninitialised buffers: the same bits as merging
+    the own block into the merge's identity (out 0, lse -inf) and adding its gradients to zeros."""
+    from ringattn.ops import KERNEL_OPS
+    from ringattn.parallel import ring
+
+    ops = KERNEL_OPS if ops_name == "kernel" else REFERENCE_OPS
+    q, k, v, dout = make_qkv(1, 24, 24, 4, 2, 16, torch.float32, seed=3)
+    step = (ops, layout, 1, 1, 2, causal, 0.25)
+    out, lse = ring.own_block_forward(ops, layout, 1, 2, causal, 0.25, q, k, v)
+    merged = (torch.zeros(q.shape, device=q.device), torch.full(lse.shape, float("-inf"), device=q.device))
+    ring.forward_step(*step, q, k, v, *merged)
+    assert out.dtype == torch.float32 and torch.equal(out, merged[0]) and torch.equal(lse, merged[1])
+
+    out_in = out.to(q.dtype)
+    delta = ops.bwd_preprocess(out_in, dout)
+    stored = ring.own_block_backward(ops, layout, 1, 2, causal, 0.25, dout, q, k, v, out_in, lse, delta)
+    added = [torch.zeros(t.shape, device=t.device) for t in (q, k, v)]
+    ring.backward_step(*step, dout, q, k, v, out_in, lse, delta, *added)
+    for s_, a_ in zip(stored, added, strict=True):
+        assert s_.dtype == torch.float32 and torch.equal(s_, a_)
+
+
+def test_own_block_step_refuses_a_partial_block(monkeypatch):
+    """Step 0 stores into uninitialised state, so a schedule that computed only part of a rank's own block would
+    leave rows unwritten: it raises instead (block_tasks gives the whole block whenever kv_rank == rank)."""
+    from ringattn.parallel import ring
+    from ringattn.parallel.schedule import BlockMode, BlockTask
+
+    monkeypatch.setattr(ring, "block_tasks", lambda *args: [BlockTask(range(0, 4), range(0, 8), BlockMode.FULL)])
+    q, k, v, _ = make_qkv(1, 8, 8, 2, 2, 16, torch.float32, seed=1)
+    with pytest.raises(RuntimeError, match="step 0 must compute rank 1's own block whole"):
+        ring.own_block_forward(REFERENCE_OPS, "contiguous", 1, 2, False, 0.25, q, k, v)
