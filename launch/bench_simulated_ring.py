@@ -15,8 +15,9 @@ block, in both layouts). Providers, each timed "fwd" and "fwd+bwd":
   FlashAttnFunction runs them. Timed once per (S, causal); cells with the same S repeat the numbers.
 - simulated_ring: parallel/simulate.py with KERNEL_OPS, on shards split once outside the timed calls
   (shard_indices): simulate_ring_forward and the cast of every rank's fp32 out to bf16, then
-  simulate_ring_backward (which takes the bf16 out) and the casts of the fp32 gradients to bf16: what
-  RingAttnFunction does on every rank, summed over the W ranks, without communication.
+  simulate_ring_backward (which takes the bf16 out, and rounds dK, dV to bf16 with their last share, as
+  ring_attn_backward does) and the cast of the fp32 dq to bf16: what RingAttnFunction does on every
+  rank, summed over the W ranks, without communication.
 Before any timing, the ring's out, dq, dk, dv must be within 1e-2 relative L2 error of the fused call's
 (a failing cell is recorded with "error" and not timed; the script then exits with status 1).
 
@@ -141,8 +142,8 @@ def ring_calls(shards, scale: float, causal: bool, layout: str):
 
     def fwd_bwd():
         outs, lses = fwd()
-        grads = simulate_ring_backward(KERNEL_OPS, douts, qs, ks, vs, outs, lses, scale, causal, layout)
-        return (outs, *([g[i].to(dtype) for g in grads] for i in range(3)))
+        grads = simulate_ring_backward(KERNEL_OPS, douts, qs, ks, vs, outs, lses, scale, causal, layout, dtype)
+        return (outs, *([g[i].to(dtype) for g in grads] for i in range(3)))  # dk, dv: already in dtype
 
     return fwd, fwd_bwd
 

@@ -227,6 +227,33 @@ def add_share_(
         _rows(dv_acc, kvs).add_(_rows(share_v, kvs))
 
 
+def add_share_rounded(
+    dk_acc: torch.Tensor,
+    dv_acc: torch.Tensor,
+    share_k: torch.Tensor,
+    share_v: torch.Tensor,
+    rows: list[range],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_share_ for the block's last share, and the rounding of the finished sums to `dtype`, in one pass: new
+    dK, dV (B, S_local, Hkv, D) in dtype, bitwise the in-place add followed by .to(dtype), without writing the
+    fp32 sums and reading them back. The other rows are only rounded."""
+    return _sum_rounded(dk_acc, share_k, rows, dtype), _sum_rounded(dv_acc, share_v, rows, dtype)
+
+
+def _sum_rounded(acc: torch.Tensor, share: torch.Tensor, rows: list[range], dtype: torch.dtype) -> torch.Tensor:
+    """(acc + share over the disjoint row ranges `rows`, acc elsewhere) in dtype, as a new tensor."""
+    total = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    done = 0
+    for kvs in sorted(rows, key=lambda r: r.start):
+        _rows(total, range(done, kvs.start)).copy_(_rows(acc, range(done, kvs.start)))
+        torch.add(_rows(acc, kvs), _rows(share, kvs), out=_rows(total, kvs))  # fp32 sum, rounded on store
+        done = kvs.stop
+    rest = range(done, acc.shape[1])
+    _rows(total, rest).copy_(_rows(acc, rest))
+    return total
+
+
 def ring_attn_forward(
     comm: RingComm,
     ops: AttnOps,
@@ -327,9 +354,10 @@ def ring_attn_backward(
         comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
         if step > 0:
             dk, dv = dk_in, dv_in  # received, ours now: added to in place, then passed on
-            add_share_(dk, dv, share_k, share_v, rows)
-        if step == world_size - 1:  # the sums are complete: round them now, not after the hop (half the bytes)
-            dk, dv = dk.to(k.dtype), dv.to(v.dtype)
+            if step == world_size - 1:  # complete with this share: add, round now, not after the hop (half the bytes)
+                dk, dv = add_share_rounded(dk, dv, share_k, share_v, rows, k.dtype)
+            else:
+                add_share_(dk, dv, share_k, share_v, rows)
         dk_in, dv_in = comm.send_recv(dk), comm.send_recv(dv)  # the last hop brings each rank its own
         if step + 1 < world_size:
             k_cur, v_cur = k_next, v_next

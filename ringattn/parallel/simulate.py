@@ -14,7 +14,7 @@ import torch
 
 from ..ops import AttnOps
 from .layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
-from .ring import add_share_, backward_step, forward_step, own_block_backward, own_block_forward
+from .ring import add_share_, add_share_rounded, backward_step, forward_step, own_block_backward, own_block_forward
 from .schedule import kv_source_rank
 
 
@@ -74,6 +74,7 @@ def simulate_ring_backward(
     softmax_scale: float,
     causal: bool,
     layout: str = "contiguous",
+    grad_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The backward of a ring of W = len(q_shards) ranks, run in this process.
 
@@ -81,8 +82,11 @@ def simulate_ring_backward(
         dout_shards, out_shards: W tensors (B, S_local, Hq, D); out as the forward returned it.
         q_shards, k_shards, v_shards: as in simulate_ring_forward.
         lse_shards: W tensors (B, Hq, S_local), the global lse from the forward.
+        grad_dtype: round dk, dv to it together with each block's last share (W > 1), as ring_attn_backward
+            does with the inputs' dtype; None keeps them unrounded.
     Returns:
-        [(dq, dk, dv)] per rank, shaped like that rank's q, k, v, fp32 (float64 for float64 inputs).
+        [(dq, dk, dv)] per rank, shaped like that rank's q, k, v: dq fp32 (float64 for float64 inputs), dk and
+        dv too, or in grad_dtype.
     """
     world_size = len(q_shards)
     for name, shards in (("dout", dout_shards), ("k", k_shards), ("v", v_shards), ("out", out_shards)):
@@ -109,7 +113,10 @@ def simulate_ring_backward(
                 dout_shards[rank], q_shards[rank], k_shards[kv], v_shards[kv], out_shards[rank],
                 lse_shards[rank], deltas[rank], dq[rank], share_k, share_v, add_dkdv=False,
             )  # fmt: skip
-            add_share_(dk_acc[kv], dv_acc[kv], share_k, share_v, rows)
+            if step == world_size - 1 and grad_dtype is not None:
+                dk_acc[kv], dv_acc[kv] = add_share_rounded(dk_acc[kv], dv_acc[kv], share_k, share_v, rows, grad_dtype)
+            else:
+                add_share_(dk_acc[kv], dv_acc[kv], share_k, share_v, rows)
     return [(dq[r], dk_acc[r], dv_acc[r]) for r in range(world_size)]
 
 

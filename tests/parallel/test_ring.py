@@ -212,3 +212,17 @@ def test_own_block_step_refuses_a_partial_block(monkeypatch):
     q, k, v, _ = make_qkv(1, 8, 8, 2, 2, 16, torch.float32, seed=1)
     with pytest.raises(RuntimeError, match="step 0 must compute rank 1's own block whole"):
         ring.own_block_forward(REFERENCE_OPS, "contiguous", 1, 2, False, 0.25, q, k, v)
+
+
+@pytest.mark.parametrize("rows", [[], [range(0, 8)], [range(2, 5)]], ids=["none", "whole", "part"])
+def test_last_share_is_added_and_rounded_in_one_pass(rows):
+    """add_share_rounded gives bitwise what add_share_ then .to(dtype) give, over any rows the last step covered."""
+    from ringattn.parallel import ring
+
+    acc = [torch.randn(2, 8, 3, 16) for _ in range(2)]
+    share = [torch.randn(2, 8, 3, 16) for _ in range(2)]
+    expected = [a.clone() for a in acc]
+    ring.add_share_(*expected, *share, rows)
+    got = ring.add_share_rounded(*acc, *share, rows, torch.bfloat16)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, e.to(torch.bfloat16))
