@@ -3,9 +3,9 @@
 Forward: at step t, rank r computes its queries against the K/V block of rank r - t while
 the block for step t + 1 is in flight. Step 0 (the rank's own block) writes the fp32 state
 (out, lse); later steps merge into it in the kernel's epilogue (ops.fwd_merge_: no separate
-merge pass). Which sub-blocks are computed, and with which mask,
-is the pure function schedule.block_tasks of the layout; the loops run its tasks on views of
-the local tensors and state (no copies).
+merge pass). Which sub-blocks are computed, and with which mask, is the pure function
+schedule.block_tasks of the layout; the loops run its tasks on views of the local tensors and
+state (no copies).
 Backward: K/V travel the ring again together with fp32 dK/dV accumulators; each rank adds
 its contribution to the accumulators of the block in hand and passes them on, so after W
 steps (and one last hop) every rank holds the full gradient of its own K/V. dQ accumulates
@@ -353,7 +353,7 @@ def ring_attn_backward(
             )  # fmt: skip
         comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
         if step > 0:
-            dk, dv = dk_in, dv_in  # received, ours now: added to in place, then passed on
+            dk, dv = dk_in, dv_in  # received, ours now: this rank's share is added, then they are passed on
             if step == world_size - 1:  # complete with this share: add, round now, not after the hop (half the bytes)
                 dk, dv = add_share_rounded(dk, dv, share_k, share_v, rows, k.dtype)
             else:
