@@ -101,7 +101,9 @@ def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal
     grads = [torch.empty_like(t) for t in (q, k, v)]
     block_d = attn_ops._padded_head_dim(q.shape[-1])
     cfgs = attn_ops._bwd_configs(block_d, q.dtype, q.device)
-    launches = attn_ops._bwd_launches(dout, q, k, v, lse, delta, *grads, scale, causal, None, None, False, False, *cfgs)
+    launches = attn_ops._bwd_launches(
+        dout, q, k, v, lse, delta, *grads, scale, causal, None, None, False, False, None, *cfgs
+    )
     return launches[0] if kernel == "dkdv" else launches[1]
 
 

@@ -51,13 +51,13 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg) -> att
         merge = kernel == "fwd_merge"
         out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
         cfg = cfg or attn_ops._fwd_config(block_d, q.dtype, cuda)
-        return attn_ops._fwd_launch(q, k, v, scale, causal, out, lse, None, None, merge, cfg)
+        return attn_ops._fwd_launch(q, k, v, scale, causal, out, lse, None, None, merge, None, cfg)
     dkdv_cfg, dq_cfg = attn_ops._bwd_configs(block_d, q.dtype, cuda)
     if cfg is not None:
         dkdv_cfg, dq_cfg = (cfg, dq_cfg) if kernel == "dkdv" else (dkdv_cfg, cfg)
     acc = [torch.empty(t.shape) for t in (q, k, v)]
     launches = attn_ops._bwd_launches(
-        dout, q, k, v, lse, delta, *acc, scale, causal, None, None, True, True, dkdv_cfg, dq_cfg
+        dout, q, k, v, lse, delta, *acc, scale, causal, None, None, True, True, None, dkdv_cfg, dq_cfg
     )
     return launches[0] if kernel == "dkdv" else launches[1]
 

@@ -6,9 +6,10 @@ Three launches, no atomics:
                                tiles of every q head of its GQA group
   _attn_bwd_dq_kernel          dQ for one Q tile, looping over K/V tiles    grid (Sq tiles, Hq, B)
 With ACCUMULATE the gradients are added to what the output buffers hold (the ring's fp32
-accumulators). Rows whose lse is -inf (every key masked) get probability 0 everywhere,
-so they give zero gradients. HAS_DOCS masks pairs of different documents and skips tiles
-whose documents do not meet, as in the forward. Derivation in docs/design.md.
+accumulators); with HAS_FINAL the dQ rows the ring finishes go rounded to their own buffer.
+Rows whose lse is -inf (every key masked) get probability 0 everywhere, so they give zero
+gradients. HAS_DOCS masks pairs of different documents and skips tiles whose documents do
+not meet, as in the forward. Derivation in docs/design.md.
 """
 
 import triton
@@ -231,20 +232,26 @@ def _attn_bwd_dq_tiles(
     return dq
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "final_lo", "final_hi"])  # one compile for every length
 def _attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, QDoc, KDoc,
+    Q, K, V, DOut, Lse, Delta, DQ, QDoc, KDoc, DQFinal,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
-    seqlen_q, seqlen_k, num_heads_q, qk_scale, sm_scale,
+    stride_fb, stride_fs, stride_fh,
+    seqlen_q, seqlen_k, num_heads_q, qk_scale, sm_scale, final_lo, final_hi,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_FINAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head)."""
+    """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head).
+
+    HAS_FINAL: rows [final_lo, final_hi) of dQ (after the ACCUMULATE add) go to DQFinal (shaped like DQ, its own
+    dtype), rounded, and not to DQ, whose rows there are left as they were.
+    """
     start_m = tl.program_id(0)
     off_hq = tl.program_id(1)
     off_b = tl.program_id(2).to(tl.int64)
@@ -288,4 +295,9 @@ def _attn_bwd_dq_kernel(
     dq_ptrs = DQ + off_b * stride_dqb + off_hq * stride_dqh + rows * stride_dqs + offs_d[None, :]
     if ACCUMULATE:
         dq += tl.load(dq_ptrs, mask=row_mask, other=0.0)
+    if HAS_FINAL:
+        finished = (offs_m >= final_lo) & (offs_m < final_hi)
+        f_ptrs = DQFinal + off_b * stride_fb + off_hq * stride_fh + rows * stride_fs + offs_d[None, :]
+        tl.store(f_ptrs, dq.to(DQFinal.dtype.element_ty), mask=row_mask & finished[:, None])
+        row_mask = row_mask & ((offs_m < final_lo) | (offs_m >= final_hi))[:, None]
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_mask)

@@ -7,7 +7,8 @@ wholly above the causal diagonal are never visited. With document ids (HAS_DOCS,
 variable-length sequences) a query row sees only keys of its own document: every tile is
 masked, and tiles whose documents do not meet the Q tile's are skipped. With MERGE_STATE
 the tile's result is merged into a running fp32 (out, lse) state in place (the ring's step),
-in the epilogue, so a ring step needs no separate merge pass. See docs/design.md.
+in the epilogue, so a ring step needs no separate merge pass. With HAS_FINAL the rows the ring
+finishes in this call are written rounded to the output dtype, not to the fp32 state. See docs/design.md.
 """
 
 import triton
@@ -80,19 +81,20 @@ def _attn_fwd_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "final_lo", "final_hi"])  # one compile for every length
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, QDoc, KDoc,
+    Q, K, V, Out, Lse, QDoc, KDoc, Final,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
-    seqlen_q, seqlen_k, qk_scale,
+    stride_fb, stride_fs, stride_fh,
+    seqlen_q, seqlen_k, qk_scale, final_lo, final_hi,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, MERGE_STATE: tl.constexpr, KV_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, MERGE_STATE: tl.constexpr, HAS_FINAL: tl.constexpr,
+    KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile; Lse[b, h, m] in natural log.
 
@@ -100,6 +102,8 @@ def _attn_fwd_kernel(
     Lse (B, Hq, Sq) fp32 with a contiguous last dim. qk_scale = softmax_scale * log2(e).
     Grid (Sq tiles, Hq, B).
     MERGE_STATE: Out (fp32) and Lse hold a running state on entry; the tile's result is merged into it.
+    HAS_FINAL: rows [final_lo, final_hi) of the result go to Final (shaped like Out, its own dtype), rounded,
+    and not to Out, whose rows there are left as they were; Lse is written for every row.
     CAUSAL is aligned bottom-right: row i sees keys j <= i + (Sk - Sq).
     HAS_DOCS: QDoc (Sq,) and KDoc (Sk,) int32 document ids, non-decreasing; row i sees key j only
     if QDoc[i] == KDoc[j].
@@ -157,5 +161,11 @@ def _attn_fwd_kernel(
     lse_ptrs = Lse + off_b * stride_lb + off_hq * stride_lh + offs_m
     if MERGE_STATE:
         out, lse = _merge_into_state(out, lse, o_ptrs, lse_ptrs, row_mask, mask_m)
+    if HAS_FINAL:
+        finished = (offs_m >= final_lo) & (offs_m < final_hi)
+        f_ptrs = (Final + off_b * stride_fb + off_hq * stride_fh + offs_m[:, None].to(tl.int64) * stride_fs
+                  + offs_d[None, :])  # fmt: skip
+        tl.store(f_ptrs, out.to(Final.dtype.element_ty), mask=row_mask & finished[:, None])
+        row_mask = row_mask & ((offs_m < final_lo) | (offs_m >= final_hi))[:, None]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_mask)
     tl.store(lse_ptrs, lse, mask=mask_m)

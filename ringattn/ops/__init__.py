@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd, attn_fwd_merge_, fwd_tma_enabled
 from .attn_ref import attn_bwd_preprocess_ref, attn_bwd_ref, attn_fwd_merge_ref_, attn_fwd_ref
+from .final_rows import FinalRows
 from .merge import merge_attn_states_
 
 
@@ -27,6 +28,7 @@ REFERENCE_OPS = AttnOps(attn_fwd_ref, attn_bwd_ref, attn_bwd_preprocess_ref, att
 
 __all__ = [
     "AttnOps",
+    "FinalRows",
     "KERNEL_OPS",
     "REFERENCE_OPS",
     "attn_bwd",

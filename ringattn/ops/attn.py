@@ -16,6 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from ..kernels.attn_fwd import _attn_fwd_kernel
+from .final_rows import FinalRows, check_final_rows
 from .validation import check_attn_inputs, check_attn_state, check_doc_ids, check_runnable_device
 
 LOG2E = math.log2(math.e)
@@ -137,27 +138,39 @@ class KernelLaunch:
         self.kernel[self.grid](*self.args, **self.kwargs)
 
 
+def _final_args(final: FinalRows | None, out: torch.Tensor) -> tuple:
+    """(tensor, its batch, seq and head strides, first row, end row) of a kernel's HAS_FINAL arguments; out and
+    empty rows when there is none (the kernel then reads none of them)."""
+    if final is None:
+        return out, 0, 0, 0, 0, 0
+    return final.out, *_strides(final.out), final.rows.start, final.rows.stop
+
+
 def _fwd_launch(
-    q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool, cfg: LaunchConfig
-) -> KernelLaunch:
-    """_attn_fwd_kernel writing (or, with merge_state, merging into) out and lse; inputs checked."""
+    q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool, final: FinalRows | None,
+    cfg: LaunchConfig,
+) -> KernelLaunch:  # fmt: skip
+    """_attn_fwd_kernel writing (or, with merge_state, merging into) out and lse, finished rows into final;
+    inputs checked."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     block_d = _padded_head_dim(head_dim)
     has_docs = q_doc_ids is not None
     kv_desc = _kv_descriptors(k, v, head_dim, block_d, cfg.block_n)
+    final_out, *final_strides, final_lo, final_hi = _final_args(final, out)
     return KernelLaunch(
         _attn_fwd_kernel,
         (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
         (
             q, *(kv_desc or (k, v)), out, lse, q_doc_ids if has_docs else lse, k_doc_ids if has_docs else lse,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(0), lse.stride(1),
-            seqlen_q, seqlen_k, softmax_scale * LOG2E,
+            final_out, *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(0), lse.stride(1),
+            *final_strides, seqlen_q, seqlen_k, softmax_scale * LOG2E, final_lo, final_hi,
         ),
         dict(
             GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=bool(causal), HAS_DOCS=has_docs, MERGE_STATE=merge_state, KV_TMA=kv_desc is not None,
+            CAUSAL=bool(causal), HAS_DOCS=has_docs, MERGE_STATE=merge_state, HAS_FINAL=final is not None,
+            KV_TMA=kv_desc is not None,
             DOT_PRECISION=_dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=True,  # exp2(s * qk_scale - m) as one FMA; explicit, as triton's default will flip
@@ -165,10 +178,12 @@ def _fwd_launch(
     )  # fmt: skip
 
 
-def _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool) -> None:
+def _launch_fwd(
+    q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool, final: FinalRows | None
+) -> None:
     """Run _fwd_launch with the launch config of q's head dim, dtype and device."""
     cfg = _fwd_config(_padded_head_dim(q.shape[-1]), q.dtype, q.device)
-    launch = _fwd_launch(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state, cfg)
+    launch = _fwd_launch(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state, final, cfg)
     with _device_guard(q):
         launch()
 
@@ -182,6 +197,7 @@ def attn_fwd(
     out_dtype: torch.dtype | None = None,
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
+    final: FinalRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward.
 
@@ -194,19 +210,23 @@ def attn_fwd(
         q_doc_ids, k_doc_ids: optional (Sq,) and (Sk,) int32 document ids, non-decreasing along the
             rows (packed variable-length sequences): row i sees key j only if their ids are equal
             (and, with causal, j <= i + Sk - Sq). Both or neither.
+        final: rows of out to write, rounded, into final.out instead (ops/final_rows.py); out's rows there are
+            then unspecified.
     Returns:
         out (B, Sq, Hq, D) and lse (B, Hq, Sq) fp32 natural log; rows that see no key get out 0, lse -inf.
     Raises:
-        ValueError, TypeError: bad shapes, dtypes or devices (see check_attn_inputs, check_doc_ids).
+        ValueError, TypeError: bad shapes, dtypes or devices (see check_attn_inputs, check_doc_ids,
+            check_final_rows).
         RuntimeError: tensors on a device the kernels cannot run on.
     """
     check_attn_inputs(q, k, v)
     check_runnable_device(q)
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
+    check_final_rows(final, q)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-    _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state=False)
+    _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, False, final)
     return out, lse
 
 
@@ -220,12 +240,14 @@ def attn_fwd_merge_(
     lse: torch.Tensor,
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
+    final: FinalRows | None = None,
 ) -> None:
     """Fused attention forward merged into a running state in place: the ring's step, with no merge pass.
 
     (out, lse) becomes the log-sum-exp merge (ops/merge.py) of itself with attn_fwd(q, k, v, ...).
     Args:
-        q, k, v, softmax_scale, causal, q_doc_ids, k_doc_ids: as in attn_fwd.
+        q, k, v, softmax_scale, causal, q_doc_ids, k_doc_ids, final: as in attn_fwd (final's rows of the merged
+            out go to final.out; lse is updated in every row).
         out: (B, Sq, Hq, D) fp32 running output, last dim contiguous (views of a larger state are fine).
         lse: (B, Hq, Sq) fp32 running lse, natural log, -inf for rows without keys yet; last dim contiguous.
     Raises:
@@ -235,8 +257,9 @@ def attn_fwd_merge_(
     check_runnable_device(q)
     check_attn_state(out, lse, q)
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
+    check_final_rows(final, q)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state=True)
+    _launch_fwd(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, True, final)
 
 
 def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
@@ -257,10 +280,10 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 def _bwd_launches(
     dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, causal, q_doc_ids, k_doc_ids,
-    add_dq: bool, add_dkdv: bool, dkdv_cfg: LaunchConfig, dq_cfg: LaunchConfig,
+    add_dq: bool, add_dkdv: bool, dq_final: FinalRows | None, dkdv_cfg: LaunchConfig, dq_cfg: LaunchConfig,
 ) -> tuple[KernelLaunch, KernelLaunch]:  # fmt: skip
     """_attn_bwd_dkdv_kernel then _attn_bwd_dq_kernel, adding dQ into dq if add_dq and dK, dV into dk, dv if
-    add_dkdv, else storing them; inputs checked, lse and delta contiguous."""
+    add_dkdv, else storing them, and dQ's finished rows into dq_final; inputs checked, lse and delta contiguous."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     block_d = _padded_head_dim(head_dim)
@@ -285,16 +308,18 @@ def _bwd_launches(
             num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
         ),
     )  # fmt: skip
+    final_dq, *final_strides, final_lo, final_hi = _final_args(dq_final, dq)
     dq_launch = KernelLaunch(
         _attn_bwd_dq_kernel,
         (triton.cdiv(seqlen_q, dq_cfg.block_m), heads_q, batch),
         (
-            q, k, v, dout, lse, delta, dq, *docs,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-            seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale,
+            q, k, v, dout, lse, delta, dq, *docs, final_dq,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq), *final_strides,
+            seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale, final_lo, final_hi,
         ),
         dict(
-            **common, ACCUMULATE=add_dq, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n,
+            **common, ACCUMULATE=add_dq, HAS_FINAL=dq_final is not None, BLOCK_M=dq_cfg.block_m,
+            BLOCK_N=dq_cfg.block_n,
             num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
         ),
     )  # fmt: skip
@@ -318,6 +343,7 @@ def attn_bwd(
     k_doc_ids: torch.Tensor | None = None,
     add_dq: bool = True,
     add_dkdv: bool = True,
+    dq_final: FinalRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused attention backward: gradients of out = softmax(q k^T * scale) v.
 
@@ -333,8 +359,14 @@ def attn_bwd(
         add_dq, add_dkdv: with accumulators, False stores dQ into dq_acc (add_dq), or dK and dV into dk_acc and
             dv_acc (add_dkdv), instead of adding: whatever they held is ignored, not read. The ring stores both
             at its first step, and dK, dV alone (its share of a block in transit) at later ones.
+        dq_final: with accumulators, rows of dq (the sum, after add_dq) to write, rounded, into dq_final.out
+            instead of dq_acc, whose rows there are then unspecified (ops/final_rows.py): the ring's last
+            step of those rows.
     Returns:
         (dq, dk, dv), new tensors in q's dtype unless accumulators were given.
+    Raises:
+        ValueError, TypeError: bad shapes, dtypes or devices; accumulators not all given, or dq_final without them.
+        RuntimeError: tensors on a device the kernels cannot run on.
     """
     check_attn_inputs(q, k, v)
     check_runnable_device(q)
@@ -345,6 +377,9 @@ def attn_bwd(
     accumulate = dq_acc is not None
     if accumulate != (dk_acc is not None) or accumulate != (dv_acc is not None):
         raise ValueError("dq_acc, dk_acc and dv_acc must be given together or not at all")
+    if dq_final is not None and not accumulate:
+        raise ValueError("dq_final needs the accumulators dq_acc, dk_acc and dv_acc")
+    check_final_rows(dq_final, q, "dq_final")
     if accumulate:
         for name, acc, ref in (("dq_acc", dq_acc, q), ("dk_acc", dk_acc, k), ("dv_acc", dv_acc, v)):
             if acc.shape != ref.shape or acc.stride(-1) != 1:
@@ -356,7 +391,7 @@ def attn_bwd(
     cfgs = _bwd_configs(_padded_head_dim(q.shape[-1]), q.dtype, q.device)
     launches = _bwd_launches(
         dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, causal, q_doc_ids, k_doc_ids,
-        accumulate and add_dq, accumulate and add_dkdv, *cfgs,
+        accumulate and add_dq, accumulate and add_dkdv, dq_final, *cfgs,
     )  # fmt: skip
     with _device_guard(q):
         for launch in launches:

@@ -8,6 +8,7 @@ dtype of their inputs (upcast the inputs for a float64 reference).
 import torch
 from einops import reduce, repeat
 
+from .final_rows import FinalRows, check_final_rows
 from .merge import merge_attn_states_
 
 
@@ -38,6 +39,13 @@ def _scores(q, k, softmax_scale, causal, q_doc_ids=None, k_doc_ids=None) -> torc
     return s
 
 
+def _write_final(final: FinalRows | None, result: torch.Tensor) -> None:
+    """Copy final's rows of result (B, Sq, Hq, D), rounded, into final.out (as the kernels' HAS_FINAL epilogue)."""
+    if final is not None:
+        rows = slice(final.rows.start, final.rows.stop)
+        final.out[:, rows].copy_(result[:, rows])
+
+
 def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """exp(s - lse) with rows of lse = -inf (no visible key) giving 0, never NaN."""
     lse_safe = lse.masked_fill(lse == float("-inf"), float("inf"))
@@ -53,15 +61,18 @@ def attn_fwd_ref(
     out_dtype: torch.dtype | None = None,
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
+    final: FinalRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of attn_fwd: out (B, Sq, Hq, D) in out_dtype (default q.dtype), lse (B, Hq, Sq) fp32
-    (float64 for float64 inputs)."""
+    (float64 for float64 inputs); final's rows also go to final.out (out keeps them too)."""
+    check_final_rows(final, q)
     s = _scores(q, k, softmax_scale, causal, q_doc_ids, k_doc_ids)
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
     lse = torch.logsumexp(s.to(stat_dtype), dim=-1)  # -inf for rows with no visible key
     p = _probs(s.to(stat_dtype), lse).to(v.dtype)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.shape[2]))
-    return out.to(out_dtype or q.dtype), lse
+    out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.shape[2])).to(out_dtype or q.dtype)
+    _write_final(final, out)
+    return out, lse
 
 
 def attn_fwd_merge_ref_(
@@ -74,10 +85,14 @@ def attn_fwd_merge_ref_(
     lse: torch.Tensor,
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
+    final: FinalRows | None = None,
 ) -> None:
-    """Reference of attn_fwd_merge_: attn_fwd_ref in out's dtype, then merge_attn_states_ into (out, lse)."""
+    """Reference of attn_fwd_merge_: attn_fwd_ref in out's dtype, then merge_attn_states_ into (out, lse), then
+    final's rows of the merged out to final.out."""
+    check_final_rows(final, q)
     block_out, block_lse = attn_fwd_ref(q, k, v, softmax_scale, causal, out.dtype, q_doc_ids, k_doc_ids)
     merge_attn_states_(out, lse, block_out, block_lse)
+    _write_final(final, out)
 
 
 def attn_bwd_preprocess_ref(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
@@ -103,10 +118,15 @@ def attn_bwd_ref(
     k_doc_ids: torch.Tensor | None = None,
     add_dq: bool = True,
     add_dkdv: bool = True,
+    dq_final: FinalRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of attn_bwd: P = exp(s - lse); dV = P^T dO; dS = P (dO V^T - delta);
     dQ = scale dS K; dK = scale dS^T Q. Accumulators, when given, are added to in place (dQ stored
-    instead with add_dq False, dK and dV with add_dkdv False)."""
+    instead with add_dq False, dK and dV with add_dkdv False); then dq_final's rows of dq_acc go to
+    dq_final.out."""
+    if dq_final is not None and dq_acc is None:
+        raise ValueError("dq_final needs the accumulators dq_acc, dk_acc and dv_acc")
+    check_final_rows(dq_final, q, "dq_final")
     heads_q, heads_k = q.shape[2], k.shape[2]
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
     if delta is None:
@@ -126,4 +146,5 @@ def attn_bwd_ref(
             acc.add_(g.to(acc.dtype))
         else:
             acc.copy_(g)
+    _write_final(dq_final, dq_acc)
     return dq_acc, dk_acc, dv_acc
