@@ -73,7 +73,6 @@ class RingAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, group, layout, docs=None):
         out, lse = ring_attn_forward(RingComm(group), KERNEL_OPS, q, k, v, softmax_scale, causal, layout, docs)
-        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.group, ctx.layout, ctx.docs = softmax_scale, causal, group, layout, docs
         ctx.mark_non_differentiable(lse)
@@ -86,7 +85,7 @@ class RingAttnFunction(torch.autograd.Function):
             RingComm(ctx.group), KERNEL_OPS, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout,
             ctx.docs,
         )  # fmt: skip
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def check_ring_inputs(

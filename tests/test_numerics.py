@@ -52,21 +52,30 @@ class _QueryPaddingOps(AttnOps):
     `padded_rows(q_block)` gives the rows of a block (a view of one rank's queries) to mask."""
 
     def __new__(cls, ops: AttnOps, padded_rows):
-        def fwd(q, k, v, softmax_scale, causal, out_dtype=None):
-            out, lse = ops.fwd(q, k, v, softmax_scale, causal, out_dtype)
+        def fwd(q, k, v, softmax_scale, causal, out_dtype=None, final=None):
+            out, lse = ops.fwd(q, k, v, softmax_scale, causal, out_dtype, final=final)
             rows = padded_rows(q)
             out[:, rows] = 0
             lse[:, :, rows] = float("-inf")
+            _keep_final(final, rows, 0.0)
             return out, lse
 
-        def fwd_merge_(q, k, v, softmax_scale, causal, out, lse):
+        def fwd_merge_(q, k, v, softmax_scale, causal, out, lse, final=None):
             rows = padded_rows(q)
             kept_out, kept_lse = out[:, rows].clone(), lse[:, :, rows].clone()
-            ops.fwd_merge_(q, k, v, softmax_scale, causal, out, lse)
+            ops.fwd_merge_(q, k, v, softmax_scale, causal, out, lse, final=final)
             out[:, rows] = kept_out
             lse[:, :, rows] = kept_lse
+            _keep_final(final, rows, kept_out)
 
         return super().__new__(cls, fwd, ops.bwd, ops.bwd_preprocess, fwd_merge_)
+
+
+def _keep_final(final, rows: torch.Tensor, value) -> None:
+    """Set the padded `rows` (indices of the call's rows) that `final` finishes to `value`, as out's rows."""
+    if final is not None:
+        mine = (rows >= final.rows.start) & (rows < final.rows.stop)
+        final.out[:, rows[mine]] = value if isinstance(value, float) else value[:, mine].to(final.out.dtype)
 
 
 def test_fully_masked_rows_give_zero_output_and_grads_ring():

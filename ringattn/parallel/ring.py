@@ -10,6 +10,8 @@ Backward: K/V travel the ring again together with fp32 dK/dV accumulators; each 
 its contribution to the accumulators of the block in hand and passes them on, so after W
 steps (and one last hop) every rank holds the full gradient of its own K/V. dQ accumulates
 locally in fp32. Step 0 stores dQ and the own block's accumulators into uninitialised buffers.
+Out and dQ are returned in the inputs' dtype: the task that finishes a row (no later step touches
+it; `finishing_plan`) writes it rounded, straight from the kernel, instead of into the fp32 state.
 
 What one rank computes at one step, given the K/V block in hand, is `own_block_forward` and
 `own_block_backward` at step 0 and `forward_step` and `backward_step` after; the distributed
@@ -17,9 +19,11 @@ loops here and the one-process simulated ring (parallel/simulate.py) both call t
 compute bitwise the same thing.
 """
 
+from typing import NamedTuple
+
 import torch
 
-from ..ops import AttnOps
+from ..ops import AttnOps, FinalRows
 from .comm import RingComm
 from .documents import ShardDocuments
 from .schedule import BlockMode, block_tasks, kv_source_rank
@@ -47,6 +51,67 @@ def _computed_tasks(
             yield task, dict(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
 
 
+def finishing_plan(
+    layout: str, rank: int, world_size: int, causal: bool, seqlen_local: int, docs: ShardDocuments | None = None
+) -> list[list[range]]:
+    """plan[step][i]: the rows of `rank`'s shard that the i-th task `rank` computes at `step` (in the order the step
+    runs them) finishes: the task's query rows that no later task touches. There the task writes out and dQ
+    rounded to their final dtype. Every row is finished by exactly one task, as step 0 computes the whole shard.
+
+    Raises:
+        RuntimeError: a task whose finished rows are not one range (no layout's schedule has one).
+    """
+    touched = [
+        [task.q_rows for task, _ in _computed_tasks(layout, rank, kv_source_rank(rank, step, world_size), world_size,
+                                                    causal, seqlen_local, docs)]
+        for step in range(world_size)
+    ]  # fmt: skip
+    later: list[range] = []
+    plan = []
+    for step_rows in reversed(touched):
+        finished = []
+        for rows in reversed(step_rows):
+            finished.append(_uncovered(rows, later))
+            later.append(rows)
+        plan.append(finished[::-1])
+    return plan[::-1]
+
+
+def _uncovered(rows: range, covered: list[range]) -> range:
+    """The rows of `rows` outside every range of `covered`, as one range (empty, at rows.start, if none)."""
+    pieces = [rows]
+    for c in (c for c in covered if len(c)):
+        pieces = [
+            p for piece in pieces
+            for p in (range(piece.start, min(piece.stop, c.start)), range(max(piece.start, c.stop), piece.stop))
+            if len(p)
+        ]  # fmt: skip
+    if len(pieces) > 1:
+        raise RuntimeError(f"the rows of {rows} no later task touches are not one range: {pieces}")
+    return pieces[0] if pieces else range(rows.start, rows.start)
+
+
+class StepFinal(NamedTuple):
+    """Where a ring step writes the rows it finishes: `out`, the rank's result (B, S_local, H, D) in its final
+    dtype, and `rows`, the step's entry of finishing_plan (the shard rows each of its tasks finishes)."""
+
+    out: torch.Tensor
+    rows: list[range]
+
+
+def _task_final(final: StepFinal | None, i: int, n_tasks: int, q_rows: range) -> FinalRows | None:
+    """The FinalRows of the i-th of a step's n_tasks tasks (query rows q_rows) for the kernel call: a view of
+    final.out over the task's rows, with the rows it finishes counted from q_rows.start; None if it finishes none."""
+    if final is None:
+        return None
+    if len(final.rows) != n_tasks:
+        raise RuntimeError(f"the finishing plan gives {len(final.rows)} tasks for a step of {n_tasks}")
+    finished = final.rows[i]
+    if not len(finished):
+        return None
+    return FinalRows(_rows(final.out, q_rows), range(finished.start - q_rows.start, finished.stop - q_rows.start))
+
+
 def _own_block_task(
     layout: str, rank: int, world_size: int, causal: bool, seqlen_local: int, docs: ShardDocuments | None
 ):
@@ -72,18 +137,21 @@ def own_block_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     docs: ShardDocuments | None = None,
+    final: StepFinal | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 0 of the forward on one rank: q's attention to the rank's own K/V block, which starts the running state.
 
     Args:
         q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards.
+        final: where the rows this step finishes go (finishing_plan's step 0), rounded; None: into out.
     Returns:
         out (B, S_local, Hq, D) and lse (B, Hq, S_local) in state_dtype(q), for forward_step to merge into: the
         same bits as merging the block into the merge's identity (out 0, lse -inf), without filling that
-        identity and reading it back.
+        identity and reading it back. Rows written to final are unspecified in out.
     """
     task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs)
-    return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, state_dtype(q), **doc_ids)
+    return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, state_dtype(q), **doc_ids,
+                   final=_task_final(final, 0, 1, task.q_rows))  # fmt: skip
 
 
 def forward_step(
@@ -100,6 +168,7 @@ def forward_step(
     out: torch.Tensor,
     lse: torch.Tensor,
     docs: ShardDocuments | None = None,
+    final: StepFinal | None = None,
 ) -> None:
     """One ring step of the forward on one rank: merge q's attention to the K/V block of `kv_rank` into (out, lse).
 
@@ -108,8 +177,11 @@ def forward_step(
         out, lse: the running state (from own_block_forward), updated in place.
         docs: packed documents (ring_attn_varlen_func): sub-blocks whose documents never meet are
             skipped, the others masked by document.
+        final: where the rows this step finishes go, rounded, instead of into out (finishing_plan's entry of
+            this step); None: into out.
     """
-    for task, doc_ids in _computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs):
+    tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs))
+    for i, (task, doc_ids) in enumerate(tasks):
         qs, kvs = task.q_rows, task.kv_rows
         ops.fwd_merge_(
             _rows(q, qs),
@@ -120,6 +192,7 @@ def forward_step(
             _rows(out, qs),  # views: the kernel merges into the running state in place
             _rows(lse, qs, 2),
             **doc_ids,
+            final=_task_final(final, i, len(tasks), qs),
         )
 
 
@@ -138,6 +211,7 @@ def own_block_backward(
     lse: torch.Tensor,
     delta: torch.Tensor,
     docs: ShardDocuments | None = None,
+    dq_final: StepFinal | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 0 of the backward on one rank: the gradients of q's attention to the rank's own block, stored into new
     state_dtype(q) buffers (nothing zeroed, nothing read back): this rank's dq and its own block's dK, dV
@@ -146,8 +220,9 @@ def own_block_backward(
     Args:
         dout, q, out: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards;
         lse, delta: (B, Hq, S_local), the global lse and rowsum(dout * out).
+        dq_final: where the dq rows this step finishes go, rounded, as own_block_forward's final.
     Returns:
-        dq, dk, dv shaped like q, k, v, in state_dtype(q).
+        dq, dk, dv shaped like q, k, v, in state_dtype(q) (dq's rows written to dq_final unspecified).
     """
     task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs)
     dtype = state_dtype(q)
@@ -155,6 +230,7 @@ def own_block_backward(
     return ops.bwd(
         dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, delta=delta,
         dq_acc=dq, dk_acc=dk, dv_acc=dv, **doc_ids, add_dq=False, add_dkdv=False,
+        dq_final=_task_final(dq_final, 0, 1, task.q_rows),
     )  # fmt: skip
 
 
@@ -178,6 +254,7 @@ def backward_step(
     dv_acc: torch.Tensor,
     docs: ShardDocuments | None = None,
     add_dkdv: bool = True,
+    dq_final: StepFinal | None = None,
 ) -> list[range]:
     """One ring step of the backward on one rank: add the gradients of q's attention to the block of `kv_rank`
     into dq (this rank's) and dk_acc, dv_acc (the accumulators of the block in hand), in place.
@@ -188,6 +265,7 @@ def backward_step(
         docs: packed documents, as in forward_step.
         add_dkdv: False stores the block's dK, dV into the rows of dk_acc, dv_acc it computes instead of adding
             (for a step of at most one task, which block_tasks gives whenever kv_rank != rank).
+        dq_final: where the dq rows this step finishes go, rounded, instead of into dq (as forward_step's final).
     Returns:
         the K/V rows whose dK, dV were added or stored, one range per computed task.
     """
@@ -195,7 +273,7 @@ def backward_step(
     if not add_dkdv and len(tasks) > 1:  # a second stored share would overwrite the first's rows
         raise RuntimeError(f"add_dkdv=False needs at most one task; rank {rank}, kv_rank {kv_rank} has {len(tasks)}")
     rows = []
-    for task, doc_ids in tasks:
+    for i, (task, doc_ids) in enumerate(tasks):
         qs, kvs = task.q_rows, task.kv_rows
         rows.append(kvs)
         ops.bwd(
@@ -213,6 +291,7 @@ def backward_step(
             dv_acc=_rows(dv_acc, kvs),
             **doc_ids,
             add_dkdv=add_dkdv,
+            dq_final=_task_final(dq_final, i, len(tasks), qs),
         )
     return rows
 
@@ -272,31 +351,34 @@ def ring_attn_forward(
             ("contiguous" or "zigzag"; S_local even for "zigzag").
         docs: packed documents (B = 1): attention stays inside each document.
     Returns:
-        out (B, S_local, Hq, D) and lse (B, Hq, S_local), both fp32 (float64 for float64 inputs); with
-        W = 1, out in q's dtype (the whole sequence is here: one fused call, no state to merge).
+        out (B, S_local, Hq, D) in q's dtype (each row rounded from the fp32 state by the step that finishes it;
+        with W = 1 one fused call) and lse (B, Hq, S_local) fp32 (float64 for float64 inputs).
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
     if comm.world_size == 1:
         task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs)
         return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
+    plan = finishing_plan(layout, comm.rank, comm.world_size, causal, q.shape[1], docs)
+    finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # out, each row written once, rounded
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(comm.world_size):
         last = step == comm.world_size - 1
         if not last:
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit(f"forward step {step} (K/V)")
+        final = StepFinal(finished, plan[step])
         if step == 0:
             out, lse = own_block_forward(ops, layout, comm.rank, comm.world_size, causal, softmax_scale, q, k_cur,
-                                         v_cur, docs)  # fmt: skip
+                                         v_cur, docs, final)  # fmt: skip
         else:
             kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
             forward_step(ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale, q, k_cur, v_cur,
-                         out, lse, docs)  # fmt: skip
+                         out, lse, docs, final)  # fmt: skip
         if not last:
             comm.wait()
             k_cur, v_cur = k_next, v_next
-    return out, lse
+    return finished, lse
 
 
 def ring_attn_backward(
@@ -320,9 +402,9 @@ def ring_attn_backward(
         lse: (B, Hq, S_local) fp32, the global normaliser from the forward.
         layout, docs: what the forward ran with.
     Returns:
-        dq, dk, dv shaped like q, k, v: dq in fp32 (float64 for float64 inputs); dk and dv in k's dtype
-        (their complete sums are rounded before the last hop, which then carries half the bytes of fp32:
-        the same rounding as after it). With W = 1 all three in the inputs' dtype, from one fused call.
+        dq, dk, dv shaped like q, k, v, in the inputs' dtype: each dq row rounded from its fp32 sum by the step
+        that finishes it; dk and dv rounded with their last share, before the last hop, which then carries half
+        the bytes of fp32 (the same rounding as after it). With W = 1 from one fused call.
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
@@ -331,6 +413,8 @@ def ring_attn_backward(
         task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs)
         return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
     delta = ops.bwd_preprocess(out, dout)
+    plan = finishing_plan(layout, comm.rank, world_size, causal, q.shape[1], docs)
+    dq_finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # each row written once, rounded
     # this rank's share of a later step's block
     share_k, share_v = (torch.empty(t.shape, dtype=state_dtype(q), device=t.device) for t in (k, v))
     k_cur, v_cur = k.contiguous(), v.contiguous()
@@ -340,9 +424,10 @@ def ring_attn_backward(
     comm.commit("backward step 0 (K/V)")
     dk_in = dv_in = None  # accumulators of the block in hand, from the ranks that held it before
     for step in range(world_size):
+        dq_final = StepFinal(dq_finished, plan[step])
         if step == 0:  # dq and the accumulators of this rank's own block
             dq, dk, dv = own_block_backward(ops, layout, comm.rank, world_size, causal, softmax_scale, dout, q, k_cur,
-                                            v_cur, out, lse, delta, docs)  # fmt: skip
+                                            v_cur, out, lse, delta, docs, dq_final)  # fmt: skip
         else:
             # From step 1 on the accumulators arrive only after the kernels (they overlap the transfer): the kernels
             # store this rank's share, which is then added to the arrived accumulators, in the rows it covers.
@@ -350,6 +435,7 @@ def ring_attn_backward(
             rows = backward_step(
                 ops, layout, comm.rank, kv_rank, world_size, causal, softmax_scale,
                 dout, q, k_cur, v_cur, out, lse, delta, dq, share_k, share_v, docs, add_dkdv=False,
+                dq_final=dq_final,
             )  # fmt: skip
         comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
         if step > 0:
@@ -365,4 +451,4 @@ def ring_attn_backward(
                 k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
         comm.commit(f"backward step {step + 1} (dK/dV and K/V)")
     comm.wait()
-    return dq, dk_in, dv_in
+    return dq_finished, dk_in, dv_in

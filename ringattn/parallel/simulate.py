@@ -14,7 +14,17 @@ import torch
 
 from ..ops import AttnOps
 from .layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
-from .ring import add_share_, add_share_rounded, backward_step, forward_step, own_block_backward, own_block_forward
+from .ring import (
+    StepFinal,
+    add_share_,
+    add_share_rounded,
+    backward_step,
+    finishing_plan,
+    forward_step,
+    own_block_backward,
+    own_block_forward,
+    state_dtype,
+)
 from .schedule import kv_source_rank
 
 
@@ -31,15 +41,18 @@ def simulate_ring_forward(
     softmax_scale: float,
     causal: bool,
     layout: str = "contiguous",
+    out_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The forward of a ring of W = len(q_shards) ranks, run in this process.
 
     Args:
         q_shards: W tensors (B, S_local, Hq, D), rank r's queries in `layout`.
         k_shards, v_shards: W tensors (B, S_local, Hkv, D).
+        out_dtype: the dtype the finishing step of each row writes out in, as ring_attn_forward writes q's dtype;
+            None: state_dtype (fp32, or float64 for float64 inputs), the unrounded result.
     Returns:
-        [(out, lse)] per rank: out (B, S_local, Hq, D), lse (B, Hq, S_local), fp32 (float64 for
-        float64 inputs), as ring.ring_attn_forward returns them on that rank when W > 1 (also for W = 1 here).
+        [(out, lse)] per rank: out (B, S_local, Hq, D) in out_dtype, lse (B, Hq, S_local) in state_dtype, as
+        ring.ring_attn_forward returns them on that rank when W > 1 (also for W = 1 here).
     Raises:
         ValueError: shard lists of different lengths, an unknown layout, an odd S_local with "zigzag".
     """
@@ -48,10 +61,13 @@ def simulate_ring_forward(
     _check_shards("v_shards", v_shards, world_size)
     k_shards = [k.contiguous() for k in k_shards]  # what the real ring holds: its own block, then received copies
     v_shards = [v.contiguous() for v in v_shards]
+    plans = [finishing_plan(layout, rank, world_size, causal, q.shape[1]) for rank, q in enumerate(q_shards)]
+    finished = [torch.empty(q.shape, dtype=out_dtype or state_dtype(q), device=q.device) for q in q_shards]
     states = [
-        own_block_forward(ops, layout, rank, world_size, causal, softmax_scale, q, k, v)
+        own_block_forward(ops, layout, rank, world_size, causal, softmax_scale, q, k, v,
+                          final=StepFinal(finished[rank], plans[rank][0]))
         for rank, (q, k, v) in enumerate(zip(q_shards, k_shards, v_shards, strict=True))
-    ]
+    ]  # fmt: skip
     for step in range(1, world_size):
         for rank in range(world_size):
             kv = kv_source_rank(rank, step, world_size)
@@ -59,8 +75,9 @@ def simulate_ring_forward(
             forward_step(
                 ops, layout, rank, kv, world_size, causal, softmax_scale,
                 q_shards[rank], k_shards[kv], v_shards[kv], out, lse,
+                final=StepFinal(finished[rank], plans[rank][step]),
             )  # fmt: skip
-    return states
+    return [(finished[rank], lse) for rank, (_, lse) in enumerate(states)]
 
 
 def simulate_ring_backward(
@@ -82,11 +99,11 @@ def simulate_ring_backward(
         dout_shards, out_shards: W tensors (B, S_local, Hq, D); out as the forward returned it.
         q_shards, k_shards, v_shards: as in simulate_ring_forward.
         lse_shards: W tensors (B, Hq, S_local), the global lse from the forward.
-        grad_dtype: round dk, dv to it together with each block's last share (W > 1), as ring_attn_backward
-            does with the inputs' dtype; None keeps them unrounded.
+        grad_dtype: the dtype of the gradients, as ring_attn_backward returns the inputs' dtype: the finishing
+            step of each dq row writes it in grad_dtype, and dk, dv are rounded to it with each block's last
+            share (W > 1). None: state_dtype (fp32, or float64 for float64 inputs), unrounded.
     Returns:
-        [(dq, dk, dv)] per rank, shaped like that rank's q, k, v: dq fp32 (float64 for float64 inputs), dk and
-        dv too, or in grad_dtype.
+        [(dq, dk, dv)] per rank, shaped like that rank's q, k, v, in grad_dtype or state_dtype.
     """
     world_size = len(q_shards)
     for name, shards in (("dout", dout_shards), ("k", k_shards), ("v", v_shards), ("out", out_shards)):
@@ -95,10 +112,13 @@ def simulate_ring_backward(
     k_shards = [k.contiguous() for k in k_shards]
     v_shards = [v.contiguous() for v in v_shards]
     deltas = [ops.bwd_preprocess(o, d) for o, d in zip(out_shards, dout_shards, strict=True)]
+    plans = [finishing_plan(layout, rank, world_size, causal, q.shape[1]) for rank, q in enumerate(q_shards)]
+    dq_finished = [torch.empty(q.shape, dtype=grad_dtype or state_dtype(q), device=q.device) for q in q_shards]
     # as ring_attn_backward: step 0 stores dq and the own block's accumulators, later shares are stored then added
     grads = [
         own_block_backward(ops, layout, rank, world_size, causal, softmax_scale, dout_shards[rank], q_shards[rank],
-                           k_shards[rank], v_shards[rank], out_shards[rank], lse_shards[rank], deltas[rank])
+                           k_shards[rank], v_shards[rank], out_shards[rank], lse_shards[rank], deltas[rank],
+                           dq_final=StepFinal(dq_finished[rank], plans[rank][0]))
         for rank in range(world_size)
     ]  # fmt: skip
     dq = [g[0] for g in grads]
@@ -112,12 +132,13 @@ def simulate_ring_backward(
                 ops, layout, rank, kv, world_size, causal, softmax_scale,
                 dout_shards[rank], q_shards[rank], k_shards[kv], v_shards[kv], out_shards[rank],
                 lse_shards[rank], deltas[rank], dq[rank], share_k, share_v, add_dkdv=False,
+                dq_final=StepFinal(dq_finished[rank], plans[rank][step]),
             )  # fmt: skip
             if step == world_size - 1 and grad_dtype is not None:
                 dk_acc[kv], dv_acc[kv] = add_share_rounded(dk_acc[kv], dv_acc[kv], share_k, share_v, rows, grad_dtype)
             else:
                 add_share_(dk_acc[kv], dv_acc[kv], share_k, share_v, rows)
-    return [(dq[r], dk_acc[r], dv_acc[r]) for r in range(world_size)]
+    return [(dq_finished[r], dk_acc[r], dv_acc[r]) for r in range(world_size)]
 
 
 def simulate_ring_attn(

@@ -7,7 +7,9 @@ import torch.distributed as dist
 
 import ringattn
 from ringattn.ops import REFERENCE_OPS
-from ringattn.parallel import LAYOUTS, RingComm, ring_attn_backward, ring_attn_forward, shard_indices
+from ringattn.parallel import LAYOUTS, RingComm, kv_source_rank, ring_attn_backward, ring_attn_forward, shard_indices
+from ringattn.parallel.documents import ShardDocuments
+from ringattn.parallel.ring import _computed_tasks, _uncovered, finishing_plan
 from ringattn.testing import check_close, magnitude
 from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
 from tests.utils import make_qkv, reference_attention
@@ -226,3 +228,48 @@ def test_last_share_is_added_and_rounded_in_one_pass(rows):
     got = ring.add_share_rounded(*acc, *share, rows, torch.bfloat16)
     for g, e in zip(got, expected, strict=True):
         assert g.dtype == torch.bfloat16 and torch.equal(g, e.to(torch.bfloat16))
+
+
+def _check_finishing_plan(layout, world_size, causal, seqlen_local, docs=None):
+    for rank in range(world_size):
+        plan = finishing_plan(layout, rank, world_size, causal, seqlen_local, docs)
+        touched = [
+            [t.q_rows for t, _ in _computed_tasks(layout, rank, kv_source_rank(rank, step, world_size), world_size,
+                                                  causal, seqlen_local, docs)]
+            for step in range(world_size)
+        ]  # fmt: skip
+        assert [len(p) for p in plan] == [len(t) for t in touched]
+        finisher = {}  # row -> (step, task) that finishes it
+        for step, (finished, rows) in enumerate(zip(plan, touched, strict=True)):
+            for i, (f, r) in enumerate(zip(finished, rows, strict=True)):
+                assert set(f) <= set(r)
+                for row in f:
+                    assert row not in finisher, f"rank {rank}: row {row} finished twice"
+                    finisher[row] = (step, i)
+        assert sorted(finisher) == list(range(seqlen_local)), f"rank {rank}: rows left unfinished"
+        for row, (step, i) in finisher.items():  # no task after the finishing one touches the row
+            later = [r for s in range(step, world_size) for j, r in enumerate(touched[s]) if (s, j) > (step, i)]
+            assert all(row not in r for r in later), f"rank {rank}: row {row} touched after it was finished"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_finishing_plan_finishes_every_row_once_at_its_last_task(layout, causal):
+    """Every row of every rank's shard is finished (written rounded) by exactly one task, the last that touches
+    it: W = 1 ... 6, and with packed documents whose blocks are skipped where they do not meet."""
+    for world_size in range(1, 7):
+        _check_finishing_plan(layout, world_size, causal, 12)
+    cu = torch.tensor([0, 1, 2, 9, 10, 17, 24], dtype=torch.int32)
+    _check_finishing_plan(layout, 3, causal, 8, ShardDocuments(cu, 8, 3, layout, "cpu"))
+
+
+def test_finishing_plan_of_zigzag_finishes_the_first_chunk_at_the_last_step_that_sees_it():
+    """Zigzag causal, W = 4, rank 2: its first chunk is last touched at step 2 (kv block 0, all queries against
+    the block's first chunk); its second chunk at step 3 (kv block 3, the second chunk against the whole block)."""
+    plan = finishing_plan("zigzag", 2, 4, True, 8)
+    assert plan == [[range(0, 0)], [range(0, 0)], [range(0, 4)], [range(4, 8)]]
+
+
+def test_finishing_rows_that_are_not_one_range_raise():
+    with pytest.raises(RuntimeError, match="not one range"):
+        _uncovered(range(0, 10), [range(3, 5)])

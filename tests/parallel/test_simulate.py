@@ -7,7 +7,7 @@ import torch
 import ringattn
 from ringattn.ops import KERNEL_OPS, REFERENCE_OPS
 from ringattn.parallel import LAYOUTS, shard_indices
-from ringattn.parallel.simulate import simulate_ring_attn, simulate_ring_forward
+from ringattn.parallel.simulate import simulate_ring_attn, simulate_ring_backward, simulate_ring_forward
 from ringattn.testing import max_abs_error
 from tests.distributed import run_ranks
 from tests.utils import make_qkv, reference_attention
@@ -34,6 +34,28 @@ def test_simulate_rejects_mismatched_shard_lists():
         simulate_ring_forward(REFERENCE_OPS, [q, q], [q], [q, q], 1.0, False)
     with pytest.raises(ValueError, match=r"q.shape\[1\] = 6 must be a non-negative multiple of 4"):
         simulate_ring_attn(REFERENCE_OPS, q[:, :3].repeat(1, 2, 1, 1), q, q, 1.0, False, 2, "zigzag")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_finishing_steps_round_out_and_dq_as_a_cast_would(layout, causal):
+    """out and dq written in fp16 by the kernel of the step that finishes each row are bit for bit the fp32 ring
+    results rounded afterwards, and dk, dv rounded with their last share too (W = 3, kernels, fp32 inputs)."""
+    world_size, seqlen = 3, 3 * 22  # zigzag: chunks of 11, which start and end inside kernel tiles
+    q, k, v, dout = make_qkv(1, seqlen, seqlen, 2, 1, 16, torch.float32, seed=21)
+    idx = [shard_indices(seqlen, r, world_size, layout) for r in range(world_size)]
+    qs, ks, vs, douts = ([t[:, i] for i in idx] for t in (q, k, v, dout))
+    runs = {}
+    for dtype in (None, torch.float16):
+        states = simulate_ring_forward(KERNEL_OPS, qs, ks, vs, 0.3, causal, layout, dtype)
+        outs, lses = [s_[0] for s_ in states], [s_[1] for s_ in states]
+        outs_in = [o.to(torch.float16).float() for o in outs]  # the same backward inputs for both runs
+        grads = simulate_ring_backward(KERNEL_OPS, douts, qs, ks, vs, outs_in, lses, 0.3, causal, layout, dtype)
+        runs[dtype] = [(o, lse, *g) for o, lse, g in zip(outs, lses, grads, strict=True)]
+    for rank in range(world_size):
+        for name, rounded, full in zip(NAMES, runs[torch.float16][rank], runs[None][rank], strict=True):
+            expected = full if name == "lse" else full.to(torch.float16)
+            assert rounded.dtype == expected.dtype and torch.equal(rounded, expected), f"rank {rank} {name}"
 
 
 SIM_SHAPE = dict(batch=1, seqlen_local=22, heads_q=2, heads_k=1, head_dim=16)
