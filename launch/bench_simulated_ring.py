@@ -14,9 +14,9 @@ block, in both layouts). Providers, each timed "fwd" and "fwd+bwd":
 - fused: ringattn.ops.attn_fwd (out in bf16), then attn_bwd, over the whole sequence, as
   FlashAttnFunction runs them. Timed once per (S, causal); cells with the same S repeat the numbers.
 - simulated_ring: parallel/simulate.py with KERNEL_OPS, on shards split once outside the timed calls
-  (shard_indices): simulate_ring_forward and the cast of every rank's fp32 out to bf16, then
-  simulate_ring_backward (which takes the bf16 out, and rounds dK, dV to bf16 with their last share, as
-  ring_attn_backward does) and the cast of the fp32 dq to bf16: what RingAttnFunction does on every
+  (shard_indices): simulate_ring_forward, then simulate_ring_backward (which takes the bf16 out), both
+  returning bf16 as ring_attn_forward and ring_attn_backward do (out and dq rounded by the kernel of the
+  step that finishes each row, dK and dV with their last share): what RingAttnFunction does on every
   rank, summed over the W ranks, without communication.
 Before any timing, the ring's out, dq, dk, dv must be within 1e-2 relative L2 error of the fused call's
 (a failing cell is recorded with "error" and not timed; the script then exits with status 1).
@@ -29,14 +29,19 @@ causal, rank 1 holding kv block 0 of W = 2), against the public attn_fwd (out in
 (delta computed inside) on the same block: providers block_step and block_public, modes fwd and bwd.
 
 Timing: triton.testing.do_bench median (--warmup, --rep in ms), no host syncs inside the timed calls.
-TFLOP/s: forward 4 B H S^2 D (x 0.5 causal), fwd+bwd 3.5x, bwd 2.5x. peak_bytes: peak allocated during
-one call above what was allocated before it (inputs and shards excluded). overhead: ms / fused ms - 1
-(block_step: / block_public ms - 1). Writes [env, *records] to --out after every cell and prints
+The ring and the fused call it is compared with are timed in turn, --rounds times each (fused, ring,
+fused, ring, ...), and each side's median is kept, so drift in the GPU's speed during a run (a few
+percent between minutes) falls on both: a ring record holds its paired fused_ms, and its overhead is
+ms / fused_ms - 1 (block_step: / block_public ms - 1, timed once each). The fused records hold the
+fused call's first timing. TFLOP/s: forward 4 B H S^2 D (x 0.5 causal), fwd+bwd 3.5x, bwd 2.5x.
+peak_bytes: peak allocated during one call above what was allocated before it (inputs and shards
+excluded). Writes [env, *records] to --out after every cell and prints
 markdown tables. Default grid: 6 (W, S_local) cells x 2 layouts x 2 modes causal, plus 2 non-causal:
-26 ring records, 14 fused ones and 8 block records; about 2.5 minutes on an H200.
+26 ring records, 14 fused ones and 8 block records; about 5 minutes on an H200 with --rounds 3.
 """
 
 import argparse
+import statistics
 import sys
 
 import torch
@@ -59,7 +64,8 @@ from ringattn.parallel.simulate import simulate_ring_backward, simulate_ring_for
 
 MAX_RELATIVE_ERROR = 1e-2
 NAMES = ("out", "dq", "dk", "dv")  # checked against the fused call
-TINY = dict(world_sizes=[2, 3], seqlens_local=[32], heads=2, kv_heads=1, head_dim=16, full_cells=["all"], out=None)
+TINY = dict(world_sizes=[2, 3], seqlens_local=[32], heads=2, kv_heads=1, head_dim=16, full_cells=["all"], rounds=1,
+            out=None)  # fmt: skip
 # the block of the block entry point: (layout, rank, kv_rank, world_size, causal) of a full off-diagonal step
 BLOCK_STEP = ("contiguous", 1, 0, 2, True)
 
@@ -79,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on a GPU, fp32 on CPU")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timings of the ring and its fused call")
     parser.add_argument("--no-block", action="store_true", help="skip the block entry point section")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/benchmarks/simulated_ring_h200.json", help="JSON path")
@@ -131,28 +138,33 @@ def fused_calls(q, k, v, dout, scale: float, causal: bool):
 
 
 def ring_calls(shards, scale: float, causal: bool, layout: str):
-    """(fwd, fwd+bwd) closures of the simulated ring on pre-split shards (q, k, v, dout lists), with the
-    casts RingAttnFunction makes; fwd+bwd returns (outs, dqs, dks, dvs), lists over the ranks."""
+    """(fwd, fwd+bwd) closures of the simulated ring on pre-split shards (q, k, v, dout lists), returning the
+    inputs' dtype as RingAttnFunction does; fwd+bwd returns (outs, dqs, dks, dvs), lists over the ranks."""
     qs, ks, vs, douts = shards
     dtype = qs[0].dtype
 
     def fwd():
-        states = simulate_ring_forward(KERNEL_OPS, qs, ks, vs, scale, causal, layout)
-        return [out.to(dtype) for out, _ in states], [lse for _, lse in states]
+        states = simulate_ring_forward(KERNEL_OPS, qs, ks, vs, scale, causal, layout, dtype)
+        return [out for out, _ in states], [lse for _, lse in states]
 
     def fwd_bwd():
         outs, lses = fwd()
         grads = simulate_ring_backward(KERNEL_OPS, douts, qs, ks, vs, outs, lses, scale, causal, layout, dtype)
-        return (outs, *([g[i].to(dtype) for g in grads] for i in range(3)))  # dk, dv: already in dtype
+        return (outs, *([g[i] for g in grads] for i in range(3)))
 
     return fwd, fwd_bwd
 
 
-def measure(fn, args, peak_bytes: int | None = None) -> dict:
-    """Median ms of fn(), and its peak bytes: given (from an earlier call), else from one more call (GPU)."""
+def peak_of(fn, args, peak_bytes: int | None = None) -> int | None:
+    """fn()'s peak bytes: given (from an earlier call), else from one more call (GPU; None on the CPU)."""
     if peak_bytes is None and args.device.type == "cuda":
         peak_bytes = run_measuring_peak(fn, args.device)[1]
-    return dict(ms=time_ms(fn, args.warmup, args.rep), peak_bytes=peak_bytes)
+    return peak_bytes
+
+
+def measure(fn, args, peak_bytes: int | None = None) -> dict:
+    """Median ms of fn(), and its peak bytes (peak_of)."""
+    return dict(ms=time_ms(fn, args.warmup, args.rep), peak_bytes=peak_of(fn, args, peak_bytes))
 
 
 def bench_cell(world_size: int, seqlen_local: int, args, fused_cache: dict) -> list[dict]:
@@ -171,15 +183,26 @@ def bench_cell(world_size: int, seqlen_local: int, args, fused_cache: dict) -> l
                                            "fwd+bwd": measure(fused_fwd_bwd, args, fb_peak)}  # fmt: skip
         for mode, result in fused_cache[seqlen, causal].items():
             records.append(_record("fused", shape, None, causal, mode, result))
+        fused = {"fwd": fused_fwd, "fwd+bwd": fused_fwd_bwd}
         for layout in args.layouts if causal else args.layouts[:1]:
-            records += bench_ring(q, k, v, dout, shape, layout, causal, expected, fused_cache[seqlen, causal], args)
+            records += bench_ring(q, k, v, dout, shape, layout, causal, expected, fused, args)
         del expected
     return records
 
 
+def paired_ms(fused_fn, ring_fn, args) -> tuple[float, float]:
+    """(fused ms, ring ms): medians of args.rounds timings of each, taken in turn."""
+    fused, ring = [], []
+    for _ in range(args.rounds):
+        fused.append(time_ms(fused_fn, args.warmup, args.rep))
+        ring.append(time_ms(ring_fn, args.warmup, args.rep))
+    return statistics.median(fused), statistics.median(ring)
+
+
 def bench_ring(q, k, v, dout, shape: dict, layout: str, causal: bool, expected, fused: dict, args) -> list[dict]:
     """Records of the simulated ring in one layout: checked against `expected` (the fused call's out, dq, dk, dv),
-    then timed; overheads against `fused` ({mode: {"ms": ...}}). One "error" record if the check fails."""
+    then timed in turn with the fused call (`fused`: {mode: closure}, paired_ms). One "error" record if the check
+    fails."""
     seqlen, world_size = shape["S"], shape["W"]
     idx = [shard_indices(seqlen, r, world_size, layout, device=args.device) for r in range(world_size)]
     shards = [[t.index_select(1, i) for i in idx] for t in (q, k, v, dout)]
@@ -191,10 +214,12 @@ def bench_ring(q, k, v, dout, shape: dict, layout: str, causal: bool, expected, 
         error = f"relative L2 error against the fused call: {errors}"
         print(f"W={world_size} S_local={shape['S_local']} {layout} causal={causal}: {error}", flush=True)
         return [dict(provider="simulated_ring", **shape, layout=layout, causal=causal, error=error)]
-    return [
-        _record("simulated_ring", shape, layout, causal, mode, measure(fn, args, peak), fused[mode]["ms"])
-        for mode, fn, peak in (("fwd", ring_fwd, None), ("fwd+bwd", ring_fwd_bwd, fb_peak))
-    ]
+    records = []
+    for mode, fn, peak in (("fwd", ring_fwd, None), ("fwd+bwd", ring_fwd_bwd, fb_peak)):
+        fused_ms, ring_ms = paired_ms(fused[mode], fn, args)
+        result = dict(ms=ring_ms, peak_bytes=peak_of(fn, args, peak))
+        records.append(_record("simulated_ring", shape, layout, causal, mode, result, fused_ms))
+    return records
 
 
 def _record(provider: str, shape: dict, layout, causal: bool, mode: str, result: dict, baseline_ms=None) -> dict:
@@ -202,6 +227,7 @@ def _record(provider: str, shape: dict, layout, causal: bool, mode: str, result:
     rec = dict(provider=provider, **shape, layout=layout, causal=causal, mode=mode, ms=result["ms"], tflops=tflops,
                peak_bytes=result["peak_bytes"])  # fmt: skip
     if baseline_ms is not None:
+        rec["fused_ms" if provider == "simulated_ring" else "public_ms"] = baseline_ms
         rec["overhead"] = result["ms"] / baseline_ms - 1
     line = f"{provider:15} W={shape['W']} S_local={shape['S_local']:>6} {layout or '-':10} causal={causal!s:5} "
     line += f"{mode:8} {rec['ms']:9.3f} ms {tflops:6.1f} TFLOP/s"
@@ -252,7 +278,7 @@ def bench_block(seqlen_local: int, args) -> list[dict]:
 
 
 def ring_table(records: list[dict]) -> str:
-    """One row per ring configuration: fused and ring ms per mode, overheads, ring TFLOP/s, peak memory."""
+    """One row per ring configuration: paired fused and ring ms per mode, overheads, ring TFLOP/s, peak memory."""
     by_key: dict = {}
     for r in records:
         if "ms" in r and r["provider"] in ("fused", "simulated_ring"):
@@ -266,8 +292,8 @@ def ring_table(records: list[dict]) -> str:
             if None in fused or None in ring:
                 continue
             rows.append([s_local, world_size, s_local * world_size, layout, "yes" if causal else "no",
-                         *(f"{r['ms']:.2f}" for r in (fused[0], ring[0])), f"{100 * ring[0]['overhead']:+.1f}%",
-                         *(f"{r['ms']:.2f}" for r in (fused[1], ring[1])), f"{100 * ring[1]['overhead']:+.1f}%",
+                         f"{ring[0]['fused_ms']:.2f}", f"{ring[0]['ms']:.2f}", f"{100 * ring[0]['overhead']:+.1f}%",
+                         f"{ring[1]['fused_ms']:.2f}", f"{ring[1]['ms']:.2f}", f"{100 * ring[1]['overhead']:+.1f}%",
                          f"{ring[1]['tflops']:.0f}", _gib(fused[1]), _gib(ring[1])])  # fmt: skip
     head = ["S_local", "W", "S", "layout", "causal", "fused fwd ms", "ring fwd ms", "fwd overhead",
             "fused f+b ms", "ring f+b ms", "f+b overhead", "ring f+b TFLOP/s", "fused f+b peak GiB",
