@@ -35,9 +35,9 @@ percent between minutes) falls on both: a ring record holds its paired fused_ms,
 ms / fused_ms - 1 (block_step: / block_public ms - 1, timed once each). The fused records hold the
 fused call's first timing. TFLOP/s: forward 4 B H S^2 D (x 0.5 causal), fwd+bwd 3.5x, bwd 2.5x.
 peak_bytes: peak allocated during one call above what was allocated before it (inputs and shards
-excluded). Writes [env, *records] to --out after every cell and prints
-markdown tables. Default grid: 6 (W, S_local) cells x 2 layouts x 2 modes causal, plus 2 non-causal:
-26 ring records, 14 fused ones and 8 block records; about 5 minutes on an H200 with --rounds 3.
+excluded). Writes [env, *records] to --out after every cell and prints markdown tables. Default grid:
+6 (W, S_local) cells x 2 layouts x 2 modes causal, plus 2 non-causal: 26 ring records, 14 fused ones
+and 8 block records; about 6 minutes on an H200 (343 s with --rounds 3).
 """
 
 import argparse
