@@ -79,6 +79,8 @@ CASES = [
          env={P2P_TIMEOUT_ENV: "soon"}),
     Case("tma-env", dict(), ValueError, r"\$RINGATTN_FWD_TMA must be 0 or 1, got 'yes'",
          env={"RINGATTN_FWD_TMA": "yes"}),
+    Case("bwd-streams-env", dict(), ValueError, r"\$RINGATTN_BWD_STREAMS must be 0 or 1, got 'on'", ring_only=True,
+         env={"RINGATTN_BWD_STREAMS": "on"}),
 ]  # fmt: skip
 if DEVICE.type == "cpu":
     CASES.append(

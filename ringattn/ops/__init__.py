@@ -11,6 +11,7 @@ from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd, attn_fwd_merge_, fwd_
 from .attn_ref import attn_bwd_preprocess_ref, attn_bwd_ref, attn_fwd_merge_ref_, attn_fwd_ref
 from .final_rows import FinalRows
 from .merge import merge_attn_states_
+from .streams import bwd_streams_enabled
 
 
 class AttnOps(NamedTuple):
@@ -39,6 +40,7 @@ __all__ = [
     "attn_fwd_merge_",
     "attn_fwd_merge_ref_",
     "attn_fwd_ref",
+    "bwd_streams_enabled",
     "fwd_tma_enabled",
     "merge_attn_states_",
 ]

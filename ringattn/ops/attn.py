@@ -17,6 +17,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from ..kernels.attn_fwd import _attn_fwd_kernel
 from .final_rows import FinalRows, check_final_rows
+from .streams import bwd_on_two_streams, run_side_by_side
 from .validation import check_attn_inputs, check_attn_state, check_doc_ids, check_runnable_device
 
 LOG2E = math.log2(math.e)
@@ -394,6 +395,9 @@ def attn_bwd(
         accumulate and add_dq, accumulate and add_dkdv, dq_final, *cfgs,
     )  # fmt: skip
     with _device_guard(q):
-        for launch in launches:
-            launch()
+        if bwd_on_two_streams(q, k, causal):  # dK/dV on a side stream, dQ on the current one (ops/streams.py)
+            run_side_by_side(*launches, q.device)
+        else:
+            for launch in launches:
+                launch()
     return dq, dk, dv
