@@ -4,11 +4,11 @@ so that the programs of one fill the SMs the other's last wave leaves idle, on o
     PYTHONPATH=. python3 launch/bench_bwd_streams.py --out docs/benchmarks/bwd_streams_h200.json
 
 The two kernels read the same inputs and write different outputs, so they may run at once. Variants:
-- serial: dK/dV, then dQ, on the current stream (attn_bwd as it is);
+- serial: dK/dV, then dQ, on the current stream (attn_bwd's way for long backwards, and before for all);
 - dkdv_high: dK/dV on a high-priority side stream, dQ on the current one (the SMs go to dK/dV's programs
   first, dQ's fill what it leaves);
 - dq_high: the same with the roles swapped;
-- side_same: dK/dV on a side stream of the current stream's priority.
+- side_same: dK/dV on a side stream of the current stream's priority (attn_bwd's way for short backwards).
 Forms: "public" (attn_bwd: bf16 results stored), "ring_step" (a later ring step: dQ added into fp32, the dK/dV
 share stored in fp32) and "own_block" (step 0: fp32 dQ, dK, dV stored). Every variant's results are checked
 bitwise against serial's before timing. Each variant is timed --rounds times in turn with the others (do_bench
