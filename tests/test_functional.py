@@ -72,7 +72,6 @@ CASES = [
          ValueError, r"q.shape\[1\] = 7 must be divisible by 2 for layout 'zigzag'", ring_only=True),
     Case("ring-group-type", dict(group="world"), TypeError,
          "group must be a torch.distributed.ProcessGroup or None, got str", ring_only=True),
-    Case("ring-cpu-on-nccl", dict(backend="nccl"), ValueError, "the group's backend is nccl", ring_only=True),
     Case("ring-agreement-env", dict(), ValueError, r"\$RINGATTN_AGREEMENT must be one of", ring_only=True,
          env={AGREEMENT_ENV: "sometimes"}),
     Case("ring-timeout-env", dict(), ValueError, r"\$RINGATTN_P2P_TIMEOUT_S must be a positive", ring_only=True,
@@ -83,10 +82,11 @@ CASES = [
          env={"RINGATTN_BWD_STREAMS": "on"}),
 ]  # fmt: skip
 if DEVICE.type == "cpu":
-    CASES.append(
+    CASES += [
         Case("bf16-interpreter", dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, v_dtype=torch.bfloat16),
-             TypeError, "bfloat16 is not supported by the Triton interpreter")
-    )  # fmt: skip
+             TypeError, "bfloat16 is not supported by the Triton interpreter"),
+        Case("ring-cpu-on-nccl", dict(backend="nccl"), ValueError, "the group's backend is nccl", ring_only=True),
+    ]  # fmt: skip
 else:
     CASES.append(Case("ring-cuda-on-gloo", dict(backend="gloo"), ValueError, "cannot carry them; use nccl", True))
 
@@ -95,11 +95,14 @@ else:
 def ring_of_two_without_communication(tmp_path, monkeypatch):
     """A one-process gloo group that reports a world size of 2, with every collective and P2P call
     replaced by one that fails the test: an error raised after communication started shows up as
-    that failure instead of the expected error."""
+    that failure instead of the expected error. On a GPU machine (CUDA tensors) it reports the nccl
+    backend, which can carry them."""
     assert not dist.is_initialized()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         with monkeypatch.context() as patch:
+            if DEVICE.type == "cuda":
+                patch.setattr(dist, "get_backend", lambda group=None: "nccl")
 
             def communication(*args, **kwargs):
                 raise AssertionError("communication started before the inputs were validated")
