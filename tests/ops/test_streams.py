@@ -4,6 +4,7 @@ one stream."""
 import pytest
 import torch
 
+import ringattn
 from ringattn.ops import attn_bwd, attn_fwd
 from ringattn.ops.streams import SHORT_BWD_SCORES, bwd_on_two_streams, short_bwd
 from tests.utils import DEVICE, DTYPES, make_qkv
@@ -62,3 +63,32 @@ def test_two_streams_give_the_bits_of_one(form, causal, monkeypatch):
         results[setting] = [g.clone() for g in grads]
     for one, two in zip(results["0"], results["1"], strict=True):
         assert torch.equal(one, two)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs")
+def test_two_streams_capture_in_a_cuda_graph():
+    """flash_attn_func's forward and backward (two streams: short) captured in a CUDA graph, as
+    torch.compile's "reduce-overhead" does: the replay gives the eager gradients bitwise (the fork and join are
+    events, which capture records)."""
+    q, k, v, dout = make_qkv(1, 2048, 2048, 8, 8, 64, DTYPES[0], seed=6)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert bwd_on_two_streams(q, k, causal=True)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        ringattn.flash_attn_func(q, k, v, causal=True).backward(dout)
+
+    warmup = torch.cuda.Stream()  # capture wants its warm-up off the default stream
+    warmup.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warmup):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(warmup)
+    eager = [t.grad.clone() for t in (q, k, v)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    for want, t in zip(eager, (q, k, v), strict=True):
+        assert torch.equal(t.grad, want)
