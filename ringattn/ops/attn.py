@@ -16,7 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from ..kernels.attn_fwd import _attn_fwd_kernel
-from .final_rows import FinalRows, check_final_rows
+from .final_rows import FinalRows, check_dq_final, check_final_rows
 from .streams import bwd_on_two_streams, run_side_by_side
 from .validation import check_attn_inputs, check_attn_state, check_doc_ids, check_runnable_device
 
@@ -378,9 +378,7 @@ def attn_bwd(
     accumulate = dq_acc is not None
     if accumulate != (dk_acc is not None) or accumulate != (dv_acc is not None):
         raise ValueError("dq_acc, dk_acc and dv_acc must be given together or not at all")
-    if dq_final is not None and not accumulate:
-        raise ValueError("dq_final needs the accumulators dq_acc, dk_acc and dv_acc")
-    check_final_rows(dq_final, q, "dq_final")
+    check_dq_final(dq_final, q, dq_acc)
     if accumulate:
         for name, acc, ref in (("dq_acc", dq_acc, q), ("dk_acc", dk_acc, k), ("dv_acc", dv_acc, v)):
             if acc.shape != ref.shape or acc.stride(-1) != 1:

@@ -8,7 +8,7 @@ dtype of their inputs (upcast the inputs for a float64 reference).
 import torch
 from einops import reduce, repeat
 
-from .final_rows import FinalRows, check_final_rows
+from .final_rows import FinalRows, check_dq_final, check_final_rows
 from .merge import merge_attn_states_
 
 
@@ -124,9 +124,7 @@ def attn_bwd_ref(
     dQ = scale dS K; dK = scale dS^T Q. Accumulators, when given, are added to in place (dQ stored
     instead with add_dq False, dK and dV with add_dkdv False); then dq_final's rows of dq_acc go to
     dq_final.out."""
-    if dq_final is not None and dq_acc is None:
-        raise ValueError("dq_final needs the accumulators dq_acc, dk_acc and dv_acc")
-    check_final_rows(dq_final, q, "dq_final")
+    check_dq_final(dq_final, q, dq_acc)
     heads_q, heads_k = q.shape[2], k.shape[2]
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
     if delta is None:

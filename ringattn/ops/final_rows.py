@@ -44,3 +44,15 @@ def check_final_rows(final: FinalRows | None, like: torch.Tensor, name: str = "f
         )
     if rows.step != 1 or not 0 <= rows.start <= rows.stop <= like.shape[1]:
         raise ValueError(f"{name}.rows must be a range of step 1 inside [0, {like.shape[1]}], got {rows}")
+
+
+def check_dq_final(dq_final: FinalRows | None, q: torch.Tensor, dq_acc: torch.Tensor | None) -> None:
+    """check_final_rows for a backward's dq_final, which splits rows off the dQ accumulator and so needs one.
+
+    Raises:
+        ValueError: dq_final without dq_acc; as check_final_rows.
+        TypeError: as check_final_rows.
+    """
+    if dq_final is not None and dq_acc is None:
+        raise ValueError("dq_final needs the accumulators dq_acc, dk_acc and dv_acc")
+    check_final_rows(dq_final, q, "dq_final")
