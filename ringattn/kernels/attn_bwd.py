@@ -15,7 +15,7 @@ not meet, as in the forward. Derivation in docs/design.md.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _q_tile_docs
+from .common import LOG2E, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _q_tile_docs, _store_rows
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])  # one compile for every length
@@ -295,9 +295,5 @@ def _attn_bwd_dq_kernel(
     dq_ptrs = DQ + off_b * stride_dqb + off_hq * stride_dqh + rows * stride_dqs + offs_d[None, :]
     if ACCUMULATE:
         dq += tl.load(dq_ptrs, mask=row_mask, other=0.0)
-    if HAS_FINAL:
-        finished = (offs_m >= final_lo) & (offs_m < final_hi)
-        f_ptrs = DQFinal + off_b * stride_fb + off_hq * stride_fh + rows * stride_fs + offs_d[None, :]
-        tl.store(f_ptrs, dq.to(DQFinal.dtype.element_ty), mask=row_mask & finished[:, None])
-        row_mask = row_mask & ((offs_m < final_lo) | (offs_m >= final_hi))[:, None]
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_mask)
+    _store_rows(dq, dq_ptrs, row_mask, offs_m, offs_d, DQFinal, off_b, off_hq, stride_fb, stride_fs, stride_fh,
+                final_lo, final_hi, HAS_FINAL)  # fmt: skip

@@ -14,7 +14,16 @@ finishes in this call are written rounded to the output dtype, not to the fp32 s
 import triton
 import triton.language as tl
 
-from .common import LN2, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _load_kv_tile_tma, _q_tile_docs
+from .common import (
+    LN2,
+    _doc_span,
+    _key_range,
+    _key_tile_visible,
+    _load_kv_tile,
+    _load_kv_tile_tma,
+    _q_tile_docs,
+    _store_rows,
+)
 from .merge import _merge_into_state
 
 
@@ -161,11 +170,6 @@ def _attn_fwd_kernel(
     lse_ptrs = Lse + off_b * stride_lb + off_hq * stride_lh + offs_m
     if MERGE_STATE:
         out, lse = _merge_into_state(out, lse, o_ptrs, lse_ptrs, row_mask, mask_m)
-    if HAS_FINAL:
-        finished = (offs_m >= final_lo) & (offs_m < final_hi)
-        f_ptrs = (Final + off_b * stride_fb + off_hq * stride_fh + offs_m[:, None].to(tl.int64) * stride_fs
-                  + offs_d[None, :])  # fmt: skip
-        tl.store(f_ptrs, out.to(Final.dtype.element_ty), mask=row_mask & finished[:, None])
-        row_mask = row_mask & ((offs_m < final_lo) | (offs_m >= final_hi))[:, None]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_mask)
+    _store_rows(out, o_ptrs, row_mask, offs_m, offs_d, Final, off_b, off_hq, stride_fb, stride_fs, stride_fh,
+                final_lo, final_hi, HAS_FINAL)  # fmt: skip
     tl.store(lse_ptrs, lse, mask=mask_m)

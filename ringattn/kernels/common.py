@@ -1,5 +1,5 @@
 """Pieces shared by the forward and backward kernels: log-base constants, key ranges, document spans,
-tile loads and masks."""
+tile loads and masks, and the result's store with the rows the ring finishes split off."""
 
 import triton
 import triton.language as tl
@@ -83,3 +83,22 @@ def _key_tile_visible(
         k_doc = tl.load(KDoc + offs_n, mask=offs_n < seqlen_k, other=-2)
         visible = visible & (q_doc[:, None] == k_doc[None, :])
     return visible
+
+
+@triton.jit
+def _store_rows(
+    x, ptrs, row_mask, offs_m, offs_d, Final, off_b, off_h, stride_fb, stride_fs, stride_fh, final_lo, final_hi,
+    HAS_FINAL: tl.constexpr,
+):
+    """Store the (BLOCK_M, BLOCK_D) result tile x (rows offs_m) at ptrs where row_mask, in ptrs' dtype.
+
+    HAS_FINAL: rows [final_lo, final_hi) go instead to Final, shaped like the result (B, Sq, H, D) in its own dtype,
+    at (off_b, off_h), rounded; ptrs' rows there are left as they were (the ring's finished rows, ops/final_rows.py).
+    """
+    if HAS_FINAL:
+        finished = (offs_m >= final_lo) & (offs_m < final_hi)
+        rows = offs_m[:, None].to(tl.int64)
+        f_ptrs = Final + off_b * stride_fb + off_h * stride_fh + rows * stride_fs + offs_d[None, :]
+        tl.store(f_ptrs, x.to(Final.dtype.element_ty), mask=row_mask & finished[:, None])
+        row_mask = row_mask & ((offs_m < final_lo) | (offs_m >= final_hi))[:, None]
+    tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=row_mask)
