@@ -1,5 +1,6 @@
 """Time each attention kernel under a list of launch configs, to pick ops/attn.py's `_fwd_config`,
-`_bwd_dkdv_config` and `_bwd_dq_config` for 16-bit inputs on the GPU at hand.
+`_bwd_dkdv_config` (or, where ops/warp_spec.py picks the warp-specialised dK/dV kernel, `_bwd_dkdv_ws_config`)
+and `_bwd_dq_config` for 16-bit inputs on the GPU at hand.
 
     PYTHONPATH=. python3 launch/config_sweep.py --out docs/benchmarks/config_sweep_h200.json
 
@@ -25,6 +26,7 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 import ringattn.ops.attn as attn_ops
+from ringattn.ops import warp_spec
 
 TOKENS, HEADS = 32768, 32
 CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of each list is the current default
@@ -48,8 +50,13 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
         64: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3)],
         128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 1)],
     },
+    "dkdv_ws": {  # num_warps: the consumers' warpgroup (ops/attn.py)
+        64: [(64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 4, 2), (32, 128, 4, 2)],
+        128: [(64, 128, 4, 2), (64, 128, 4, 3), (32, 128, 4, 2), (32, 128, 4, 3)],
+    },
 }
-CONFIG_FUNCTIONS = {"fwd": "_fwd_config", "dkdv": "_bwd_dkdv_config", "dq": "_bwd_dq_config"}
+CONFIG_FUNCTIONS = {"fwd": "_fwd_config", "dkdv": "_bwd_dkdv_config", "dq": "_bwd_dq_config",
+                    "dkdv_ws": "_bwd_dkdv_ws_config"}  # fmt: skip
 
 
 DEFAULT_FUNCTIONS = {kernel: getattr(attn_ops, name) for kernel, name in CONFIG_FUNCTIONS.items()}
@@ -95,7 +102,7 @@ def _check_defaults(head_dims: list[int]) -> None:
 
 
 def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
-    """The launch of backward kernel `kernel` ("dkdv" or "dq") alone at its current config, on buffers of its
+    """The launch of backward kernel `kernel` ("dkdv", "dkdv_ws" or "dq") alone at its current config, on buffers of its
     own (delta computed once, gradients new)."""
     delta = attn_ops.attn_bwd_preprocess(out, dout)
     grads = [torch.empty_like(t) for t in (q, k, v)]
@@ -104,7 +111,7 @@ def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal
     launches = attn_ops._bwd_launches(
         dout, q, k, v, lse, delta, *grads, scale, causal, None, None, False, False, None, *cfgs
     )
-    return launches[0] if kernel == "dkdv" else launches[1]
+    return launches[1] if kernel == "dq" else launches[0]
 
 
 def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, rep: int, candidates: dict) -> list[dict]:
@@ -178,12 +185,29 @@ def main():
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[HEADS], help="8 for GQA 32:8")
-    parser.add_argument("--kernels", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=None,
+        choices=list(CANDIDATES),
+        help="default: all that run here (dkdv_ws where ops/warp_spec.py picks it, else dkdv)",
+    )
     parser.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each: these only")
     parser.add_argument("--rep", type=int, default=100, help="do_bench's rep (ms)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
     _check_defaults(args.head_dims)
+    probe = torch.empty(1, 64, HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    stats = torch.empty(1, HEADS, 64, device="cuda")
+    ws = warp_spec.dkdv_ws_ready(
+        probe, probe, probe, probe, stats, stats, probe, probe, causal=False, has_docs=False, add_dkdv=False
+    )
+    args.kernels = args.kernels or [kernel for kernel in CANDIDATES if kernel != ("dkdv" if ws else "dkdv_ws")]
+    if ("dkdv" if ws else "dkdv_ws") in args.kernels:
+        raise SystemExit(
+            "the backward launches dkdv_ws where ops/warp_spec.py picks it (here: "
+            f"{'yes' if ws else 'no'}, $RINGATTN_BWD_WS={int(warp_spec.bwd_ws_enabled())}) and dkdv elsewhere"
+        )
     candidates = {kernel: CANDIDATES[kernel] for kernel in args.kernels}
     if args.configs:
         given = [tuple(map(int, c.split(","))) for c in args.configs]

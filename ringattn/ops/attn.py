@@ -15,10 +15,12 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
+from ..kernels.attn_bwd_ws import _attn_bwd_dkdv_ws_kernel
 from ..kernels.attn_fwd import _attn_fwd_kernel
 from .final_rows import FinalRows, check_dq_final, check_final_rows
 from .streams import bwd_on_two_streams, run_side_by_side
 from .validation import check_attn_inputs, check_attn_state, check_doc_ids, check_runnable_device
+from .warp_spec import descriptor_aligned, dkdv_ws_ready, run_with_scratch
 
 LOG2E = math.log2(math.e)
 
@@ -46,6 +48,8 @@ _CUDA_16BIT_CONFIGS = {
     "fwd": ((64, LaunchConfig(128, 64, 4, 3)), (128, LaunchConfig(128, 128, 8, 3)), (256, LaunchConfig(64, 64, 8, 2))),
     "dkdv": ((64, LaunchConfig(64, 64, 4, 3)), (128, LaunchConfig(64, 64, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
     "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(32, 32, 4, 1))),
+    # num_warps is the consumers' warpgroup: the partitioner adds a producer one and splits the consumers in two
+    "dkdv_ws": ((128, LaunchConfig(64, 128, 4, 2)),),
 }
 _CUDA_FP32_CONFIGS = {
     "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
@@ -55,7 +59,7 @@ _CUDA_FP32_CONFIGS = {
 
 
 def _launch_config(kernel: str, block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """The config of `kernel` ("fwd", "dkdv" or "dq") for a padded head dim, dtype and device."""
+    """The config of `kernel` ("fwd", "dkdv", "dq" or "dkdv_ws") for a padded head dim, dtype and device."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     table = (_CUDA_FP32_CONFIGS if dtype == torch.float32 else _CUDA_16BIT_CONFIGS)[kernel]
@@ -72,6 +76,10 @@ def _bwd_dkdv_config(block_d: int, dtype: torch.dtype, device: torch.device) -> 
 
 def _bwd_dq_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
     return _launch_config("dq", block_d, dtype, device)
+
+
+def _bwd_dkdv_ws_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    return _launch_config("dkdv_ws", block_d, dtype, device)
 
 
 def _bwd_configs(block_d: int, dtype: torch.dtype, device: torch.device) -> tuple[LaunchConfig, LaunchConfig]:
@@ -109,11 +117,10 @@ def fwd_tma_enabled() -> bool:
 
 def _tma_ready(t: torch.Tensor, head_dim: int, block_d: int) -> bool:
     """Whether TMA can load t's (B, S, H, D) tiles: Hopper or newer (or the interpreter), D a power of two
-    (no padding), every stride but the last and the base address 16-byte aligned."""
+    (no padding), the descriptors' alignment (ops/warp_spec.py)."""
     if t.is_cuda and torch.cuda.get_device_capability(t.device) < (9, 0):
         return False
-    size = t.element_size()
-    return head_dim == block_d and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+    return head_dim == block_d and descriptor_aligned(t)
 
 
 def _kv_descriptors(k, v, head_dim: int, block_d: int, block_n: int):
@@ -134,8 +141,15 @@ class KernelLaunch:
     grid: tuple[int, int, int]
     args: tuple
     kwargs: dict
+    scratch: bool = False  # the kernel makes tensor descriptors, in global scratch memory (ops/warp_spec.py)
 
     def __call__(self) -> None:
+        if self.scratch:
+            run_with_scratch(self._launch)
+        else:
+            self._launch()
+
+    def _launch(self) -> None:
         self.kernel[self.grid](*self.args, **self.kwargs)
 
 
@@ -279,12 +293,36 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return delta
 
 
+def _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, softmax_scale) -> KernelLaunch:
+    """_attn_bwd_dkdv_ws_kernel (not causal) storing dK, dV into dk, dv; inputs checked and dkdv_ws_ready, lse and delta
+    contiguous."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    cfg = _bwd_dkdv_ws_config(head_dim, q.dtype, q.device)  # head_dim: 64 or 128, its own padding
+    return KernelLaunch(
+        _attn_bwd_dkdv_ws_kernel,
+        (triton.cdiv(seqlen_k, cfg.block_n), heads, batch),
+        (
+            q, k, v, dout, lse, delta, dk, dv,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
+            seqlen_q, seqlen_k, heads, softmax_scale * LOG2E, softmax_scale,
+        ),
+        dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=True,  # as the other kernels'
+        ),
+        scratch=True,
+    )  # fmt: skip
+
+
 def _bwd_launches(
     dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, causal, q_doc_ids, k_doc_ids,
     add_dq: bool, add_dkdv: bool, dq_final: FinalRows | None, dkdv_cfg: LaunchConfig, dq_cfg: LaunchConfig,
 ) -> tuple[KernelLaunch, KernelLaunch]:  # fmt: skip
-    """_attn_bwd_dkdv_kernel then _attn_bwd_dq_kernel, adding dQ into dq if add_dq and dK, dV into dk, dv if
-    add_dkdv, else storing them, and dQ's finished rows into dq_final; inputs checked, lse and delta contiguous."""
+    """_attn_bwd_dkdv_kernel (or, where dkdv_ws_ready, _attn_bwd_dkdv_ws_kernel) then _attn_bwd_dq_kernel, adding
+    dQ into dq if add_dq and dK, dV into dk, dv if add_dkdv, else storing them, and dQ's finished rows into
+    dq_final; inputs checked, lse and delta contiguous."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     block_d = _padded_head_dim(head_dim)
@@ -296,19 +334,22 @@ def _bwd_launches(
         enable_fp_fusion=True,  # as the forward's: triton's default (fused multiply-adds on) will flip
     )  # fmt: skip
     qk_scale = softmax_scale * LOG2E
-    dkdv = KernelLaunch(
-        _attn_bwd_dkdv_kernel,
-        (triton.cdiv(seqlen_k, dkdv_cfg.block_n), heads_k, batch),
-        (
-            q, k, v, dout, lse, delta, dk, dv, *docs,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-            seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale,
-        ),
-        dict(
-            **common, ACCUMULATE=add_dkdv, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
-        ),
-    )  # fmt: skip
+    if dkdv_ws_ready(q, k, v, dout, lse, delta, dk, dv, causal, has_docs, add_dkdv):
+        dkdv = _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, softmax_scale)
+    else:
+        dkdv = KernelLaunch(
+            _attn_bwd_dkdv_kernel,
+            (triton.cdiv(seqlen_k, dkdv_cfg.block_n), heads_k, batch),
+            (
+                q, k, v, dout, lse, delta, dk, dv, *docs,
+                *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
+                seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale,
+            ),
+            dict(
+                **common, ACCUMULATE=add_dkdv, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
+                num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
+            ),
+        )  # fmt: skip
     final_dq, *final_strides, final_lo, final_hi = _final_args(dq_final, dq)
     dq_launch = KernelLaunch(
         _attn_bwd_dq_kernel,
