@@ -6,11 +6,11 @@ One program computes dK, dV for one BLOCK_N tile of keys of one (batch, head), l
 tile it loads or stores goes through a tensor descriptor made in the kernel for its (batch, head), so that a
 producer warpgroup issues the loads by TMA, and the scores are transposed (Sᵀ = K Qᵀ, (BLOCK_N, BLOCK_M)), so that
 every product in the loop has the key tile as its left operand and the partitioner can split the tile's keys
-between two consumer warpgroups. What the partitioner (triton 3.9) gets right was measured on the H200
-(docs/performance.md, "Warp-specialised dK/dV"): one plain loop whose tile offset is the induction variable,
-no select in it, and the results stored through descriptors. A second loop or a loop nest (causal stages,
-GQA's heads) did not compile; a causal mask in the loop, a select on the row stats, a loop over (head, tile)
-pairs and masked pointer stores of the results each compiled into wrong gradients.
+between two consumer warpgroups. What the partitioner (triton 3.9) got right and wrong was measured on the H200
+(docs/performance.md, "Warp-specialised dK/dV"): this form, one plain loop with the results stored through
+descriptors, gave attn_bwd's bits. The same loop with masked pointer stores of the results, or with a causal
+mask in it, gave wrong gradients; a second loop after it or a loop nest around it (causal stages, GQA's heads)
+did not compile. So it covers what it covers, and ops/warp_spec.py sends everything else to attn_bwd's kernel.
 """
 
 import triton

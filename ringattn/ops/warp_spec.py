@@ -5,7 +5,7 @@ Triton's Hopper partitioner splits that kernel into a TMA producer warpgroup and
 opt-in ($RINGATTN_BWD_WS=1) and off by default: its last form (results stored through descriptors) gave the same
 bits as attn_bwd's kernel on the H200 in a diagnostic run, but has not had a GPU run of the test suite yet
 (docs/performance.md, "Warp-specialised dK/dV"). It is taken only with triton 3.9, the version measured: the
-partitioner has turned correct-looking code into wrong gradients (the kernel's docstring lists how), so a
+partitioner has turned correct-looking code into wrong gradients (the kernel's docstring says how), so a
 version not checked on a GPU keeps attn_bwd's kernel (3.6, the GPU image's, fails in the partitioner anyway).
 So do causal calls, fp32 on a GPU, GQA and MQA, documents, accumulating calls and layouts the descriptors cannot
 address.
