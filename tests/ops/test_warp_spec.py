@@ -60,19 +60,20 @@ def test_ws_backward_matches_reference(seqlen_q, seqlen_k, head_dim, causal, mon
 
 
 @needs_checked_triton
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_ws_ring_share_is_stored_in_fp32(causal, monkeypatch):
+def test_ws_ring_share_is_stored_in_fp32(monkeypatch):
     """The ring's form: dK, dV stored (add_dkdv=False) into fp32 buffers, dQ added: the same gradients as the
     public call's, in fp32."""
     monkeypatch.setenv("RINGATTN_BWD_WS", "1")
     if DEVICE.type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised kernel is picked on Hopper GPUs only")
     q, k, v, dout = make_qkv(1, 64, 64, 2, 2, 64, DTYPES[0], seed=5)
-    out, lse = attn_fwd(q, k, v, 0.125, causal)
+    out, lse = attn_fwd(q, k, v, 0.125, False)
     dq, dk, dv = (torch.zeros(t.shape, device=DEVICE) for t in (q, k, v))
     dk.fill_(float("nan"))  # stored, not read
-    attn_bwd(dout, q, k, v, out, lse, 0.125, causal, dq_acc=dq, dk_acc=dk, dv_acc=dv, add_dkdv=False)
-    want = attn_bwd(dout, q, k, v, out, lse, 0.125, causal)
+    delta = attn_ops.attn_bwd_preprocess(out, dout)
+    assert warp_spec.dkdv_ws_ready(q, k, v, dout, lse, delta, dk, dv, causal=False, has_docs=False, add_dkdv=False)
+    attn_bwd(dout, q, k, v, out, lse, 0.125, False, dq_acc=dq, dk_acc=dk, dv_acc=dv, add_dkdv=False)
+    want = attn_bwd(dout, q, k, v, out, lse, 0.125, False)
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want, strict=True):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.to(ref.dtype), ref, msg=name)
