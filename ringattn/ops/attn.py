@@ -293,9 +293,9 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, softmax_scale) -> KernelLaunch:
-    """_attn_bwd_dkdv_ws_kernel (not causal) storing dK, dV into dk, dv; inputs checked and dkdv_ws_ready, lse and delta
-    contiguous."""
+def _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, qk_scale, softmax_scale) -> KernelLaunch:
+    """_attn_bwd_dkdv_ws_kernel (not causal) storing dK, dV into dk, dv; inputs checked and dkdv_ws_ready, lse and
+    delta contiguous; qk_scale = softmax_scale * log2(e), as _bwd_launches computes it."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     cfg = _bwd_dkdv_ws_config(head_dim, q.dtype, q.device)  # head_dim: 64 or 128, its own padding
@@ -305,7 +305,7 @@ def _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, softmax_scale) -> KernelL
         (
             q, k, v, dout, lse, delta, dk, dv,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-            seqlen_q, seqlen_k, heads, softmax_scale * LOG2E, softmax_scale,
+            seqlen_q, seqlen_k, heads, qk_scale, softmax_scale,
         ),
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -335,7 +335,7 @@ def _bwd_launches(
     )  # fmt: skip
     qk_scale = softmax_scale * LOG2E
     if dkdv_ws_ready(q, k, v, dout, lse, delta, dk, dv, causal, has_docs, add_dkdv):
-        dkdv = _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, softmax_scale)
+        dkdv = _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, qk_scale, softmax_scale)
     else:
         dkdv = KernelLaunch(
             _attn_bwd_dkdv_kernel,
