@@ -1,12 +1,12 @@
 """When the backward's dK/dV runs the warp-specialised kernel (kernels/attn_bwd_ws.py), and the scratch memory its
 in-kernel tensor descriptors need.
 
-Triton's Hopper partitioner splits that kernel into a TMA producer warpgroup and two consumer warpgroups. It is
-opt-in ($RINGATTN_BWD_WS=1) and off by default: its last form (results stored through descriptors) gave the same
-bits as attn_bwd's kernel on the H200 in a diagnostic run, but has not had a GPU run of the test suite yet
-(docs/performance.md, "Warp-specialised dK/dV"). It is taken only with triton 3.9, the version measured: the
-partitioner has turned correct-looking code into wrong gradients (the kernel's docstring says how), so a
-version not checked on a GPU keeps attn_bwd's kernel (3.6, the GPU image's, fails in the partitioner anyway).
+Triton's Hopper partitioner splits that kernel into a TMA producer warpgroup and two consumer warpgroups. It is on
+by default on Hopper GPUs with triton 3.9: its form (results stored through descriptors) passed the test suite on
+the H200 (`tests/ops`, `tests/parallel/test_simulate.py`, bf16 and fp16) and gave the default kernel's bits in a
+diagnostic run (docs/performance.md, "Warp-specialised dK/dV"). It is taken only with triton 3.9, the version
+checked: the partitioner has turned correct-looking code into wrong gradients (the kernel's docstring says how), so
+a version not checked on a GPU keeps attn_bwd's kernel (3.6, the GPU image's, fails in the partitioner anyway).
 So do causal calls, fp32 on a GPU, GQA and MQA, documents, accumulating calls and layouts the descriptors cannot
 address.
 """
@@ -22,13 +22,14 @@ WS_TRITON = (3, 9)  # the triton (major, minor) whose Hopper partitioner was che
 WS_HEAD_DIMS = (64, 128)  # the head dims with a measured launch config
 
 
-def bwd_ws_enabled() -> bool:
-    """$RINGATTN_BWD_WS: "1" lets the backward take the warp-specialised dK/dV kernel where it applies (Hopper GPUs
-    with triton 3.9, and the interpreter: the CPU tests); "0" (default) never."""
-    value = os.environ.get("RINGATTN_BWD_WS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"$RINGATTN_BWD_WS must be 0 or 1, got {value!r}")
-    return value == "1"
+def bwd_ws_enabled(device: torch.device) -> bool:
+    """$RINGATTN_BWD_WS: unset, the backward on a GPU may take the warp-specialised dK/dV kernel where it applies
+    (Hopper GPUs with triton 3.9) and the interpreter (CPU tensors) never does; "1" lets the interpreter take it too
+    (the CPU tests of that kernel); "0" never."""
+    value = os.environ.get("RINGATTN_BWD_WS")
+    if value not in (None, "0", "1"):
+        raise ValueError(f"$RINGATTN_BWD_WS must be 0 or 1 (or unset), got {value!r}")
+    return value == "1" or (value is None and device.type == "cuda")
 
 
 def _triton_version() -> tuple[int, int]:
@@ -57,11 +58,11 @@ def dkdv_ws_ready(
     add_dkdv: bool,
 ) -> bool:
     """Whether the backward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), dout like q and contiguous lse, delta
-    (B, Hq, Sq), into dk, dv like k, takes the warp-specialised dK/dV kernel: switched on ($RINGATTN_BWD_WS),
+    (B, Hq, Sq), into dk, dv like k, takes the warp-specialised dK/dV kernel: enabled (bwd_ws_enabled),
     triton 3.9, not causal, no documents, dK and dV stored rather than added (add_dkdv False: the ring's shares,
     or no accumulators), Hq == Hkv, D of 64 or 128, Sq a multiple of 4, tensors the descriptors can address, and
     on a GPU a Hopper one (compute capability 9.0) and fp16 or bf16 (fp32 would multiply in tf32 there)."""
-    if not bwd_ws_enabled() or causal or has_docs or add_dkdv or _triton_version() != WS_TRITON:
+    if not bwd_ws_enabled(q.device) or causal or has_docs or add_dkdv or _triton_version() != WS_TRITON:
         return False
     if q.shape[2] != k.shape[2] or q.shape[-1] not in WS_HEAD_DIMS or q.shape[1] % 4:
         return False

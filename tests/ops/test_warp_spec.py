@@ -1,7 +1,8 @@
 """The warp-specialised dK/dV kernel (kernels/attn_bwd_ws.py) and when the backward takes it (ops/warp_spec.py).
 
-It is opt-in ($RINGATTN_BWD_WS=1): these tests switch it on, in the interpreter on the CPU and on a Hopper GPU
-with triton 3.9; elsewhere the backward keeps attn_bwd's kernel and the tests that need the new one skip.
+It is on by default on Hopper GPUs with triton 3.9 and off in the interpreter unless $RINGATTN_BWD_WS=1: these tests
+set that, so they run it on the CPU and on such a GPU; elsewhere the backward keeps attn_bwd's kernel and the tests
+that need the new one skip.
 """
 
 import contextvars
@@ -125,10 +126,20 @@ def test_ws_is_taken_only_where_it_applies(monkeypatch):
         assert _dkdv_kernel(q, k, v, dout, False) is not ws
 
 
+def test_ws_default_is_on_for_gpus_only(monkeypatch):
+    monkeypatch.delenv("RINGATTN_BWD_WS", raising=False)
+    assert warp_spec.bwd_ws_enabled(torch.device("cuda", 0))
+    assert not warp_spec.bwd_ws_enabled(torch.device("cpu"))
+    monkeypatch.setenv("RINGATTN_BWD_WS", "1")
+    assert warp_spec.bwd_ws_enabled(torch.device("cpu"))
+    monkeypatch.setenv("RINGATTN_BWD_WS", "0")
+    assert not warp_spec.bwd_ws_enabled(torch.device("cuda", 0))
+
+
 def test_bad_ws_mode_raises(monkeypatch):
     monkeypatch.setenv("RINGATTN_BWD_WS", "auto")
-    with pytest.raises(ValueError, match=r"\$RINGATTN_BWD_WS must be 0 or 1, got 'auto'"):
-        warp_spec.bwd_ws_enabled()
+    with pytest.raises(ValueError, match=r"\$RINGATTN_BWD_WS must be 0 or 1 \(or unset\), got 'auto'"):
+        warp_spec.bwd_ws_enabled(torch.device("cpu"))
 
 
 def test_scratch_allocator_is_set_for_the_launch_only():
