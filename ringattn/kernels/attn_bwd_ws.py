@@ -1,16 +1,20 @@
-"""Backward dK/dV kernel for triton's warp specialisation on Hopper (triton 3.9): the gradients of
-attn_bwd._attn_bwd_dkdv_kernel without a mask (not causal, no documents) for one q head per kv head (MHA),
-written so that triton's Hopper partitioner splits it, and splits it right.
+"""Backward kernels for triton's warp specialisation on Hopper (triton 3.9): attn_bwd's dK/dV and dQ without
+documents, written so that triton's Hopper partitioner splits them into a TMA producer warpgroup and two consumer
+warpgroups, and splits them right.
 
-One program computes dK, dV for one BLOCK_N tile of keys of one (batch, head), looping over the Q tiles. Every
-tile it loads or stores goes through a tensor descriptor made in the kernel for its (batch, head), so that a
-producer warpgroup issues the loads by TMA, and the scores are transposed (Sᵀ = K Qᵀ, (BLOCK_N, BLOCK_M)), so that
-every product in the loop has the key tile as its left operand and the partitioner can split the tile's keys
-between two consumer warpgroups. What the partitioner (triton 3.9) got right and wrong was measured on the H200
-(docs/performance.md, "Warp-specialised dK/dV"): this form, one plain loop with the results stored through
-descriptors, gave attn_bwd's bits. The same loop with masked pointer stores of the results, or with a causal
-mask in it, gave wrong gradients; a second loop after it or a loop nest around it (causal stages, GQA's heads)
-did not compile. So it covers what it covers, and ops/warp_spec.py sends everything else to attn_bwd's kernel.
+  _attn_bwd_dkdv_ws_kernel  dK, dV for one 128-key tile, looping over the Q tiles of every q head of its GQA
+                            group; grid (Sk tiles, Hkv, B)
+  _attn_bwd_dq_ws_kernel    dQ for one Q tile, looping over the key tiles; grid (Sq tiles, Hq, B)
+
+Every tile they load or store goes through a tensor descriptor made in the kernel, so that the producer issues
+the loads by TMA. Each product in the loop has the program's own tile as its left operand (the dK/dV kernel's
+scores are transposed, Sᵀ = K Qᵀ), so that the partitioner can give each consumer half of its rows. What the
+partitioner (triton 3.9) got right and wrong was measured on the H200 (docs/performance.md, "Warp-specialised
+dK/dV"): one plain loop with the results stored through descriptors gave attn_bwd's bits; masked pointer stores
+of the results, or a causal mask computed from the loop's index, gave wrong gradients; a second loop after the
+first, or a loop nest, did not compile. Hence one loop per kernel: GQA's (head, Q tile) pairs are flattened into
+it, and the causal mask compares against positions loaded from memory like the other row data. ops/warp_spec.py
+says which forms are taken where.
 """
 
 import triton
@@ -20,16 +24,38 @@ from .common import LOG2E
 
 
 @triton.jit
-def _attn_bwd_dkdv_ws_tile(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, m0, qk_scale):
-    """Add the Q tile at m0's share to dK (unscaled) and dV of one key tile (k, v (BLOCK_N, HEAD_DIM)).
+def _ws_q_tile(q_desc, do_desc, lse_desc, delta_desc, m0, hq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+               GROUPED: tl.constexpr):  # fmt: skip
+    """Q, dO (BLOCK_M, HEAD_DIM), lse in log2 units and delta (BLOCK_M,) of the rows from m0 of q head hq (GROUPED:
+    descriptors over a batch's heads; else over one head's rows, hq unused). Rows past Sq load as zeros."""
+    if GROUPED:
+        q = q_desc.load([m0, hq, 0]).reshape(BLOCK_M, HEAD_DIM)
+        do = do_desc.load([m0, hq, 0]).reshape(BLOCK_M, HEAD_DIM)
+        lse2 = lse_desc.load([hq, m0]).reshape(BLOCK_M) * LOG2E
+        delta = delta_desc.load([hq, m0]).reshape(BLOCK_M)
+    else:
+        q = q_desc.load([m0, 0])
+        do = do_desc.load([m0, 0])
+        lse2 = lse_desc.load([m0]) * LOG2E
+        delta = delta_desc.load([m0])
+    return q, do, lse2, delta
 
-    Rows past Sq load as zeros, stats too: their P is 1 against zero Q and dOut rows, so they add nothing.
+
+@triton.jit
+def _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2, delta, pos_desc, m0, causal_shift, qk_scale,
+                           CAUSAL: tl.constexpr):  # fmt: skip
+    """Add the share of the Q tile at row m0 to dK (unscaled) and dV of a key tile (k, v (BLOCK_N, HEAD_DIM), keys
+    offs_n).
+
+    Zero rows past Sq add nothing: their P is 1 (stats load as zeros) against zero Q and dOut rows. CAUSAL masks
+    key n for row m where n > m + causal_shift, m loaded through pos_desc (the positions); rows whose lse is -inf
+    (no key at all) get P = 0.
     """
-    q = q_desc.load([m0, 0])  # (BLOCK_M, HEAD_DIM)
-    do = do_desc.load([m0, 0])
-    lse2 = lse_desc.load([m0]) * LOG2E
-    delta = delta_desc.load([m0])
     st = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M)
+    if CAUSAL:  # mask the scores, not P (as attn_bwd's kernels)
+        last_key = pos_desc.load([m0]) + causal_shift
+        st = tl.where(offs_n[:, None] <= last_key[None, :], st, float("-inf"))
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     pt = tl.math.exp2(st - lse2[None, :])
     dv = tl.dot(pt.to(do.dtype), do, dv)
     dpt = tl.dot(v, tl.trans(do))
@@ -39,49 +65,153 @@ def _attn_bwd_dkdv_ws_tile(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_dkdv_ws_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV,
+    Q, K, V, DOut, Lse, Delta, DK, DV, Pos,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    seqlen_q, seqlen_k, num_heads, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    seqlen_q, seqlen_k, num_heads_k, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
-    """dK, dV (B, Sk, H, HEAD_DIM) for one BLOCK_N tile of keys of one (batch, head); grid (Sk tiles, H, B).
+    """dK, dV (B, Sk, Hkv, HEAD_DIM) for one BLOCK_N tile of keys of one (batch, kv head); grid (Sk tiles, Hkv, B).
 
-    Q, DOut (B, Sq, H, HEAD_DIM) and K, V (B, Sk, H, HEAD_DIM): HEAD_DIM a power of two, the base addresses and
-    every stride but the last 16-byte aligned; Lse, Delta (B, H, Sq) fp32 contiguous, Sq a multiple of 4 (each
-    head's row of stats 16-byte aligned); DK, DV like K and V, aligned alike. dK and dV are stored in DK's and
-    DV's dtype (the ring's shares: fp32).
+    Q, DOut (B, Sq, Hq, HEAD_DIM) and K, V (B, Sk, Hkv, HEAD_DIM): HEAD_DIM a power of two, the base addresses and
+    every stride but the last 16-byte aligned; Lse, Delta (B, Hq, Sq) fp32 contiguous, Sq a multiple of 4 (each
+    head's row of stats 16-byte aligned); DK, DV like K and V, aligned alike, written in their dtype (the ring's
+    shares: fp32). The GROUP_SIZE q heads sharing the kv head are summed in registers. CAUSAL (bottom-right): Pos
+    int32 (>= Sq,) holds 0, 1, 2, ..., and the loop starts at the first Q tile that sees a key of the tile.
     """
     start_n = tl.program_id(0)
-    off_h = tl.program_id(1).to(tl.int64)
+    off_hk = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
-    q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh, shape=[seqlen_q, HEAD_DIM],
-                                       strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    do_desc = tl.make_tensor_descriptor(DOut + off_b * stride_dob + off_h * stride_doh, shape=[seqlen_q, HEAD_DIM],
-                                        strides=[stride_dos, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K + off_b * stride_kb + off_h * stride_kh, shape=[seqlen_k, HEAD_DIM],
+    GROUPED: tl.constexpr = GROUP_SIZE > 1
+    num_heads_q = num_heads_k * GROUP_SIZE
+    if GROUPED:  # the batch's q heads, addressed by head
+        q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb, shape=[seqlen_q, num_heads_q, HEAD_DIM],
+                                           strides=[stride_qs, stride_qh, 1], block_shape=[BLOCK_M, 1, HEAD_DIM])
+        do_desc = tl.make_tensor_descriptor(DOut + off_b * stride_dob, shape=[seqlen_q, num_heads_q, HEAD_DIM],
+                                            strides=[stride_dos, stride_doh, 1], block_shape=[BLOCK_M, 1, HEAD_DIM])
+    else:  # the one q head's rows
+        q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_hk * stride_qh, shape=[seqlen_q, HEAD_DIM],
+                                           strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        do_desc = tl.make_tensor_descriptor(DOut + off_b * stride_dob + off_hk * stride_doh,
+                                            shape=[seqlen_q, HEAD_DIM], strides=[stride_dos, 1],
+                                            block_shape=[BLOCK_M, HEAD_DIM])
+    k_desc = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, shape=[seqlen_k, HEAD_DIM],
                                        strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_h * stride_vh, shape=[seqlen_k, HEAD_DIM],
+    v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, shape=[seqlen_k, HEAD_DIM],
                                        strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    row = (off_b * num_heads + off_h) * seqlen_q
-    lse_desc = tl.make_tensor_descriptor(Lse + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
-    delta_desc = tl.make_tensor_descriptor(Delta + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
+    if GROUPED:
+        stats = off_b * num_heads_q * seqlen_q
+        lse_desc = tl.make_tensor_descriptor(Lse + stats, shape=[num_heads_q, seqlen_q], strides=[seqlen_q, 1],
+                                             block_shape=[1, BLOCK_M])
+        delta_desc = tl.make_tensor_descriptor(Delta + stats, shape=[num_heads_q, seqlen_q], strides=[seqlen_q, 1],
+                                               block_shape=[1, BLOCK_M])
+    else:
+        row = (off_b * num_heads_k + off_hk) * seqlen_q
+        lse_desc = tl.make_tensor_descriptor(Lse + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
+        delta_desc = tl.make_tensor_descriptor(Delta + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
 
     n0 = start_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     k = k_desc.load([n0, 0])  # (BLOCK_N, HEAD_DIM); rows past Sk load as zeros
     v = v_desc.load([n0, 0])
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    for m0 in tl.range(0, seqlen_q, BLOCK_M, warp_specialize=True):
-        dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, m0, qk_scale)
+    causal_shift = seqlen_k - seqlen_q
+    if CAUSAL:  # rows before start_m see no key of this tile
+        start_m = tl.maximum(n0 - causal_shift, 0) // BLOCK_M * BLOCK_M
+        pos_desc = tl.make_tensor_descriptor(Pos, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
+    else:
+        start_m = 0
+        pos_desc = None
+    if GROUPED:  # one loop over (q head, Q tile) pairs
+        num_m = tl.cdiv(tl.maximum(seqlen_q - start_m, 0), BLOCK_M)
+        for i in tl.range(0, GROUP_SIZE * num_m, warp_specialize=True):
+            # clamped: the pipeline computes the coordinates of the iteration after the last one ahead of time
+            g = tl.minimum(i // tl.maximum(num_m, 1), GROUP_SIZE - 1)
+            m0 = start_m + (i - g * num_m) * BLOCK_M
+            hq = (off_hk * GROUP_SIZE + g).to(tl.int32)
+            q, do, lse2, delta = _ws_q_tile(q_desc, do_desc, lse_desc, delta_desc, m0, hq, HEAD_DIM, BLOCK_M, True)
+            dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2, delta, pos_desc, m0, causal_shift,
+                                            qk_scale, CAUSAL)  # fmt: skip
+    else:
+        for m0 in tl.range(start_m, seqlen_q, BLOCK_M, warp_specialize=True):
+            q, do, lse2, delta = _ws_q_tile(q_desc, do_desc, lse_desc, delta_desc, m0, 0, HEAD_DIM, BLOCK_M, False)
+            dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2, delta, pos_desc, m0, causal_shift,
+                                            qk_scale, CAUSAL)  # fmt: skip
 
-    dk_desc = tl.make_tensor_descriptor(DK + off_b * stride_dkb + off_h * stride_dkh, shape=[seqlen_k, HEAD_DIM],
+    dk_desc = tl.make_tensor_descriptor(DK + off_b * stride_dkb + off_hk * stride_dkh, shape=[seqlen_k, HEAD_DIM],
                                         strides=[stride_dks, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    dv_desc = tl.make_tensor_descriptor(DV + off_b * stride_dvb + off_h * stride_dvh, shape=[seqlen_k, HEAD_DIM],
+    dv_desc = tl.make_tensor_descriptor(DV + off_b * stride_dvb + off_hk * stride_dvh, shape=[seqlen_k, HEAD_DIM],
                                         strides=[stride_dvs, 1], block_shape=[BLOCK_N, HEAD_DIM])
     dk_desc.store([n0, 0], (dk * sm_scale).to(DK.dtype.element_ty))  # rows past Sk are not written
     dv_desc.store([n0, 0], dv.to(DV.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
+def _attn_bwd_dq_ws_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, Pos,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    seqlen_q, seqlen_k, num_heads_q, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head); grid (Sq tiles, Hq, B).
+
+    Inputs as _attn_bwd_dkdv_ws_kernel's (Pos: >= Sk entries when CAUSAL); DQ like Q, aligned alike, in its own
+    dtype (the ring's accumulator: fp32); ACCUMULATE adds dQ to what DQ holds. Zero keys past Sk add nothing to
+    dQ (dS K with zero K rows); rows whose lse is -inf get P = 0.
+    """
+    start_m = tl.program_id(0)
+    off_hq = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
+    off_hk = (off_hq // GROUP_SIZE).to(tl.int64)
+    off_hq = off_hq.to(tl.int64)
+    q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_hq * stride_qh, shape=[seqlen_q, HEAD_DIM],
+                                       strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    do_desc = tl.make_tensor_descriptor(DOut + off_b * stride_dob + off_hq * stride_doh, shape=[seqlen_q, HEAD_DIM],
+                                        strides=[stride_dos, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    k_desc = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, shape=[seqlen_k, HEAD_DIM],
+                                       strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, shape=[seqlen_k, HEAD_DIM],
+                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    row = (off_b * num_heads_q + off_hq) * seqlen_q
+    lse_desc = tl.make_tensor_descriptor(Lse + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
+    delta_desc = tl.make_tensor_descriptor(Delta + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
+
+    m0 = start_m * BLOCK_M
+    q, do, lse2, delta = _ws_q_tile(q_desc, do_desc, lse_desc, delta_desc, m0, 0, HEAD_DIM, BLOCK_M, False)
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    causal_shift = seqlen_k - seqlen_q
+    if CAUSAL:  # keys from end_n on are seen by no row of the tile
+        last_key = m0 + tl.arange(0, BLOCK_M) + causal_shift
+        end_n = tl.maximum(tl.minimum(m0 + BLOCK_M + causal_shift, seqlen_k), 0)
+        pos_desc = tl.make_tensor_descriptor(Pos, shape=[seqlen_k], strides=[1], block_shape=[BLOCK_N])
+    else:
+        end_n = seqlen_k
+    for n0 in tl.range(0, end_n, BLOCK_N, warp_specialize=True):
+        k = k_desc.load([n0, 0])  # (BLOCK_N, HEAD_DIM); rows past Sk load as zeros
+        v = v_desc.load([n0, 0])
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if CAUSAL:
+            s = tl.where(pos_desc.load([n0])[None, :] <= last_key[:, None], s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+
+    dq_desc = tl.make_tensor_descriptor(DQ + off_b * stride_dqb + off_hq * stride_dqh, shape=[seqlen_q, HEAD_DIM],
+                                        strides=[stride_dqs, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    dq = dq * sm_scale
+    if ACCUMULATE:
+        dq += dq_desc.load([m0, 0])
+    dq_desc.store([m0, 0], dq.to(DQ.dtype.element_ty))  # rows past Sq are not written

@@ -15,12 +15,12 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
-from ..kernels.attn_bwd_ws import _attn_bwd_dkdv_ws_kernel
+from ..kernels.attn_bwd_ws import _attn_bwd_dkdv_ws_kernel, _attn_bwd_dq_ws_kernel
 from ..kernels.attn_fwd import _attn_fwd_kernel
 from .final_rows import FinalRows, check_dq_final, check_final_rows
 from .streams import bwd_on_two_streams, run_side_by_side
 from .validation import check_attn_inputs, check_attn_state, check_doc_ids, check_runnable_device
-from .warp_spec import descriptor_aligned, dkdv_ws_ready, run_with_scratch
+from .warp_spec import descriptor_aligned, dkdv_ws_ready, dq_ws_ready, run_with_scratch
 
 LOG2E = math.log2(math.e)
 
@@ -50,6 +50,7 @@ _CUDA_16BIT_CONFIGS = {
     "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(32, 32, 4, 1))),
     # num_warps is the consumers' warpgroup: the partitioner adds a producer one and splits the consumers in two
     "dkdv_ws": ((128, LaunchConfig(64, 128, 4, 2)),),
+    "dq_ws": ((128, LaunchConfig(128, 64, 4, 2)),),
 }
 _CUDA_FP32_CONFIGS = {
     "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
@@ -59,7 +60,7 @@ _CUDA_FP32_CONFIGS = {
 
 
 def _launch_config(kernel: str, block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """The config of `kernel` ("fwd", "dkdv", "dq" or "dkdv_ws") for a padded head dim, dtype and device."""
+    """The config of `kernel` ("fwd", "dkdv", "dq", "dkdv_ws" or "dq_ws") for a padded head dim, dtype and device."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     table = (_CUDA_FP32_CONFIGS if dtype == torch.float32 else _CUDA_16BIT_CONFIGS)[kernel]
@@ -80,6 +81,10 @@ def _bwd_dq_config(block_d: int, dtype: torch.dtype, device: torch.device) -> La
 
 def _bwd_dkdv_ws_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
     return _launch_config("dkdv_ws", block_d, dtype, device)
+
+
+def _bwd_dq_ws_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    return _launch_config("dq_ws", block_d, dtype, device)
 
 
 def _bwd_configs(block_d: int, dtype: torch.dtype, device: torch.device) -> tuple[LaunchConfig, LaunchConfig]:
@@ -293,36 +298,66 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, qk_scale, softmax_scale) -> KernelLaunch:
-    """_attn_bwd_dkdv_ws_kernel (not causal) storing dK, dV into dk, dv; inputs checked and dkdv_ws_ready, lse and
-    delta contiguous; qk_scale = softmax_scale * log2(e), as _bwd_launches computes it."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k = k.shape[1]
+def _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, positions, qk_scale, softmax_scale, causal) -> KernelLaunch:
+    """_attn_bwd_dkdv_ws_kernel storing dK, dV into dk, dv; inputs checked and dkdv_ws_ready, lse and delta
+    contiguous, positions the causal mask's (_ws_positions); qk_scale = softmax_scale * log2(e), as _bwd_launches
+    computes it."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
     cfg = _bwd_dkdv_ws_config(head_dim, q.dtype, q.device)  # head_dim: 64 or 128, its own padding
     return KernelLaunch(
         _attn_bwd_dkdv_ws_kernel,
-        (triton.cdiv(seqlen_k, cfg.block_n), heads, batch),
+        (triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch),
         (
-            q, k, v, dout, lse, delta, dk, dv,
+            q, k, v, dout, lse, delta, dk, dv, positions,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-            seqlen_q, seqlen_k, heads, qk_scale, softmax_scale,
+            seqlen_q, seqlen_k, heads_k, qk_scale, softmax_scale,
         ),
         dict(
-            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
+            CAUSAL=bool(causal), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=True,  # as the other kernels'
         ),
         scratch=True,
     )  # fmt: skip
 
 
+def _dq_ws_launch(dout, q, k, v, lse, delta, dq, positions, qk_scale, softmax_scale, causal, add_dq) -> KernelLaunch:
+    """_attn_bwd_dq_ws_kernel adding dQ into dq if add_dq, else storing it; inputs checked and dq_ws_ready, the
+    rest as _dkdv_ws_launch's."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    cfg = _bwd_dq_ws_config(head_dim, q.dtype, q.device)
+    return KernelLaunch(
+        _attn_bwd_dq_ws_kernel,
+        (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
+        (
+            q, k, v, dout, lse, delta, dq, positions,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            seqlen_q, seqlen_k, heads_q, qk_scale, softmax_scale,
+        ),
+        dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
+            CAUSAL=bool(causal), ACCUMULATE=add_dq, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=True,
+        ),
+        scratch=True,
+    )  # fmt: skip
+
+
+def _ws_positions(length: int, causal: bool, like: torch.Tensor) -> torch.Tensor:
+    """Row and key positions 0, 1, ..., length - 1 (int32) that the warp-specialised kernels' causal mask loads (the
+    kernels' docstring says why it is loaded); `like` (any tensor on the device, never read) when not causal."""
+    return torch.arange(length, dtype=torch.int32, device=like.device) if causal else like
+
+
 def _bwd_launches(
     dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, causal, q_doc_ids, k_doc_ids,
     add_dq: bool, add_dkdv: bool, dq_final: FinalRows | None, dkdv_cfg: LaunchConfig, dq_cfg: LaunchConfig,
 ) -> tuple[KernelLaunch, KernelLaunch]:  # fmt: skip
-    """_attn_bwd_dkdv_kernel (or, where dkdv_ws_ready, _attn_bwd_dkdv_ws_kernel) then _attn_bwd_dq_kernel, adding
-    dQ into dq if add_dq and dK, dV into dk, dv if add_dkdv, else storing them, and dQ's finished rows into
-    dq_final; inputs checked, lse and delta contiguous."""
+    """_attn_bwd_dkdv_kernel (or, where dkdv_ws_ready, _attn_bwd_dkdv_ws_kernel) then _attn_bwd_dq_kernel (or, where
+    dq_ws_ready, _attn_bwd_dq_ws_kernel), adding dQ into dq if add_dq and dK, dV into dk, dv if add_dkdv, else
+    storing them, and dQ's finished rows into dq_final; inputs checked, lse and delta contiguous."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     block_d = _padded_head_dim(head_dim)
@@ -334,8 +369,11 @@ def _bwd_launches(
         enable_fp_fusion=True,  # as the forward's: triton's default (fused multiply-adds on) will flip
     )  # fmt: skip
     qk_scale = softmax_scale * LOG2E
-    if dkdv_ws_ready(q, k, v, dout, lse, delta, dk, dv, causal, has_docs, add_dkdv):
-        dkdv = _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, qk_scale, softmax_scale)
+    dkdv_ws = dkdv_ws_ready(q, k, v, dout, lse, delta, dk, dv, causal, has_docs, add_dkdv)
+    dq_ws = dq_ws_ready(q, k, v, dout, lse, delta, dq, causal, has_docs, add_dq, dq_final is not None)
+    positions = _ws_positions(max(seqlen_q, seqlen_k), causal and (dkdv_ws or dq_ws), lse)
+    if dkdv_ws:
+        dkdv = _dkdv_ws_launch(dout, q, k, v, lse, delta, dk, dv, positions, qk_scale, softmax_scale, causal)
     else:
         dkdv = KernelLaunch(
             _attn_bwd_dkdv_kernel,
@@ -350,6 +388,8 @@ def _bwd_launches(
                 num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
             ),
         )  # fmt: skip
+    if dq_ws:
+        return dkdv, _dq_ws_launch(dout, q, k, v, lse, delta, dq, positions, qk_scale, softmax_scale, causal, add_dq)
     final_dq, *final_strides, final_lo, final_hi = _final_args(dq_final, dq)
     dq_launch = KernelLaunch(
         _attn_bwd_dq_kernel,

@@ -1,14 +1,14 @@
-"""When the backward's dK/dV runs the warp-specialised kernel (kernels/attn_bwd_ws.py), and the scratch memory its
-in-kernel tensor descriptors need.
+"""When the backward runs the warp-specialised kernels (kernels/attn_bwd_ws.py), and the scratch memory their in-kernel
+tensor descriptors need.
 
-Triton's Hopper partitioner splits that kernel into a TMA producer warpgroup and two consumer warpgroups. It is on
-by default on Hopper GPUs with triton 3.9: its form (results stored through descriptors) passed the test suite on
-the H200 (`tests/ops`, `tests/parallel/test_simulate.py`, bf16 and fp16) and gave the default kernel's bits in a
-diagnostic run (docs/performance.md, "Warp-specialised dK/dV"). It is taken only with triton 3.9, the version
-checked: the partitioner has turned correct-looking code into wrong gradients (the kernel's docstring says how), so
-a version not checked on a GPU keeps attn_bwd's kernel (3.6, the GPU image's, fails in the partitioner anyway).
-So do causal calls, fp32 on a GPU, GQA and MQA, documents, accumulating calls and layouts the descriptors cannot
-address.
+Triton's Hopper partitioner splits those kernels into a TMA producer warpgroup and two consumer warpgroups; it has
+also turned correct-looking code into wrong gradients (the kernels' docstring says how). So each form of them
+(dK/dV or dQ; causal or not; GQA for dK/dV, adding into an accumulator for dQ) is taken on a GPU only once it has
+been checked there: CHECKED_FORMS lists the forms that passed the test suite on the H200 with triton 3.9
+(docs/performance.md, "Warp-specialised dK/dV"), and only triton 3.9 takes any (3.6, the GPU image's, fails in the
+partitioner). The interpreter has no partitioner, so its CPU tests run every form. Calls with documents, fp32 on a
+GPU, dQ rows the ring finishes, dK/dV added into accumulators and layouts the descriptors cannot address keep
+attn_bwd's kernels.
 """
 
 import contextvars
@@ -18,18 +18,37 @@ from collections.abc import Callable
 import torch
 import triton
 
-WS_TRITON = (3, 9)  # the triton (major, minor) whose Hopper partitioner was checked to split the kernel right
+WS_TRITON = (3, 9)  # the triton (major, minor) whose Hopper partitioner was checked to split the kernels right
 WS_HEAD_DIMS = (64, 128)  # the head dims with a measured launch config
+CHECKED_FORMS = frozenset({"dkdv"})  # forms (ws_form's names) that passed the GPU test suite on the H200
+WS_MODES = ("0", "1", "all")
 
 
-def bwd_ws_enabled(device: torch.device) -> bool:
-    """$RINGATTN_BWD_WS: unset, the backward on a GPU may take the warp-specialised dK/dV kernel where it applies
-    (Hopper GPUs with triton 3.9) and the interpreter (CPU tensors) never does; "1" lets the interpreter take it too
-    (the CPU tests of that kernel); "0" never."""
+def bwd_ws_mode() -> str | None:
+    """$RINGATTN_BWD_WS, checked: unset (None), a GPU backward takes the checked forms of the warp-specialised
+    kernels where they apply (Hopper GPUs with triton 3.9) and the interpreter (CPU tensors) none; "1", the
+    interpreter takes every form too (the CPU tests); "all", a GPU too (to check forms not yet checked); "0", none."""
     value = os.environ.get("RINGATTN_BWD_WS")
-    if value not in (None, "0", "1"):
-        raise ValueError(f"$RINGATTN_BWD_WS must be 0 or 1 (or unset), got {value!r}")
-    return value == "1" or (value is None and device.type == "cuda")
+    if value is not None and value not in WS_MODES:
+        raise ValueError(f"$RINGATTN_BWD_WS must be one of {', '.join(WS_MODES)} (or unset), got {value!r}")
+    return value
+
+
+def ws_form(kernel: str, causal: bool, grouped: bool = False, accumulate: bool = False) -> str:
+    """The name of a form of the warp-specialised kernels: "dkdv" or "dq", then " causal", " gqa" (dK/dV over a
+    group of q heads) and " accumulate" (dQ added into an accumulator) where they apply, e.g. "dkdv causal gqa"."""
+    return " ".join([kernel] + [name for name, on in (("causal", causal), ("gqa", grouped),
+                                                      ("accumulate", accumulate)) if on])  # fmt: skip
+
+
+def bwd_ws_allowed(form: str, device: torch.device) -> bool:
+    """Whether $RINGATTN_BWD_WS (bwd_ws_mode) lets a backward on `device` take the kernel form `form`."""
+    mode = bwd_ws_mode()
+    if mode == "0":
+        return False
+    if mode == "all" or (mode == "1" and device.type != "cuda"):
+        return True
+    return device.type == "cuda" and form in CHECKED_FORMS
 
 
 def _triton_version() -> tuple[int, int]:
@@ -42,6 +61,19 @@ def descriptor_aligned(t: torch.Tensor) -> bool:
     stride 16-byte aligned."""
     size = t.element_size()
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+
+
+def _ws_inputs_ready(q: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> bool:
+    """What both warp-specialised kernels need of a call beyond its form: triton 3.9, D of 64 or 128, Sq a multiple
+    of 4 (each head's row of stats 16-byte aligned), lse and delta aligned, and on a GPU a Hopper one (compute
+    capability 9.0) and fp16 or bf16 (fp32 would multiply in tf32 there)."""
+    if _triton_version() != WS_TRITON or q.shape[-1] not in WS_HEAD_DIMS or q.shape[1] % 4:
+        return False
+    if q.is_cuda and (
+        torch.cuda.get_device_capability(q.device) != (9, 0) or q.dtype not in (torch.float16, torch.bfloat16)
+    ):
+        return False
+    return lse.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0
 
 
 def dkdv_ws_ready(
@@ -58,20 +90,35 @@ def dkdv_ws_ready(
     add_dkdv: bool,
 ) -> bool:
     """Whether the backward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), dout like q and contiguous lse, delta
-    (B, Hq, Sq), into dk, dv like k, takes the warp-specialised dK/dV kernel: enabled (bwd_ws_enabled),
-    triton 3.9, not causal, no documents, dK and dV stored rather than added (add_dkdv False: the ring's shares,
-    or no accumulators), Hq == Hkv, D of 64 or 128, Sq a multiple of 4, tensors the descriptors can address, and
-    on a GPU a Hopper one (compute capability 9.0) and fp16 or bf16 (fp32 would multiply in tf32 there)."""
-    if not bwd_ws_enabled(q.device) or causal or has_docs or add_dkdv or _triton_version() != WS_TRITON:
+    (B, Hq, Sq), into dk, dv like k, takes the warp-specialised dK/dV kernel: its form allowed (bwd_ws_allowed),
+    no documents, dK and dV stored rather than added (add_dkdv False: the ring's shares, or no accumulators), the
+    inputs _ws_inputs_ready and every tensor one the descriptors can address."""
+    form = ws_form("dkdv", causal, grouped=q.shape[2] != k.shape[2])
+    if has_docs or add_dkdv or not bwd_ws_allowed(form, q.device) or not _ws_inputs_ready(q, lse, delta):
         return False
-    if q.shape[2] != k.shape[2] or q.shape[-1] not in WS_HEAD_DIMS or q.shape[1] % 4:
+    return all(descriptor_aligned(t) for t in (q, k, v, dout, dk, dv))
+
+
+def dq_ws_ready(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    causal: bool,
+    has_docs: bool,
+    add_dq: bool,
+    has_final: bool,
+) -> bool:
+    """Whether that backward, into dq like q, takes the warp-specialised dQ kernel: its form allowed (add_dq: added
+    into dq), no documents, no rows finished into another buffer (has_final: the ring's last step), the inputs
+    _ws_inputs_ready and every tensor one the descriptors can address."""
+    form = ws_form("dq", causal, accumulate=add_dq)
+    if has_docs or has_final or not bwd_ws_allowed(form, q.device) or not _ws_inputs_ready(q, lse, delta):
         return False
-    if q.is_cuda and (
-        torch.cuda.get_device_capability(q.device) != (9, 0) or q.dtype not in (torch.float16, torch.bfloat16)
-    ):
-        return False
-    stats_aligned = lse.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0  # with Sq % 4 == 0: every row
-    return stats_aligned and all(descriptor_aligned(t) for t in (q, k, v, dout, dk, dv))
+    return all(descriptor_aligned(t) for t in (q, k, v, dout, dq))
 
 
 def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

@@ -1,17 +1,19 @@
-"""The warp-specialised dK/dV kernel (kernels/attn_bwd_ws.py) and when the backward takes it (ops/warp_spec.py).
+"""The warp-specialised backward kernels (kernels/attn_bwd_ws.py) and when the backward takes them (ops/warp_spec.py).
 
-It is on by default on Hopper GPUs with triton 3.9 and off in the interpreter unless $RINGATTN_BWD_WS=1: these tests
-set that, so they run it on the CPU and on such a GPU; elsewhere the backward keeps attn_bwd's kernel and the tests
-that need the new one skip.
+On a Hopper GPU with triton 3.9 the backward takes the forms checked there (warp_spec.CHECKED_FORMS); the
+interpreter takes them only with $RINGATTN_BWD_WS=1. These tests set that, or keep "all" (every form, on a GPU too:
+how a form gets checked) when the environment has it, so they run every form on the CPU and the allowed ones on
+such a GPU; elsewhere the backward keeps attn_bwd's kernels and the tests that need the new ones skip.
 """
 
 import contextvars
+import os
 
 import pytest
 import torch
 import triton
 
-from ringattn.kernels.attn_bwd_ws import _attn_bwd_dkdv_ws_kernel
+from ringattn.kernels.attn_bwd_ws import _attn_bwd_dkdv_ws_kernel, _attn_bwd_dq_ws_kernel
 from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, warp_spec
 from ringattn.ops import attn as attn_ops
 from ringattn.parallel import LAYOUTS
@@ -21,12 +23,24 @@ from tests.utils import DEVICE, DTYPES, make_qkv, reference_attention
 
 CHECKED_TRITON = warp_spec._triton_version() == warp_spec.WS_TRITON
 needs_checked_triton = pytest.mark.skipif(not CHECKED_TRITON, reason=f"triton {triton.__version__}, not 3.9")
-# Sq a multiple of 4 (the kernel's condition); ragged tiles on both sides, Sq != Sk both ways
+# Sq a multiple of 4 (the kernels' condition); ragged tiles on both sides, Sq != Sk both ways (Sq > Sk causal:
+# rows that see no key)
 WS_SEQLENS = [(4, 4), (100, 100), (96, 160), (160, 36)]
+HEADS = [(2, 2), (4, 2), (4, 1)]  # MHA, GQA, MQA
+CPU = torch.device("cpu")
+GPU = torch.device("cuda", 0)
 
 
-def _dkdv_kernel(q, k, v, dout, causal, **kwargs):
-    """The kernel the backward launches for dK/dV."""
+@pytest.fixture
+def ws_on(monkeypatch):
+    """$RINGATTN_BWD_WS=1, or "all" where the environment has it; skips where the kernels are never taken."""
+    monkeypatch.setenv("RINGATTN_BWD_WS", "all" if os.environ.get("RINGATTN_BWD_WS") == "all" else "1")
+    if DEVICE.type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised kernels are taken on Hopper GPUs only")
+
+
+def _launched(q, k, v, dout, causal, **kwargs):
+    """The (dK/dV, dQ) kernels the backward launches."""
     out, lse = attn_fwd(q, k, v, 0.125, causal)
     delta = attn_ops.attn_bwd_preprocess(out, dout)
     grads = [torch.empty_like(t) for t in (q, k, v)]
@@ -36,64 +50,68 @@ def _dkdv_kernel(q, k, v, dout, causal, **kwargs):
         dout, q, k, v, lse, delta, *grads, 0.125, causal, args["q_doc_ids"], args["k_doc_ids"], args["add_dq"],
         args["add_dkdv"], args["dq_final"], *cfgs,
     )  # fmt: skip
-    return launches[0].kernel
+    return tuple(launch.kernel for launch in launches)
+
+
+def _expected(q, k, causal, add_dq=False):
+    """The (dK/dV, dQ) kernels the forms allowed here mean (all of them in the interpreter)."""
+    dkdv = warp_spec.bwd_ws_allowed(warp_spec.ws_form("dkdv", causal, grouped=q.shape[2] != k.shape[2]), q.device)
+    dq = warp_spec.bwd_ws_allowed(warp_spec.ws_form("dq", causal, accumulate=add_dq), q.device)
+    return (
+        _attn_bwd_dkdv_ws_kernel if dkdv else attn_ops._attn_bwd_dkdv_kernel,
+        _attn_bwd_dq_ws_kernel if dq else attn_ops._attn_bwd_dq_kernel,
+    )
+
+
+def _check_grads(got, q, k, v, dout, scale, causal):
+    ref = reference_attention(q, k, v, dout, scale, causal, torch.float64)
+    pt = reference_attention(q, k, v, dout, scale, causal, q.dtype)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    for name, ours, p, r in zip(("dq", "dk", "dv"), got, pt[2:], ref[2:], strict=True):
+        check_close(name, ours.to(q.dtype), p, r, grad_scale)
 
 
 @needs_checked_triton
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", HEADS, ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", WS_SEQLENS, ids=[f"Sq{a}-Sk{b}" for a, b in WS_SEQLENS])
-def test_ws_backward_matches_reference(seqlen_q, seqlen_k, head_dim, causal, monkeypatch):
-    monkeypatch.setenv("RINGATTN_BWD_WS", "1")
-    dtype = DTYPES[0]
-    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, 2, 2, head_dim, dtype, seed=seqlen_q + 7 * seqlen_k)
-    if DEVICE.type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised kernel is picked on Hopper GPUs only")
-    assert (_dkdv_kernel(q, k, v, dout, causal) is _attn_bwd_dkdv_ws_kernel) == (not causal)
+def test_ws_backward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, causal, ws_on):
+    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, DTYPES[0], seed=seqlen_q + 7 * seqlen_k)
+    assert _launched(q, k, v, dout, causal) == _expected(q, k, causal)
     scale = head_dim**-0.5
     out, lse = attn_fwd(q, k, v, scale, causal)
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, scale, causal)
-    ref = reference_attention(q, k, v, dout, scale, causal, torch.float64)
-    pt = reference_attention(q, k, v, dout, scale, causal, q.dtype)
-    grad_scale = max(magnitude(g) for g in ref[2:])
-    for name, ours, p, r in zip(("dq", "dk", "dv"), (dq, dk, dv), pt[2:], ref[2:], strict=True):
-        check_close(name, ours, p, r, grad_scale)
+    _check_grads(attn_bwd(dout, q, k, v, out, lse, scale, causal), q, k, v, dout, scale, causal)
 
 
 @needs_checked_triton
-def test_ws_ring_share_is_stored_in_fp32(monkeypatch):
-    """The ring's form: dK, dV stored (add_dkdv=False) into fp32 buffers, dQ added: the same gradients as the
-    public call's, in fp32."""
-    monkeypatch.setenv("RINGATTN_BWD_WS", "1")
-    if DEVICE.type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised kernel is picked on Hopper GPUs only")
-    q, k, v, dout = make_qkv(1, 64, 64, 2, 2, 64, DTYPES[0], seed=5)
-    out, lse = attn_fwd(q, k, v, 0.125, False)
-    dq, dk, dv = (torch.zeros(t.shape, device=DEVICE) for t in (q, k, v))
-    dk.fill_(float("nan"))  # stored, not read
-    delta = attn_ops.attn_bwd_preprocess(out, dout)
-    assert warp_spec.dkdv_ws_ready(q, k, v, dout, lse, delta, dk, dv, causal=False, has_docs=False, add_dkdv=False)
-    attn_bwd(dout, q, k, v, out, lse, 0.125, False, dq_acc=dq, dk_acc=dk, dv_acc=dv, add_dkdv=False)
-    want = attn_bwd(dout, q, k, v, out, lse, 0.125, False)
-    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want, strict=True):
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", HEADS[:2], ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS[:2]])
+def test_ws_ring_step_forms(heads, causal, ws_on):
+    """The ring's forms: dK, dV stored (add_dkdv=False) into fp32 buffers that are not read, dQ added into an fp32
+    accumulator: the public call's gradients, in fp32, plus what the accumulator held."""
+    q, k, v, dout = make_qkv(1, 64, 64, *heads, 64, DTYPES[0], seed=5)
+    assert _launched(q, k, v, dout, causal, add_dq=True) == _expected(q, k, causal, add_dq=True)
+    out, lse = attn_fwd(q, k, v, 0.125, causal)
+    held = torch.randn(q.shape, device=DEVICE)
+    dq = held.clone()
+    dk, dv = (torch.full(t.shape, float("nan"), device=DEVICE) for t in (k, v))  # stored, not read
+    attn_bwd(dout, q, k, v, out, lse, 0.125, causal, dq_acc=dq, dk_acc=dk, dv_acc=dv, add_dkdv=False)
+    want = attn_bwd(dout, q, k, v, out, lse, 0.125, causal)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq - held, dk, dv), want, strict=True):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.to(ref.dtype), ref, msg=name)
 
 
 @needs_checked_triton
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_ws_in_the_simulated_ring_matches_reference(layout, monkeypatch):
-    """Not causal, every ring step's dK/dV share goes through the kernel (S_local = 32 rows per rank, W = 2)."""
-    monkeypatch.setenv("RINGATTN_BWD_WS", "1")
-    if DEVICE.type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised kernel is picked on Hopper GPUs only")
-    q, k, v, dout = make_qkv(1, 64, 64, 2, 2, 64, DTYPES[0], seed=11)
-    ours = simulate_ring_attn(KERNEL_OPS, q, k, v, 0.125, False, 2, layout, dout=dout)
-    ref = reference_attention(q, k, v, dout, 0.125, False, torch.float64)
-    pt = reference_attention(q, k, v, dout, 0.125, False, q.dtype)
-    grad_scale = max(magnitude(g) for g in ref[2:])
-    for name, got, p, r in zip(("dq", "dk", "dv"), ours[2:], pt[2:], ref[2:], strict=True):
-        check_close(name, got.to(q.dtype), p, r, grad_scale)
+def test_ws_in_the_simulated_ring_matches_reference(layout, causal, ws_on):
+    """Every ring step's dK/dV share and dQ addition through the kernels the forms allow (S_local = 32 rows per
+    rank, W = 2, GQA 4:2)."""
+    q, k, v, dout = make_qkv(1, 64, 64, 4, 2, 64, DTYPES[0], seed=11)
+    ours = simulate_ring_attn(KERNEL_OPS, q, k, v, 0.125, causal, 2, layout, dout=dout)
+    _check_grads(ours[2:], q, k, v, dout, 0.125, causal)
 
 
 def _offset_view(shape, dtype):
@@ -103,43 +121,57 @@ def _offset_view(shape, dtype):
 
 @needs_checked_triton
 def test_ws_is_taken_only_where_it_applies(monkeypatch):
-    monkeypatch.setenv("RINGATTN_BWD_WS", "1")
+    monkeypatch.setenv("RINGATTN_BWD_WS", "all")
+    if DEVICE.type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised kernels are taken on Hopper GPUs only")
     dtype = DTYPES[0]
     q, k, v, dout = make_qkv(1, 64, 64, 2, 2, 64, dtype, seed=1)
-    ws = _attn_bwd_dkdv_ws_kernel
-    assert _dkdv_kernel(q, k, v, dout, False) is ws
-    assert _dkdv_kernel(q, k, v, dout, True) is not ws  # causal
+    ws = (_attn_bwd_dkdv_ws_kernel, _attn_bwd_dq_ws_kernel)
+    old = (attn_ops._attn_bwd_dkdv_kernel, attn_ops._attn_bwd_dq_kernel)
+    assert _launched(q, k, v, dout, False) == ws
+    assert _launched(q, k, v, dout, True) == ws
     ids = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    assert _dkdv_kernel(q, k, v, dout, False, q_doc_ids=ids, k_doc_ids=ids) is not ws  # documents
-    gqa = make_qkv(1, 64, 64, 2, 1, 64, dtype, seed=1)
-    assert _dkdv_kernel(*gqa, False) is not ws
-    padded = make_qkv(1, 64, 64, 2, 2, 40, dtype, seed=1)
-    assert _dkdv_kernel(*padded, False) is not ws
-    ragged = make_qkv(1, 97, 64, 2, 2, 64, dtype, seed=1)  # Sq % 4: a head's stats row off 16 bytes
-    assert _dkdv_kernel(*ragged, False) is not ws
-    assert _dkdv_kernel(q, _offset_view(k.shape, dtype), v, dout, False) is not ws
+    assert _launched(q, k, v, dout, False, q_doc_ids=ids, k_doc_ids=ids) == old  # documents
+    assert _launched(*make_qkv(1, 64, 64, 2, 2, 40, dtype, seed=1), False) == old  # D = 40
+    assert _launched(*make_qkv(1, 97, 64, 2, 2, 64, dtype, seed=1), False) == old  # Sq % 4: stats rows off 16 B
+    assert _launched(q, _offset_view(k.shape, dtype), v, dout, False) == old  # k off 16 bytes: both read it
+    assert _launched(q, k, v, dout, False, add_dkdv=True) == (old[0], ws[1])  # dK, dV added into accumulators
+    final = attn_ops.FinalRows(torch.empty_like(q), range(0, 32))
+    assert _launched(q, k, v, dout, False, dq_final=final) == (ws[0], old[1])  # rows finished elsewhere
     monkeypatch.setenv("RINGATTN_BWD_WS", "0")
-    assert _dkdv_kernel(q, k, v, dout, False) is not ws
-    monkeypatch.setenv("RINGATTN_BWD_WS", "1")
+    assert _launched(q, k, v, dout, False) == old
+    monkeypatch.setenv("RINGATTN_BWD_WS", "all")
     for version in ((3, 6), (3, 10)):  # older, or not yet checked on a GPU
         monkeypatch.setattr(warp_spec, "_triton_version", lambda version=version: version)
-        assert _dkdv_kernel(q, k, v, dout, False) is not ws
+        assert _launched(q, k, v, dout, False) == old
 
 
-def test_ws_default_is_on_for_gpus_only(monkeypatch):
+def test_ws_forms_allowed_by_mode(monkeypatch):
+    """Unset: the checked forms on a GPU, none in the interpreter; "1": every form in the interpreter too; "all":
+    every form anywhere; "0": none."""
+    checked, unchecked = "dkdv", "dq causal"
+    assert checked in warp_spec.CHECKED_FORMS and unchecked not in warp_spec.CHECKED_FORMS
     monkeypatch.delenv("RINGATTN_BWD_WS", raising=False)
-    assert warp_spec.bwd_ws_enabled(torch.device("cuda", 0))
-    assert not warp_spec.bwd_ws_enabled(torch.device("cpu"))
+    assert warp_spec.bwd_ws_allowed(checked, GPU) and not warp_spec.bwd_ws_allowed(unchecked, GPU)
+    assert not warp_spec.bwd_ws_allowed(checked, CPU)
     monkeypatch.setenv("RINGATTN_BWD_WS", "1")
-    assert warp_spec.bwd_ws_enabled(torch.device("cpu"))
+    assert warp_spec.bwd_ws_allowed(unchecked, CPU) and not warp_spec.bwd_ws_allowed(unchecked, GPU)
+    monkeypatch.setenv("RINGATTN_BWD_WS", "all")
+    assert warp_spec.bwd_ws_allowed(unchecked, GPU) and warp_spec.bwd_ws_allowed(unchecked, CPU)
     monkeypatch.setenv("RINGATTN_BWD_WS", "0")
-    assert not warp_spec.bwd_ws_enabled(torch.device("cuda", 0))
+    assert not warp_spec.bwd_ws_allowed(checked, GPU) and not warp_spec.bwd_ws_allowed(checked, CPU)
+
+
+def test_ws_form_names():
+    assert warp_spec.ws_form("dkdv", False) == "dkdv"
+    assert warp_spec.ws_form("dkdv", True, grouped=True) == "dkdv causal gqa"
+    assert warp_spec.ws_form("dq", True, accumulate=True) == "dq causal accumulate"
 
 
 def test_bad_ws_mode_raises(monkeypatch):
     monkeypatch.setenv("RINGATTN_BWD_WS", "auto")
-    with pytest.raises(ValueError, match=r"\$RINGATTN_BWD_WS must be 0 or 1 \(or unset\), got 'auto'"):
-        warp_spec.bwd_ws_enabled(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"\$RINGATTN_BWD_WS must be one of 0, 1, all \(or unset\), got 'auto'"):
+        warp_spec.bwd_ws_mode()
 
 
 def test_scratch_allocator_is_set_for_the_launch_only():
