@@ -1,6 +1,6 @@
 """Time each attention kernel under a list of launch configs, to pick ops/attn.py's `_fwd_config`,
-`_bwd_dkdv_config` (or, where ops/warp_spec.py picks the warp-specialised dK/dV kernel, `_bwd_dkdv_ws_config`)
-and `_bwd_dq_config` for 16-bit inputs on the GPU at hand.
+`_bwd_dkdv_config` and `_bwd_dq_config` (or, where ops/warp_spec.py takes the warp-specialised kernels,
+`_bwd_dkdv_ws_config` and `_bwd_dq_ws_config`) for 16-bit inputs on the GPU at hand.
 
     PYTHONPATH=. python3 launch/config_sweep.py --out docs/benchmarks/config_sweep_h200.json
 
@@ -54,9 +54,13 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
         64: [(64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 4, 2), (32, 128, 4, 2)],
         128: [(64, 128, 4, 2), (64, 128, 4, 3), (32, 128, 4, 2), (32, 128, 4, 3)],
     },
+    "dq_ws": {  # BLOCK_M rows per program (split between the consumers), BLOCK_N keys per loop step
+        64: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 2)],
+        128: [(128, 64, 4, 2), (128, 64, 4, 3), (64, 128, 4, 2), (128, 128, 4, 2)],
+    },
 }
 CONFIG_FUNCTIONS = {"fwd": "_fwd_config", "dkdv": "_bwd_dkdv_config", "dq": "_bwd_dq_config",
-                    "dkdv_ws": "_bwd_dkdv_ws_config"}  # fmt: skip
+                    "dkdv_ws": "_bwd_dkdv_ws_config", "dq_ws": "_bwd_dq_ws_config"}  # fmt: skip
 
 
 DEFAULT_FUNCTIONS = {kernel: getattr(attn_ops, name) for kernel, name in CONFIG_FUNCTIONS.items()}
@@ -102,8 +106,8 @@ def _check_defaults(head_dims: list[int]) -> None:
 
 
 def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
-    """The launch of backward kernel `kernel` ("dkdv", "dkdv_ws" or "dq") alone at its current config, on buffers of its
-    own (delta computed once, gradients new)."""
+    """The launch of backward kernel `kernel` ("dkdv", "dq", "dkdv_ws" or "dq_ws") alone at its current config, on
+    buffers of its own (delta computed once, gradients new)."""
     delta = attn_ops.attn_bwd_preprocess(out, dout)
     grads = [torch.empty_like(t) for t in (q, k, v)]
     block_d = attn_ops._padded_head_dim(q.shape[-1])
@@ -111,14 +115,20 @@ def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal
     launches = attn_ops._bwd_launches(
         dout, q, k, v, lse, delta, *grads, scale, causal, None, None, False, False, None, *cfgs
     )
-    return launches[1] if kernel == "dq" else launches[0]
+    return launches[1] if kernel.startswith("dq") else launches[0]
 
 
-def _launched(kernel: str, kv_heads: int, causal: bool, ws: bool) -> bool:
-    """Whether the call swept (kv_heads K/V heads, causal or not) runs `kernel`: the backward launches dkdv_ws for
-    non-causal MHA where ops/warp_spec.py takes it (ws) and dkdv for the rest."""
-    takes_ws = ws and kv_heads == HEADS and not causal
-    return {"dkdv_ws": takes_ws, "dkdv": not takes_ws}.get(kernel, True)
+def _launched(kernel: str, q, k, v, causal: bool) -> bool:
+    """Whether the backward of the swept call runs `kernel`: the warp-specialised kernels where ops/warp_spec.py
+    takes them, attn_bwd's elsewhere (the forward always)."""
+    stats = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    if kernel in ("dkdv", "dkdv_ws"):
+        ws = warp_spec.dkdv_ws_ready(q, k, v, q, stats, stats, k, v, causal, has_docs=False, add_dkdv=False)
+    elif kernel in ("dq", "dq_ws"):
+        ws = warp_spec.dq_ws_ready(q, k, v, q, stats, stats, q, causal, has_docs=False, add_dq=False, has_final=False)
+    else:
+        return True
+    return ws == kernel.endswith("_ws")
 
 
 def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, rep: int, candidates: dict) -> list[dict]:
@@ -132,6 +142,8 @@ def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, rep: int, can
     want_bwd = attn_ops.attn_bwd(dout, q, k, v, out, lse, scale, causal)
     records = []
     for kernel, by_dim in candidates.items():
+        if not _launched(kernel, q, k, v, causal):
+            continue
         for config in by_dim[head_dim]:
             _set_config(kernel, config)
             base = dict(kernel=kernel, config=list(config), S=seqlen, B=batch, H=HEADS, Hkv=kv_heads, D=head_dim,
@@ -197,19 +209,14 @@ def main():
         nargs="+",
         default=None,
         choices=list(CANDIDATES),
-        help="default: all; dkdv_ws is timed where ops/warp_spec.py takes it (non-causal MHA), dkdv elsewhere",
+        help="default: all; each is timed where the backward launches it (dkdv_ws and dq_ws where ops/warp_spec.py "
+        "takes them, dkdv and dq elsewhere)",
     )
     parser.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each: these only")
     parser.add_argument("--rep", type=int, default=100, help="do_bench's rep (ms)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
     _check_defaults(args.head_dims)
-    probe = torch.empty(1, 64, HEADS, 128, device="cuda", dtype=torch.bfloat16)
-    stats = torch.empty(1, HEADS, 64, device="cuda")
-    ws = warp_spec.dkdv_ws_ready(
-        probe, probe, probe, probe, stats, stats, probe, probe, causal=False, has_docs=False, add_dkdv=False
-    )
-    print(f"warp-specialised dK/dV kernel taken for non-causal MHA here: {'yes' if ws else 'no'}")
     args.kernels = args.kernels or list(CANDIDATES)
     candidates = {kernel: CANDIDATES[kernel] for kernel in args.kernels}
     if args.configs:
@@ -219,8 +226,7 @@ def main():
     for head_dim in args.head_dims:
         for kv_heads in args.kv_heads:
             for causal in (False, True):
-                launched = {kernel: c for kernel, c in candidates.items() if _launched(kernel, kv_heads, causal, ws)}
-                records += sweep(args.seqlen, head_dim, kv_heads, causal, args.rep, launched)
+                records += sweep(args.seqlen, head_dim, kv_heads, causal, args.rep, candidates)
     best = best_configs(records)
     for name, b in best.items():
         default = "could not run" if b["default_ms"] is None else f"{b['default_ms']:.3f} ms"

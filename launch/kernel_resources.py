@@ -13,7 +13,10 @@ registers per thread and the spill bytes; shared memory is the compiler's. CTAs 
 registers (65536 per SM), shared memory (228 KiB per SM, 227 KiB at most per CTA) and threads (2048 per SM)
 allow, for the Hopper limits. Kernels: "fwd" (the public forward), "fwd_merge" (the ring's step, merging
 into an fp32 state), "dkdv" and "dq" (the backward, as the ring calls it: gradients added to fp32
-accumulators). Without --configs or --candidates, each at the launch config the launchers pick on a GPU.
+accumulators), "dkdv_ws" and "dq_ws" (the warp-specialised backward kernels as the ring calls them: dK, dV
+stored into fp32 shares, dQ added to an fp32 accumulator; "ws partitions" counts the warp-specialised
+regions the partitioner made, 0 when it made none). Without --configs or --candidates, each at the launch
+config the launchers pick on a GPU.
 """
 
 import argparse
@@ -21,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,7 +38,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from ringattn.ops import attn as attn_ops
 
-KERNELS = ("fwd", "fwd_merge", "dkdv", "dq")
+KERNELS = ("fwd", "fwd_merge", "dkdv", "dq", "dkdv_ws", "dq_ws")
 HEADS, SEQLEN = 32, 64  # strides as the benchmark's; the length is not specialised on
 REGS_PER_SM, SMEM_PER_SM, SMEM_PER_CTA, THREADS_PER_SM = 65536, 228 * 1024, 227 * 1024, 2048
 
@@ -52,14 +56,27 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg) -> att
         out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
         cfg = cfg or attn_ops._fwd_config(block_d, q.dtype, cuda)
         return attn_ops._fwd_launch(q, k, v, scale, causal, out, lse, None, None, merge, None, cfg)
+    acc = [torch.empty(t.shape) for t in (q, k, v)]
+    positions = torch.empty(SEQLEN, dtype=torch.int32)
+    qk_scale = scale * attn_ops.LOG2E
+    if kernel == "dkdv_ws":
+        launch = attn_ops._dkdv_ws_launch(dout, q, k, v, lse, delta, *acc[1:], positions, qk_scale, scale, causal)
+    elif kernel == "dq_ws":
+        launch = attn_ops._dq_ws_launch(dout, q, k, v, lse, delta, acc[0], positions, qk_scale, scale, causal, True)
+    if kernel.endswith("_ws"):  # built for CPU tensors with the interpreter's config; the GPU's, or cfg, instead
+        config_of = attn_ops._bwd_dkdv_ws_config if kernel == "dkdv_ws" else attn_ops._bwd_dq_ws_config
+        return replace(launch, kwargs=launch.kwargs | _config_kwargs(cfg or config_of(head_dim, q.dtype, cuda)))
     dkdv_cfg, dq_cfg = attn_ops._bwd_configs(block_d, q.dtype, cuda)
     if cfg is not None:
         dkdv_cfg, dq_cfg = (cfg, dq_cfg) if kernel == "dkdv" else (dkdv_cfg, cfg)
-    acc = [torch.empty(t.shape) for t in (q, k, v)]
     launches = attn_ops._bwd_launches(
         dout, q, k, v, lse, delta, *acc, scale, causal, None, None, True, True, None, dkdv_cfg, dq_cfg
     )
     return launches[0] if kernel == "dkdv" else launches[1]
+
+
+def _config_kwargs(cfg) -> dict:
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def compile_launch(launch: attn_ops.KernelLaunch, target: GPUTarget):
@@ -74,8 +91,9 @@ def compile_launch(launch: attn_ops.KernelLaunch, target: GPUTarget):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def resources(compiled, arch: int, num_warps: int) -> dict:
-    """Registers per thread and spill bytes (ptxas -v), shared memory bytes, CTAs per SM."""
+def resources(compiled, arch: int) -> dict:
+    """Registers per thread and spill bytes (ptxas -v), shared memory bytes, CTAs per SM, warps (the partitioner's
+    included) and warp-specialised regions."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
@@ -85,13 +103,15 @@ def resources(compiled, arch: int, num_warps: int) -> dict:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     if regs is None or spills is None:
         raise RuntimeError(f"unexpected ptxas report: {report}")
+    num_warps = compiled.metadata.num_warps
     regs, smem, threads = int(regs.group(1)), compiled.metadata.shared, 32 * num_warps
     limits = [REGS_PER_SM // (regs * threads), THREADS_PER_SM // threads]
     if smem:
         limits.append(SMEM_PER_SM // smem if smem <= SMEM_PER_CTA else 0)  # over the per-CTA cap: not launchable
     return dict(
         regs=regs, spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)),
-        smem_bytes=smem, ctas_per_sm=min(limits),
+        smem_bytes=smem, ctas_per_sm=min(limits), warps=num_warps,
+        ws_partitions=compiled.asm["ttgir"].count("ttg.warp_specialize"),
     )  # fmt: skip
 
 
@@ -106,7 +126,7 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
         compiled = compile_launch(launch, GPUTarget("cuda", arch, 32))
     except Exception as err:  # noqa: BLE001 - a config the compiler refuses is a result, recorded
         return dict(record, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-    return dict(record, **resources(compiled, arch, kw["num_warps"]))
+    return dict(record, **resources(compiled, arch))
 
 
 def main() -> None:
@@ -135,11 +155,12 @@ def main() -> None:
     if args.out:
         env = dict(kind="env", triton=triton.__version__, torch=torch.__version__, arch=f"sm_{args.arch}a")
         write_json(args.out, env, records)
-    header = ["kernel", "D", "Hkv", "causal", "config", "TMA", "regs", "spill st/ld B", "smem KiB", "CTAs/SM"]
+    header = ["kernel", "D", "Hkv", "causal", "config", "TMA", "regs", "spill st/ld B", "smem KiB", "CTAs/SM", "warps",
+              "ws partitions"]  # fmt: skip
     rows = [[r["kernel"], r["D"], r["Hkv"], "yes" if r["causal"] else "no", "x".join(map(str, r["config"])),
-             "yes" if r["tma"] else "no"] + ([r["error"], "", "", ""] if "error" in r else
+             "yes" if r["tma"] else "no"] + ([r["error"], "", "", "", "", ""] if "error" in r else
              [r["regs"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}", f"{r['smem_bytes'] / 1024:.0f}",
-              r["ctas_per_sm"]]) for r in records]  # fmt: skip
+              r["ctas_per_sm"], r["warps"], r["ws_partitions"]]) for r in records]  # fmt: skip
     print(markdown_table(header, rows))
 
 
