@@ -80,8 +80,8 @@ CASES = [
          env={"RINGATTN_FWD_TMA": "yes"}),
     Case("bwd-streams-env", dict(), ValueError, r"\$RINGATTN_BWD_STREAMS must be 0 or 1, got 'on'", ring_only=True,
          env={"RINGATTN_BWD_STREAMS": "on"}),
-    Case("bwd-ws-env", dict(), ValueError, r"\$RINGATTN_BWD_WS must be one of 0, 1, all \(or unset\), got 'on'",
-         ring_only=True, env={"RINGATTN_BWD_WS": "on"}),
+    Case("bwd-ws-env", dict(), ValueError, r"\$RINGATTN_WS must be one of 0, 1, all \(or unset\), got 'on'",
+         ring_only=True, env={"RINGATTN_WS": "on"}),
 ]  # fmt: skip
 if DEVICE.type == "cpu":
     CASES += [

@@ -20,7 +20,7 @@ says which forms are taken where.
 import triton
 import triton.language as tl
 
-from .common import LOG2E
+from .common import LOG2E, _rows_descriptor
 
 
 @triton.jit
@@ -95,15 +95,11 @@ def _attn_bwd_dkdv_ws_kernel(
         do_desc = tl.make_tensor_descriptor(DOut + off_b * stride_dob, shape=[seqlen_q, num_heads_q, HEAD_DIM],
                                             strides=[stride_dos, stride_doh, 1], block_shape=[BLOCK_M, 1, HEAD_DIM])
     else:  # the one q head's rows
-        q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_hk * stride_qh, shape=[seqlen_q, HEAD_DIM],
-                                           strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM])
-        do_desc = tl.make_tensor_descriptor(DOut + off_b * stride_dob + off_hk * stride_doh,
-                                            shape=[seqlen_q, HEAD_DIM], strides=[stride_dos, 1],
-                                            block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        q_desc = _rows_descriptor(Q + off_b * stride_qb + off_hk * stride_qh, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M)
+        do_desc = _rows_descriptor(DOut + off_b * stride_dob + off_hk * stride_doh, seqlen_q, stride_dos, HEAD_DIM,
+                                   BLOCK_M)
+    k_desc = _rows_descriptor(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N)
+    v_desc = _rows_descriptor(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N)
     if GROUPED:
         stats = off_b * num_heads_q * seqlen_q
         lse_desc = tl.make_tensor_descriptor(Lse + stats, shape=[num_heads_q, seqlen_q], strides=[seqlen_q, 1],
@@ -144,10 +140,8 @@ def _attn_bwd_dkdv_ws_kernel(
             dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2, delta, pos_desc, m0, causal_shift,
                                             qk_scale, CAUSAL)  # fmt: skip
 
-    dk_desc = tl.make_tensor_descriptor(DK + off_b * stride_dkb + off_hk * stride_dkh, shape=[seqlen_k, HEAD_DIM],
-                                        strides=[stride_dks, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    dv_desc = tl.make_tensor_descriptor(DV + off_b * stride_dvb + off_hk * stride_dvh, shape=[seqlen_k, HEAD_DIM],
-                                        strides=[stride_dvs, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    dk_desc = _rows_descriptor(DK + off_b * stride_dkb + off_hk * stride_dkh, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N)
+    dv_desc = _rows_descriptor(DV + off_b * stride_dvb + off_hk * stride_dvh, seqlen_k, stride_dvs, HEAD_DIM, BLOCK_N)
     dk_desc.store([n0, 0], (dk * sm_scale).to(DK.dtype.element_ty))  # rows past Sk are not written
     dv_desc.store([n0, 0], dv.to(DV.dtype.element_ty))
 
@@ -175,14 +169,10 @@ def _attn_bwd_dq_ws_kernel(
     off_b = tl.program_id(2).to(tl.int64)
     off_hk = (off_hq // GROUP_SIZE).to(tl.int64)
     off_hq = off_hq.to(tl.int64)
-    q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_hq * stride_qh, shape=[seqlen_q, HEAD_DIM],
-                                       strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    do_desc = tl.make_tensor_descriptor(DOut + off_b * stride_dob + off_hq * stride_doh, shape=[seqlen_q, HEAD_DIM],
-                                        strides=[stride_dos, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    q_desc = _rows_descriptor(Q + off_b * stride_qb + off_hq * stride_qh, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M)
+    do_desc = _rows_descriptor(DOut + off_b * stride_dob + off_hq * stride_doh, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M)
+    k_desc = _rows_descriptor(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N)
+    v_desc = _rows_descriptor(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N)
     row = (off_b * num_heads_q + off_hq) * seqlen_q
     lse_desc = tl.make_tensor_descriptor(Lse + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
     delta_desc = tl.make_tensor_descriptor(Delta + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
@@ -209,8 +199,7 @@ def _attn_bwd_dq_ws_kernel(
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
 
-    dq_desc = tl.make_tensor_descriptor(DQ + off_b * stride_dqb + off_hq * stride_dqh, shape=[seqlen_q, HEAD_DIM],
-                                        strides=[stride_dqs, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    dq_desc = _rows_descriptor(DQ + off_b * stride_dqb + off_hq * stride_dqh, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M)
     dq = dq * sm_scale
     if ACCUMULATE:
         dq += dq_desc.load([m0, 0])

@@ -21,6 +21,7 @@ from .common import (
     _key_tile_visible,
     _load_kv_tile,
     _load_kv_tile_tma,
+    _online_softmax_step,
     _q_tile_docs,
     _store_rows,
 )
@@ -45,22 +46,11 @@ def _attn_fwd_tile(
         k, v = _load_kv_tile_tma(k_base, v_base, kv_coords, n0, BLOCK_N, offs_d.shape[0])
     else:
         k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
-    # unscaled scores: the scale goes into max (exact: x -> x * scale is monotone) and into exp2's
-    # argument as one fused multiply-add per score
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
     if MASKED:
         visible = _key_tile_visible(offs_m, offs_n, seqlen_k, causal_shift, q_doc, KDoc, CAUSAL, DOCS)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked row: exp2(-inf - 0) = 0
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    return _online_softmax_step(acc, l_i, m_i, s, v, qk_scale, MASKED, DOT_PRECISION)
 
 
 @triton.jit

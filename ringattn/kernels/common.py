@@ -1,5 +1,5 @@
 """Pieces shared by the forward and backward kernels: log-base constants, key ranges, document spans,
-tile loads and masks, and the result's store with the rows the ring finishes split off."""
+tile loads and masks, the online-softmax step, and the result's store with the rows the ring finishes split off."""
 
 import triton
 import triton.language as tl
@@ -102,3 +102,31 @@ def _store_rows(
         tl.store(f_ptrs, x.to(Final.dtype.element_ty), mask=row_mask & finished[:, None])
         row_mask = row_mask & ((offs_m < final_lo) | (offs_m >= final_hi))[:, None]
     tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, s, v, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(acc, l_i, m_i) updated by one key tile: s (BLOCK_M, BLOCK_N) unscaled scores, -inf where MASKED masks them,
+    v (BLOCK_N, HEAD_DIM) the tile's values; m_i in log2 units. Rows whose keys are all masked keep m_i = -inf and
+    gain nothing."""
+    # the scale goes into max (exact: x -> x * scale is monotone) and into exp2's argument as one fused
+    # multiply-add per score
+    if MASKED:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked row: exp2(-inf - 0) = 0
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _rows_descriptor(base, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A tensor descriptor, made in the kernel, of one head's (seqlen, HEAD_DIM) rows from base (row stride
+    stride_s) in (BLOCK, HEAD_DIM) tiles: rows past seqlen load as zeros and are not stored."""
+    return tl.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_s, 1],
+                                     block_shape=[BLOCK, HEAD_DIM])  # fmt: skip

@@ -12,7 +12,7 @@ from .attn_ref import attn_bwd_preprocess_ref, attn_bwd_ref, attn_fwd_merge_ref_
 from .final_rows import FinalRows
 from .merge import merge_attn_states_
 from .streams import bwd_streams_enabled
-from .warp_spec import bwd_ws_mode
+from .warp_spec import ws_mode
 
 
 class AttnOps(NamedTuple):
@@ -42,7 +42,7 @@ __all__ = [
     "attn_fwd_merge_ref_",
     "attn_fwd_ref",
     "bwd_streams_enabled",
-    "bwd_ws_mode",
+    "ws_mode",
     "fwd_tma_enabled",
     "merge_attn_states_",
 ]

@@ -17,10 +17,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from ..kernels.attn_bwd_ws import _attn_bwd_dkdv_ws_kernel, _attn_bwd_dq_ws_kernel
 from ..kernels.attn_fwd import _attn_fwd_kernel
+from ..kernels.attn_fwd_ws import _attn_fwd_ws_kernel
 from .final_rows import FinalRows, check_dq_final, check_final_rows
 from .streams import bwd_on_two_streams, run_side_by_side
 from .validation import check_attn_inputs, check_attn_state, check_doc_ids, check_runnable_device
-from .warp_spec import descriptor_aligned, dkdv_ws_ready, dq_ws_ready, run_with_scratch
+from .warp_spec import descriptor_aligned, dkdv_ws_ready, dq_ws_ready, fwd_ws_ready, run_with_scratch
 
 LOG2E = math.log2(math.e)
 
@@ -49,6 +50,7 @@ _CUDA_16BIT_CONFIGS = {
     "dkdv": ((64, LaunchConfig(64, 64, 4, 3)), (128, LaunchConfig(64, 64, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
     "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(32, 32, 4, 1))),
     # num_warps is the consumers' warpgroup: the partitioner adds a producer one and splits the consumers in two
+    "fwd_ws": ((128, LaunchConfig(128, 128, 4, 2)),),
     "dkdv_ws": ((128, LaunchConfig(64, 128, 4, 2)),),
     "dq_ws": ((128, LaunchConfig(128, 64, 4, 2)),),
 }
@@ -60,7 +62,8 @@ _CUDA_FP32_CONFIGS = {
 
 
 def _launch_config(kernel: str, block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """The config of `kernel` ("fwd", "dkdv", "dq", "dkdv_ws" or "dq_ws") for a padded head dim, dtype and device."""
+    """The config of `kernel` ("fwd", "dkdv", "dq" or a warp-specialised one, "fwd_ws", "dkdv_ws", "dq_ws") for a
+    padded head dim, dtype and device."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     table = (_CUDA_FP32_CONFIGS if dtype == torch.float32 else _CUDA_16BIT_CONFIGS)[kernel]
@@ -77,6 +80,10 @@ def _bwd_dkdv_config(block_d: int, dtype: torch.dtype, device: torch.device) -> 
 
 def _bwd_dq_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
     return _launch_config("dq", block_d, dtype, device)
+
+
+def _fwd_ws_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    return _launch_config("fwd_ws", block_d, dtype, device)
 
 
 def _bwd_dkdv_ws_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
@@ -198,12 +205,48 @@ def _fwd_launch(
     )  # fmt: skip
 
 
+def _fwd_ws_launch(q, k, v, softmax_scale, causal, out, lse, merge_state: bool) -> KernelLaunch:
+    """_attn_fwd_ws_kernel writing (or, with merge_state, merging into) out and lse; inputs checked and
+    fwd_ws_ready."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    cfg = _fwd_ws_config(head_dim, q.dtype, q.device)
+    mask_keys = bool(causal) or seqlen_k % cfg.block_n != 0
+    positions = _ws_positions(triton.cdiv(seqlen_k, cfg.block_n) * cfg.block_n, mask_keys, lse)
+    return KernelLaunch(
+        _attn_fwd_ws_kernel,
+        (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
+        (
+            q, k, v, out, lse, positions, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, positions.numel(), softmax_scale * LOG2E,
+        ),
+        dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
+            CAUSAL=bool(causal), MASK_KEYS=mask_keys, MERGE_STATE=merge_state,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=True,  # as _fwd_launch's
+        ),
+        scratch=True,
+    )  # fmt: skip
+
+
+def _pick_fwd_launch(
+    q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool, final: FinalRows | None
+) -> KernelLaunch:
+    """_fwd_ws_launch where fwd_ws_ready (and $RINGATTN_FWD_TMA allows descriptors), else _fwd_launch with the
+    launch config of q's head dim, dtype and device."""
+    if fwd_tma_enabled() and fwd_ws_ready(
+        q, k, v, out, lse, causal, q_doc_ids is not None, merge_state, final is not None
+    ):
+        return _fwd_ws_launch(q, k, v, softmax_scale, causal, out, lse, merge_state)
+    cfg = _fwd_config(_padded_head_dim(q.shape[-1]), q.dtype, q.device)
+    return _fwd_launch(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state, final, cfg)
+
+
 def _launch_fwd(
     q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool, final: FinalRows | None
 ) -> None:
-    """Run _fwd_launch with the launch config of q's head dim, dtype and device."""
-    cfg = _fwd_config(_padded_head_dim(q.shape[-1]), q.dtype, q.device)
-    launch = _fwd_launch(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state, final, cfg)
+    launch = _pick_fwd_launch(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state, final)
     with _device_guard(q):
         launch()
 

@@ -1,14 +1,14 @@
-"""When the backward runs the warp-specialised kernels (kernels/attn_bwd_ws.py), and the scratch memory their in-kernel
-tensor descriptors need.
+"""When the forward and backward run the warp-specialised kernels (kernels/attn_fwd_ws.py, kernels/attn_bwd_ws.py),
+and the scratch memory their in-kernel tensor descriptors need.
 
 Triton's Hopper partitioner splits those kernels into a TMA producer warpgroup and two consumer warpgroups; it has
-also turned correct-looking code into wrong gradients (the kernels' docstring says how). So each form of them
-(dK/dV or dQ; causal or not; GQA for dK/dV, adding into an accumulator for dQ) is taken on a GPU only once it has
-been checked there: CHECKED_FORMS lists the forms that passed the test suite on the H200 with triton 3.9
-(docs/performance.md, "Warp-specialised dK/dV"), and only triton 3.9 takes any (3.6, the GPU image's, fails in the
-partitioner). The interpreter has no partitioner, so its CPU tests run every form. Calls with documents, fp32 on a
-GPU, dQ rows the ring finishes, dK/dV added into accumulators and layouts the descriptors cannot address keep
-attn_bwd's kernels.
+also turned correct-looking code into wrong results (kernels/attn_bwd_ws.py's docstring says how). So each form of
+them (forward, dK/dV or dQ; causal or not; GQA for dK/dV, merging into the ring's state for the forward, adding
+into an accumulator for dQ) is taken on a GPU only once it has been checked there: CHECKED_FORMS lists the forms
+that passed the test suite on the H200 with triton 3.9 (docs/performance.md, "Warp-specialised dK/dV"), and only
+triton 3.9 takes any (3.6, the GPU image's, fails in the partitioner). The interpreter has no partitioner, so its
+CPU tests run every form. Calls with documents, fp32 on a GPU, rows the ring finishes into another buffer, dK/dV
+added into accumulators and layouts the descriptors cannot address keep the other kernels.
 """
 
 import contextvars
@@ -24,26 +24,28 @@ CHECKED_FORMS = frozenset({"dkdv"})  # forms (ws_form's names) that passed the G
 WS_MODES = ("0", "1", "all")
 
 
-def bwd_ws_mode() -> str | None:
-    """$RINGATTN_BWD_WS, checked: unset (None), a GPU backward takes the checked forms of the warp-specialised
-    kernels where they apply (Hopper GPUs with triton 3.9) and the interpreter (CPU tensors) none; "1", the
-    interpreter takes every form too (the CPU tests); "all", a GPU too (to check forms not yet checked); "0", none."""
-    value = os.environ.get("RINGATTN_BWD_WS")
+def ws_mode() -> str | None:
+    """$RINGATTN_WS, checked: unset (None), a GPU forward or backward takes the checked forms of the
+    warp-specialised kernels where they apply (Hopper GPUs with triton 3.9) and the interpreter (CPU tensors) none;
+    "1", the interpreter takes every form too (the CPU tests); "all", a GPU too (to check forms not yet checked);
+    "0", none."""
+    value = os.environ.get("RINGATTN_WS")
     if value is not None and value not in WS_MODES:
-        raise ValueError(f"$RINGATTN_BWD_WS must be one of {', '.join(WS_MODES)} (or unset), got {value!r}")
+        raise ValueError(f"$RINGATTN_WS must be one of {', '.join(WS_MODES)} (or unset), got {value!r}")
     return value
 
 
-def ws_form(kernel: str, causal: bool, grouped: bool = False, accumulate: bool = False) -> str:
-    """The name of a form of the warp-specialised kernels: "dkdv" or "dq", then " causal", " gqa" (dK/dV over a
-    group of q heads) and " accumulate" (dQ added into an accumulator) where they apply, e.g. "dkdv causal gqa"."""
-    return " ".join([kernel] + [name for name, on in (("causal", causal), ("gqa", grouped),
-                                                      ("accumulate", accumulate)) if on])  # fmt: skip
+def ws_form(kernel: str, causal: bool, grouped: bool = False, accumulate: bool = False, merge: bool = False) -> str:
+    """The name of a form of the warp-specialised kernels: "fwd", "dkdv" or "dq", then " causal", " gqa" (dK/dV over a
+    group of q heads), " accumulate" (dQ added into an accumulator) and " merge" (the forward merged into the
+    ring's state) where they apply, e.g. "dkdv causal gqa"."""
+    extras = (("causal", causal), ("gqa", grouped), ("accumulate", accumulate), ("merge", merge))
+    return " ".join([kernel] + [name for name, on in extras if on])
 
 
-def bwd_ws_allowed(form: str, device: torch.device) -> bool:
-    """Whether $RINGATTN_BWD_WS (bwd_ws_mode) lets a backward on `device` take the kernel form `form`."""
-    mode = bwd_ws_mode()
+def ws_allowed(form: str, device: torch.device) -> bool:
+    """Whether $RINGATTN_WS (ws_mode) lets a call on `device` take the kernel form `form`."""
+    mode = ws_mode()
     if mode == "0":
         return False
     if mode == "all" or (mode == "1" and device.type != "cuda"):
@@ -64,9 +66,9 @@ def descriptor_aligned(t: torch.Tensor) -> bool:
 
 
 def _ws_inputs_ready(q: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> bool:
-    """What both warp-specialised kernels need of a call beyond its form: triton 3.9, D of 64 or 128, Sq a multiple
-    of 4 (each head's row of stats 16-byte aligned), lse and delta aligned, and on a GPU a Hopper one (compute
-    capability 9.0) and fp16 or bf16 (fp32 would multiply in tf32 there)."""
+    """What the warp-specialised kernels need of a call beyond its form (delta: lse again for the forward): triton
+    3.9, D of 64 or 128, Sq a multiple of 4 (each head's row of stats 16-byte aligned), lse and delta aligned, and
+    on a GPU a Hopper one (compute capability 9.0) and fp16 or bf16 (fp32 would multiply in tf32 there)."""
     if _triton_version() != WS_TRITON or q.shape[-1] not in WS_HEAD_DIMS or q.shape[1] % 4:
         return False
     if q.is_cuda and (
@@ -74,6 +76,27 @@ def _ws_inputs_ready(q: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) ->
     ):
         return False
     return lse.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0
+
+
+def fwd_ws_ready(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    has_docs: bool,
+    merge_state: bool,
+    has_final: bool,
+) -> bool:
+    """Whether the forward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) into out like q and lse (B, Hq, Sq) (merged into
+    them with merge_state) takes the warp-specialised kernel: its form allowed (ws_allowed), no documents, no rows
+    finished into another buffer (has_final), the inputs _ws_inputs_ready and every tensor, lse included, one the
+    descriptors can address."""
+    form = ws_form("fwd", causal, merge=merge_state)
+    if has_docs or has_final or not ws_allowed(form, q.device) or not _ws_inputs_ready(q, lse, lse):
+        return False
+    return all(descriptor_aligned(t) for t in (q, k, v, out, lse))
 
 
 def dkdv_ws_ready(
@@ -90,11 +113,11 @@ def dkdv_ws_ready(
     add_dkdv: bool,
 ) -> bool:
     """Whether the backward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), dout like q and contiguous lse, delta
-    (B, Hq, Sq), into dk, dv like k, takes the warp-specialised dK/dV kernel: its form allowed (bwd_ws_allowed),
+    (B, Hq, Sq), into dk, dv like k, takes the warp-specialised dK/dV kernel: its form allowed (ws_allowed),
     no documents, dK and dV stored rather than added (add_dkdv False: the ring's shares, or no accumulators), the
     inputs _ws_inputs_ready and every tensor one the descriptors can address."""
     form = ws_form("dkdv", causal, grouped=q.shape[2] != k.shape[2])
-    if has_docs or add_dkdv or not bwd_ws_allowed(form, q.device) or not _ws_inputs_ready(q, lse, delta):
+    if has_docs or add_dkdv or not ws_allowed(form, q.device) or not _ws_inputs_ready(q, lse, delta):
         return False
     return all(descriptor_aligned(t) for t in (q, k, v, dout, dk, dv))
 
@@ -116,7 +139,7 @@ def dq_ws_ready(
     into dq), no documents, no rows finished into another buffer (has_final: the ring's last step), the inputs
     _ws_inputs_ready and every tensor one the descriptors can address."""
     form = ws_form("dq", causal, accumulate=add_dq)
-    if has_docs or has_final or not bwd_ws_allowed(form, q.device) or not _ws_inputs_ready(q, lse, delta):
+    if has_docs or has_final or not ws_allowed(form, q.device) or not _ws_inputs_ready(q, lse, delta):
         return False
     return all(descriptor_aligned(t) for t in (q, k, v, dout, dq))
 

@@ -1,7 +1,8 @@
-"""The warp-specialised backward kernels (kernels/attn_bwd_ws.py) and when the backward takes them (ops/warp_spec.py).
+"""The warp-specialised kernels (kernels/attn_fwd_ws.py, kernels/attn_bwd_ws.py) and when the forward and backward
+take them (ops/warp_spec.py).
 
-On a Hopper GPU with triton 3.9 the backward takes the forms checked there (warp_spec.CHECKED_FORMS); the
-interpreter takes them only with $RINGATTN_BWD_WS=1. These tests set that, or keep "all" (every form, on a GPU too:
+On a Hopper GPU with triton 3.9 the calls take the forms checked there (warp_spec.CHECKED_FORMS); the
+interpreter takes them only with $RINGATTN_WS=1. These tests set that, or keep "all" (every form, on a GPU too:
 how a form gets checked) when the environment has it, so they run every form on the CPU and the allowed ones on
 such a GPU; elsewhere the backward keeps attn_bwd's kernels and the tests that need the new ones skip.
 """
@@ -14,7 +15,8 @@ import torch
 import triton
 
 from ringattn.kernels.attn_bwd_ws import _attn_bwd_dkdv_ws_kernel, _attn_bwd_dq_ws_kernel
-from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, warp_spec
+from ringattn.kernels.attn_fwd_ws import _attn_fwd_ws_kernel
+from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, attn_fwd_merge_, warp_spec
 from ringattn.ops import attn as attn_ops
 from ringattn.parallel import LAYOUTS
 from ringattn.parallel.simulate import simulate_ring_attn
@@ -33,8 +35,8 @@ GPU = torch.device("cuda", 0)
 
 @pytest.fixture
 def ws_on(monkeypatch):
-    """$RINGATTN_BWD_WS=1, or "all" where the environment has it; skips where the kernels are never taken."""
-    monkeypatch.setenv("RINGATTN_BWD_WS", "all" if os.environ.get("RINGATTN_BWD_WS") == "all" else "1")
+    """$RINGATTN_WS=1, or "all" where the environment has it; skips where the kernels are never taken."""
+    monkeypatch.setenv("RINGATTN_WS", "all" if os.environ.get("RINGATTN_WS") == "all" else "1")
     if DEVICE.type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised kernels are taken on Hopper GPUs only")
 
@@ -55,12 +57,28 @@ def _launched(q, k, v, dout, causal, **kwargs):
 
 def _expected(q, k, causal, add_dq=False):
     """The (dK/dV, dQ) kernels the forms allowed here mean (all of them in the interpreter)."""
-    dkdv = warp_spec.bwd_ws_allowed(warp_spec.ws_form("dkdv", causal, grouped=q.shape[2] != k.shape[2]), q.device)
-    dq = warp_spec.bwd_ws_allowed(warp_spec.ws_form("dq", causal, accumulate=add_dq), q.device)
+    dkdv = warp_spec.ws_allowed(warp_spec.ws_form("dkdv", causal, grouped=q.shape[2] != k.shape[2]), q.device)
+    dq = warp_spec.ws_allowed(warp_spec.ws_form("dq", causal, accumulate=add_dq), q.device)
     return (
         _attn_bwd_dkdv_ws_kernel if dkdv else attn_ops._attn_bwd_dkdv_kernel,
         _attn_bwd_dq_ws_kernel if dq else attn_ops._attn_bwd_dq_kernel,
     )
+
+
+def _fwd_kernel(q, k, v, causal, merge_state=False, **kwargs):
+    """The kernel the forward (merge_state: the ring's step into an fp32 state) launches."""
+    out = torch.empty(q.shape, device=DEVICE, dtype=torch.float32 if merge_state else q.dtype)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=DEVICE)
+    args = dict(q_doc_ids=None, k_doc_ids=None, final=None) | kwargs
+    launch = attn_ops._pick_fwd_launch(
+        q, k, v, 0.125, causal, out, lse, args["q_doc_ids"], args["k_doc_ids"], merge_state, args["final"]
+    )
+    return launch.kernel
+
+
+def _expected_fwd(q, causal, merge_state=False):
+    allowed = warp_spec.ws_allowed(warp_spec.ws_form("fwd", causal, merge=merge_state), q.device)
+    return _attn_fwd_ws_kernel if allowed else attn_ops._attn_fwd_kernel
 
 
 def _check_grads(got, q, k, v, dout, scale, causal):
@@ -86,6 +104,36 @@ def test_ws_backward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, caus
     scale = head_dim**-0.5
     out, lse = attn_fwd(q, k, v, scale, causal)
     _check_grads(attn_bwd(dout, q, k, v, out, lse, scale, causal), q, k, v, dout, scale, causal)
+
+
+@needs_checked_triton
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim,heads", GRID, ids=[f"Sq{a}-Sk{b}-D{d}-Hq{h[0]}-Hkv{h[1]}"
+                                                                      for a, b, d, h in GRID])  # fmt: skip
+def test_ws_forward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, causal, ws_on):
+    """out and lse against float64, rows that see no key included (lse -inf, out 0)."""
+    q, k, v, _ = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, DTYPES[0], seed=seqlen_q + 3 * seqlen_k)
+    assert _fwd_kernel(q, k, v, causal) is _expected_fwd(q, causal)
+    scale = head_dim**-0.5
+    out, lse = attn_fwd(q, k, v, scale, causal)
+    ref = reference_attention(q, k, v, torch.zeros_like(q), scale, causal, torch.float64)
+    pt = reference_attention(q, k, v, torch.zeros_like(q), scale, causal, q.dtype)
+    check_close("out", out, pt[0], ref[0])
+    check_close("lse", lse, pt[1], ref[1])  # -inf exactly where the reference has it
+
+
+@needs_checked_triton
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ws_forward_merges_into_the_ring_state(causal, ws_on):
+    """The ring's step: the last Sq keys (causal: the diagonal block) merged into the fp32 state of the first 36,
+    which every row sees, give the whole call's out and lse (Sk = 100; the first block's key tile padded)."""
+    q, k, v, _ = make_qkv(1, 64, 100, 4, 2, 64, DTYPES[0], seed=9)
+    assert _fwd_kernel(q, k[:, 36:], v[:, 36:], causal, merge_state=True) is _expected_fwd(q, causal, True)
+    first, lse = attn_fwd(q, k[:, :36], v[:, :36], 0.125, False, out_dtype=torch.float32)
+    attn_fwd_merge_(q, k[:, 36:], v[:, 36:], 0.125, causal, first, lse)
+    want_out, want_lse = attn_fwd(q, k, v, 0.125, causal, out_dtype=torch.float32)
+    torch.testing.assert_close(first, want_out)
+    torch.testing.assert_close(lse, want_lse)
 
 
 @needs_checked_triton
@@ -125,7 +173,7 @@ def _offset_view(shape, dtype):
 
 @needs_checked_triton
 def test_ws_is_taken_only_where_it_applies(monkeypatch):
-    monkeypatch.setenv("RINGATTN_BWD_WS", "all")
+    monkeypatch.setenv("RINGATTN_WS", "all")
     if DEVICE.type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised kernels are taken on Hopper GPUs only")
     dtype = DTYPES[0]
@@ -142,9 +190,17 @@ def test_ws_is_taken_only_where_it_applies(monkeypatch):
     assert _launched(q, k, v, dout, False, add_dkdv=True) == (old[0], ws[1])  # dK, dV added into accumulators
     final = attn_ops.FinalRows(torch.empty_like(q), range(0, 32))
     assert _launched(q, k, v, dout, False, dq_final=final) == (ws[0], old[1])  # rows finished elsewhere
-    monkeypatch.setenv("RINGATTN_BWD_WS", "0")
+    assert _fwd_kernel(q, k, v, True) is _attn_fwd_ws_kernel
+    assert _fwd_kernel(q, k, v, False, merge_state=True) is _attn_fwd_ws_kernel
+    assert _fwd_kernel(q, k, v, False, q_doc_ids=ids, k_doc_ids=ids) is attn_ops._attn_fwd_kernel
+    assert _fwd_kernel(q, k, v, False, final=final) is attn_ops._attn_fwd_kernel  # rows finished elsewhere
+    monkeypatch.setenv("RINGATTN_FWD_TMA", "0")  # no descriptors at all
+    assert _fwd_kernel(q, k, v, False) is attn_ops._attn_fwd_kernel
+    monkeypatch.delenv("RINGATTN_FWD_TMA")
+    monkeypatch.setenv("RINGATTN_WS", "0")
     assert _launched(q, k, v, dout, False) == old
-    monkeypatch.setenv("RINGATTN_BWD_WS", "all")
+    assert _fwd_kernel(q, k, v, False) is attn_ops._attn_fwd_kernel
+    monkeypatch.setenv("RINGATTN_WS", "all")
     for version in ((3, 6), (3, 10)):  # older, or not yet checked on a GPU
         monkeypatch.setattr(warp_spec, "_triton_version", lambda version=version: version)
         assert _launched(q, k, v, dout, False) == old
@@ -155,27 +211,28 @@ def test_ws_forms_allowed_by_mode(monkeypatch):
     every form anywhere; "0": none."""
     checked, unchecked = "dkdv", "dq causal"
     assert checked in warp_spec.CHECKED_FORMS and unchecked not in warp_spec.CHECKED_FORMS
-    monkeypatch.delenv("RINGATTN_BWD_WS", raising=False)
-    assert warp_spec.bwd_ws_allowed(checked, GPU) and not warp_spec.bwd_ws_allowed(unchecked, GPU)
-    assert not warp_spec.bwd_ws_allowed(checked, CPU)
-    monkeypatch.setenv("RINGATTN_BWD_WS", "1")
-    assert warp_spec.bwd_ws_allowed(unchecked, CPU) and not warp_spec.bwd_ws_allowed(unchecked, GPU)
-    monkeypatch.setenv("RINGATTN_BWD_WS", "all")
-    assert warp_spec.bwd_ws_allowed(unchecked, GPU) and warp_spec.bwd_ws_allowed(unchecked, CPU)
-    monkeypatch.setenv("RINGATTN_BWD_WS", "0")
-    assert not warp_spec.bwd_ws_allowed(checked, GPU) and not warp_spec.bwd_ws_allowed(checked, CPU)
+    monkeypatch.delenv("RINGATTN_WS", raising=False)
+    assert warp_spec.ws_allowed(checked, GPU) and not warp_spec.ws_allowed(unchecked, GPU)
+    assert not warp_spec.ws_allowed(checked, CPU)
+    monkeypatch.setenv("RINGATTN_WS", "1")
+    assert warp_spec.ws_allowed(unchecked, CPU) and not warp_spec.ws_allowed(unchecked, GPU)
+    monkeypatch.setenv("RINGATTN_WS", "all")
+    assert warp_spec.ws_allowed(unchecked, GPU) and warp_spec.ws_allowed(unchecked, CPU)
+    monkeypatch.setenv("RINGATTN_WS", "0")
+    assert not warp_spec.ws_allowed(checked, GPU) and not warp_spec.ws_allowed(checked, CPU)
 
 
 def test_ws_form_names():
     assert warp_spec.ws_form("dkdv", False) == "dkdv"
     assert warp_spec.ws_form("dkdv", True, grouped=True) == "dkdv causal gqa"
     assert warp_spec.ws_form("dq", True, accumulate=True) == "dq causal accumulate"
+    assert warp_spec.ws_form("fwd", False, merge=True) == "fwd merge"
 
 
 def test_bad_ws_mode_raises(monkeypatch):
-    monkeypatch.setenv("RINGATTN_BWD_WS", "auto")
-    with pytest.raises(ValueError, match=r"\$RINGATTN_BWD_WS must be one of 0, 1, all \(or unset\), got 'auto'"):
-        warp_spec.bwd_ws_mode()
+    monkeypatch.setenv("RINGATTN_WS", "auto")
+    with pytest.raises(ValueError, match=r"\$RINGATTN_WS must be one of 0, 1, all \(or unset\), got 'auto'"):
+        warp_spec.ws_mode()
 
 
 def test_scratch_allocator_is_set_for_the_launch_only():
