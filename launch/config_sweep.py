@@ -1,6 +1,6 @@
 """Time each attention kernel under a list of launch configs, to pick ops/attn.py's `_fwd_config`,
 `_bwd_dkdv_config` and `_bwd_dq_config` (or, where ops/warp_spec.py takes the warp-specialised kernels,
-`_bwd_dkdv_ws_config` and `_bwd_dq_ws_config`) for 16-bit inputs on the GPU at hand.
+`_fwd_ws_config`, `_bwd_dkdv_ws_config` and `_bwd_dq_ws_config`) for 16-bit inputs on the GPU at hand.
 
     PYTHONPATH=. python3 launch/config_sweep.py --out docs/benchmarks/config_sweep_h200.json
 
@@ -50,7 +50,11 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
         64: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3)],
         128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 1)],
     },
-    "dkdv_ws": {  # num_warps: the consumers' warpgroup (ops/attn.py)
+    "fwd_ws": {  # num_warps: the consumers' warpgroup (ops/attn.py)
+        64: [(128, 128, 4, 2), (128, 64, 4, 2), (128, 128, 4, 3)],
+        128: [(128, 128, 4, 2), (128, 64, 4, 2), (128, 128, 4, 3)],
+    },
+    "dkdv_ws": {
         64: [(64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 4, 2), (32, 128, 4, 2)],
         128: [(64, 128, 4, 2), (64, 128, 4, 3), (32, 128, 4, 2), (32, 128, 4, 3)],
     },
@@ -60,7 +64,8 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
     },
 }
 CONFIG_FUNCTIONS = {"fwd": "_fwd_config", "dkdv": "_bwd_dkdv_config", "dq": "_bwd_dq_config",
-                    "dkdv_ws": "_bwd_dkdv_ws_config", "dq_ws": "_bwd_dq_ws_config"}  # fmt: skip
+                    "fwd_ws": "_fwd_ws_config", "dkdv_ws": "_bwd_dkdv_ws_config",
+                    "dq_ws": "_bwd_dq_ws_config"}  # fmt: skip
 
 
 DEFAULT_FUNCTIONS = {kernel: getattr(attn_ops, name) for kernel, name in CONFIG_FUNCTIONS.items()}
@@ -119,15 +124,17 @@ def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal
 
 
 def _launched(kernel: str, q, k, v, causal: bool) -> bool:
-    """Whether the backward of the swept call runs `kernel`: the warp-specialised kernels where ops/warp_spec.py
-    takes them, attn_bwd's elsewhere (the forward always)."""
+    """Whether the swept call runs `kernel`: the warp-specialised kernels where ops/warp_spec.py takes them, the
+    others elsewhere."""
     stats = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     if kernel in ("dkdv", "dkdv_ws"):
         ws = warp_spec.dkdv_ws_ready(q, k, v, q, stats, stats, k, v, causal, has_docs=False, add_dkdv=False)
     elif kernel in ("dq", "dq_ws"):
         ws = warp_spec.dq_ws_ready(q, k, v, q, stats, stats, q, causal, has_docs=False, add_dq=False, has_final=False)
     else:
-        return True
+        out = torch.empty_like(q)
+        ws = warp_spec.fwd_ws_ready(q, k, v, out, stats, causal, has_docs=False, merge_state=False, has_final=False)
+        ws = ws and attn_ops.fwd_tma_enabled()
     return ws == kernel.endswith("_ws")
 
 
@@ -150,7 +157,7 @@ def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, rep: int, can
                         causal=causal)  # fmt: skip
             label = f"D{head_dim} Hkv{kv_heads} causal={causal!s:5} {kernel:4} {config}"
             try:
-                if kernel == "fwd":
+                if kernel.startswith("fwd"):
                     run = partial(attn_ops.attn_fwd, q, k, v, scale, causal)
                     got, want, flops = run()[0], out, fwd_flops
                 else:
@@ -170,7 +177,7 @@ def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, rep: int, can
                 raise AssertionError(f"{label}: result off the default config's by {err:.2e}")
             ms = do_bench(run, warmup=10, rep=rep, return_mode="median")
             kernel_ms = ms  # the forward is one kernel
-            if kernel != "fwd":
+            if not kernel.startswith("fwd"):
                 alone = _bwd_kernel_alone(kernel, dout, q, k, v, out, lse, scale, causal)
                 kernel_ms = do_bench(alone, warmup=10, rep=rep, return_mode="median")
             _set_config(kernel, None)

@@ -13,8 +13,9 @@ registers per thread and the spill bytes; shared memory is the compiler's. CTAs 
 registers (65536 per SM), shared memory (228 KiB per SM, 227 KiB at most per CTA) and threads (2048 per SM)
 allow, for the Hopper limits. Kernels: "fwd" (the public forward), "fwd_merge" (the ring's step, merging
 into an fp32 state), "dkdv" and "dq" (the backward, as the ring calls it: gradients added to fp32
-accumulators), "dkdv_ws" and "dq_ws" (the warp-specialised backward kernels as the ring calls them: dK, dV
-stored into fp32 shares, dQ added to an fp32 accumulator; "ws partitions" counts the warp-specialised
+accumulators), "fwd_ws" and "fwd_ws_merge" (the warp-specialised forward, public and as the ring's step),
+"dkdv_ws" and "dq_ws" (the warp-specialised backward kernels as the ring calls them: dK, dV stored into fp32
+shares, dQ added to an fp32 accumulator; "ws partitions" counts the warp-specialised
 regions the partitioner made, 0 when it made none). Without --configs or --candidates, each at the launch
 config the launchers pick on a GPU.
 """
@@ -38,7 +39,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from ringattn.ops import attn as attn_ops
 
-KERNELS = ("fwd", "fwd_merge", "dkdv", "dq", "dkdv_ws", "dq_ws")
+KERNELS = ("fwd", "fwd_merge", "dkdv", "dq", "fwd_ws", "fwd_ws_merge", "dkdv_ws", "dq_ws")
 HEADS, SEQLEN = 32, 64  # strides as the benchmark's; the length is not specialised on
 REGS_PER_SM, SMEM_PER_SM, SMEM_PER_CTA, THREADS_PER_SM = 65536, 228 * 1024, 227 * 1024, 2048
 
@@ -52,8 +53,12 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg) -> att
     cuda = torch.device("cuda")
     scale = head_dim**-0.5
     if kernel.startswith("fwd"):
-        merge = kernel == "fwd_merge"
+        merge = kernel.endswith("_merge")
         out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
+        if kernel.startswith("fwd_ws"):
+            launch = attn_ops._fwd_ws_launch(q, k, v, scale, causal, out, lse, merge)
+            cfg = cfg or attn_ops._fwd_ws_config(head_dim, q.dtype, cuda)
+            return replace(launch, kwargs=launch.kwargs | _config_kwargs(cfg))
         cfg = cfg or attn_ops._fwd_config(block_d, q.dtype, cuda)
         return attn_ops._fwd_launch(q, k, v, scale, causal, out, lse, None, None, merge, None, cfg)
     acc = [torch.empty(t.shape) for t in (q, k, v)]
