@@ -3,6 +3,7 @@
 import torch
 
 from ringattn.ops import attn_fwd_ref
+from ringattn.testing import check_close, magnitude
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # The interpreter runs fp32; on a GPU the kernels are checked in the training dtypes.
@@ -38,3 +39,15 @@ def reference_attention(q, k, v, dout, softmax_scale, causal, dtype, **doc_ids):
     out, lse = attn_fwd_ref(q, k, v, softmax_scale, causal, **doc_ids)
     out.backward(dout.to(dtype))
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def check_against_reference(q, k, v, dout, softmax_scale, causal, results, **doc_ids):
+    """Check results = (out, lse, dq, dk, dv) of one attention call against reference_attention in float64 under
+    the tolerance rule (ringattn.testing.check_close; the gradients' floor from the largest of them)."""
+    ref = reference_attention(q, k, v, dout, softmax_scale, causal, torch.float64, **doc_ids)
+    pt = reference_attention(q, k, v, dout, softmax_scale, causal, q.dtype, **doc_ids)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    scales = (None, None, grad_scale, grad_scale, grad_scale)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, ours, p, r, scale in zip(names, results, pt, ref, scales, strict=True):
+        check_close(name, ours, p, r, scale)

@@ -65,17 +65,21 @@ def descriptor_aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
 
 
-def _ws_inputs_ready(q: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> bool:
-    """What the warp-specialised kernels need of a call beyond its form (delta: lse again for the forward): triton
-    3.9, D of 64 or 128, Sq a multiple of 4 (each head's row of stats 16-byte aligned), lse and delta aligned, and
-    on a GPU a Hopper one (compute capability 9.0) and fp16 or bf16 (fp32 would multiply in tf32 there)."""
-    if _triton_version() != WS_TRITON or q.shape[-1] not in WS_HEAD_DIMS or q.shape[1] % 4:
+def _ws_taken(form: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether a call of kernel form `form` on q (B, Sq, Hq, D) takes its warp-specialised kernel, given what the
+    form itself needs: the form allowed (ws_allowed), triton 3.9, D of 64 or 128, Sq a multiple of 4 (each head's
+    row of stats 16-byte aligned), on a GPU a Hopper one (compute capability 9.0) and fp16 or bf16 (fp32 would
+    multiply in tf32 there), and every tensor of the call (the (B, Hq, Sq) stats included) one the descriptors can
+    address."""
+    if not ws_allowed(form, q.device) or _triton_version() != WS_TRITON:
+        return False
+    if q.shape[-1] not in WS_HEAD_DIMS or q.shape[1] % 4:
         return False
     if q.is_cuda and (
         torch.cuda.get_device_capability(q.device) != (9, 0) or q.dtype not in (torch.float16, torch.bfloat16)
     ):
         return False
-    return lse.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0
+    return all(descriptor_aligned(t) for t in tensors)
 
 
 def fwd_ws_ready(
@@ -90,13 +94,10 @@ def fwd_ws_ready(
     has_final: bool,
 ) -> bool:
     """Whether the forward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) into out like q and lse (B, Hq, Sq) (merged into
-    them with merge_state) takes the warp-specialised kernel: its form allowed (ws_allowed), no documents, no rows
-    finished into another buffer (has_final), the inputs _ws_inputs_ready and every tensor, lse included, one the
-    descriptors can address."""
+    them with merge_state) takes the warp-specialised kernel: no documents, no rows finished into another buffer
+    (has_final), and what _ws_taken checks."""
     form = ws_form("fwd", causal, merge=merge_state)
-    if has_docs or has_final or not ws_allowed(form, q.device) or not _ws_inputs_ready(q, lse, lse):
-        return False
-    return all(descriptor_aligned(t) for t in (q, k, v, out, lse))
+    return not (has_docs or has_final) and _ws_taken(form, q, (q, k, v, out, lse))
 
 
 def dkdv_ws_ready(
@@ -113,13 +114,10 @@ def dkdv_ws_ready(
     add_dkdv: bool,
 ) -> bool:
     """Whether the backward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), dout like q and contiguous lse, delta
-    (B, Hq, Sq), into dk, dv like k, takes the warp-specialised dK/dV kernel: its form allowed (ws_allowed),
-    no documents, dK and dV stored rather than added (add_dkdv False: the ring's shares, or no accumulators), the
-    inputs _ws_inputs_ready and every tensor one the descriptors can address."""
+    (B, Hq, Sq), into dk, dv like k, takes the warp-specialised dK/dV kernel: no documents, dK and dV stored rather
+    than added (add_dkdv False: the ring's shares, or no accumulators), and what _ws_taken checks."""
     form = ws_form("dkdv", causal, grouped=q.shape[2] != k.shape[2])
-    if has_docs or add_dkdv or not ws_allowed(form, q.device) or not _ws_inputs_ready(q, lse, delta):
-        return False
-    return all(descriptor_aligned(t) for t in (q, k, v, dout, dk, dv))
+    return not (has_docs or add_dkdv) and _ws_taken(form, q, (q, k, v, dout, lse, delta, dk, dv))
 
 
 def dq_ws_ready(
@@ -135,13 +133,10 @@ def dq_ws_ready(
     add_dq: bool,
     has_final: bool,
 ) -> bool:
-    """Whether that backward, into dq like q, takes the warp-specialised dQ kernel: its form allowed (add_dq: added
-    into dq), no documents, no rows finished into another buffer (has_final: the ring's last step), the inputs
-    _ws_inputs_ready and every tensor one the descriptors can address."""
+    """Whether that backward, into dq like q (add_dq: added into it), takes the warp-specialised dQ kernel: no
+    documents, no rows finished into another buffer (has_final: the ring's last step), and what _ws_taken checks."""
     form = ws_form("dq", causal, accumulate=add_dq)
-    if has_docs or has_final or not ws_allowed(form, q.device) or not _ws_inputs_ready(q, lse, delta):
-        return False
-    return all(descriptor_aligned(t) for t in (q, k, v, dout, dq))
+    return not (has_docs or has_final) and _ws_taken(form, q, (q, k, v, dout, lse, delta, dq))
 
 
 def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

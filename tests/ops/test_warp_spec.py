@@ -20,8 +20,7 @@ from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, attn_fwd_merge_, warp_s
 from ringattn.ops import attn as attn_ops
 from ringattn.parallel import LAYOUTS
 from ringattn.parallel.simulate import simulate_ring_attn
-from ringattn.testing import check_close, magnitude
-from tests.utils import DEVICE, DTYPES, make_qkv, reference_attention
+from tests.utils import DEVICE, DTYPES, check_against_reference, make_qkv
 
 CHECKED_TRITON = warp_spec._triton_version() == warp_spec.WS_TRITON
 needs_checked_triton = pytest.mark.skipif(not CHECKED_TRITON, reason=f"triton {triton.__version__}, not 3.9")
@@ -81,14 +80,6 @@ def _expected_fwd(q, causal, merge_state=False):
     return _attn_fwd_ws_kernel if allowed else attn_ops._attn_fwd_kernel
 
 
-def _check_grads(got, q, k, v, dout, scale, causal):
-    ref = reference_attention(q, k, v, dout, scale, causal, torch.float64)
-    pt = reference_attention(q, k, v, dout, scale, causal, q.dtype)
-    grad_scale = max(magnitude(g) for g in ref[2:])
-    for name, ours, p, r in zip(("dq", "dk", "dv"), got, pt[2:], ref[2:], strict=True):
-        check_close(name, ours.to(q.dtype), p, r, grad_scale)
-
-
 # every length and head layout at D = 64; D = 128 at two lengths, MHA and MQA (its own tiles, fewer cases)
 GRID = [(*lengths, 64, heads) for lengths in WS_SEQLENS for heads in HEADS]
 GRID += [(*lengths, 128, heads) for lengths in WS_SEQLENS[1::2] for heads in HEADS[::2]]
@@ -98,28 +89,15 @@ GRID += [(*lengths, 128, heads) for lengths in WS_SEQLENS[1::2] for heads in HEA
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim,heads", GRID, ids=[f"Sq{a}-Sk{b}-D{d}-Hq{h[0]}-Hkv{h[1]}"
                                                                       for a, b, d, h in GRID])  # fmt: skip
-def test_ws_backward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, causal, ws_on):
+def test_ws_forward_and_backward_match_reference(seqlen_q, seqlen_k, head_dim, heads, causal, ws_on):
+    """out, lse, dq, dk, dv against float64, rows that see no key included (lse -inf, out 0, zero gradients)."""
     q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, DTYPES[0], seed=seqlen_q + 7 * seqlen_k)
+    assert _fwd_kernel(q, k, v, causal) is _expected_fwd(q, causal)
     assert _launched(q, k, v, dout, causal) == _expected(q, k, causal)
     scale = head_dim**-0.5
     out, lse = attn_fwd(q, k, v, scale, causal)
-    _check_grads(attn_bwd(dout, q, k, v, out, lse, scale, causal), q, k, v, dout, scale, causal)
-
-
-@needs_checked_triton
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim,heads", GRID, ids=[f"Sq{a}-Sk{b}-D{d}-Hq{h[0]}-Hkv{h[1]}"
-                                                                      for a, b, d, h in GRID])  # fmt: skip
-def test_ws_forward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, causal, ws_on):
-    """out and lse against float64, rows that see no key included (lse -inf, out 0)."""
-    q, k, v, _ = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, DTYPES[0], seed=seqlen_q + 3 * seqlen_k)
-    assert _fwd_kernel(q, k, v, causal) is _expected_fwd(q, causal)
-    scale = head_dim**-0.5
-    out, lse = attn_fwd(q, k, v, scale, causal)
-    ref = reference_attention(q, k, v, torch.zeros_like(q), scale, causal, torch.float64)
-    pt = reference_attention(q, k, v, torch.zeros_like(q), scale, causal, q.dtype)
-    check_close("out", out, pt[0], ref[0])
-    check_close("lse", lse, pt[1], ref[1])  # -inf exactly where the reference has it
+    grads = attn_bwd(dout, q, k, v, out, lse, scale, causal)
+    check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads))
 
 
 @needs_checked_triton
@@ -159,11 +137,11 @@ def test_ws_ring_step_forms(heads, causal, ws_on):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_ws_in_the_simulated_ring_matches_reference(layout, causal, ws_on):
-    """Every ring step's dK/dV share and dQ addition through the kernels the forms allow (S_local = 32 rows per
-    rank, W = 2, GQA 4:2)."""
+    """Every ring step through the kernels the forms allow, forward merges, dK/dV shares and dQ additions
+    (S_local = 32 rows per rank, W = 2, GQA 4:2): out, lse and the gradients against float64."""
     q, k, v, dout = make_qkv(1, 64, 64, 4, 2, 64, DTYPES[0], seed=11)
     ours = simulate_ring_attn(KERNEL_OPS, q, k, v, 0.125, causal, 2, layout, dout=dout)
-    _check_grads(ours[2:], q, k, v, dout, 0.125, causal)
+    check_against_reference(q, k, v, dout, 0.125, causal, ours)
 
 
 def _offset_view(shape, dtype):
