@@ -1,6 +1,7 @@
 """launch/config_sweep.py on the CPU: its candidate lists against the configs ops/attn.py launches, the
-choice of the best config, and timing a sweep's choice through use_configs (bench_kernel --configs)."""
+choice of the best config, timing a sweep's choice through use_configs (bench_kernel --configs), and its reference."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -60,3 +61,15 @@ def test_use_configs_changes_16bit_cuda_launches_only(monkeypatch):
     for function, block_d, dtype, device in unchanged:
         kernel = {attn_ops._bwd_dq_config: "dq", attn_ops._fwd_config: "fwd"}[function]
         assert function(block_d, dtype, device) == attn_ops._launch_config(kernel, block_d, dtype, device)
+
+
+@pytest.mark.parametrize("before", [None, "all"], ids=["unset", "all"])
+def test_reference_runs_without_the_split_kernels(before, monkeypatch):
+    """The sweep's reference results come from the default kernels ($RINGATTN_WS=0), and the setting is restored."""
+    if before is None:
+        monkeypatch.delenv("RINGATTN_WS", raising=False)
+    else:
+        monkeypatch.setenv("RINGATTN_WS", before)
+    with config_sweep._ws_off():
+        assert os.environ["RINGATTN_WS"] == "0"
+    assert os.environ.get("RINGATTN_WS") == before
