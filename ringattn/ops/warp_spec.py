@@ -5,7 +5,7 @@ Triton's Hopper partitioner splits those kernels into a TMA producer warpgroup a
 also turned correct-looking code into wrong results (kernels/attn_bwd_ws.py's docstring says how). So each form of
 them (forward, dK/dV or dQ; causal or not; GQA for dK/dV, merging into the ring's state for the forward, adding
 into an accumulator for dQ) is taken on a GPU only once it has been checked there: CHECKED_FORMS lists the forms
-that passed the test suite on the H200 with triton 3.9 (docs/performance.md, "Warp-specialised dK/dV"), and only
+that passed the test suite on the H200 with triton 3.9 (docs/performance.md, "Warp-specialised kernels"), and only
 triton 3.9 takes any (3.6, the GPU image's, fails in the partitioner). The interpreter has no partitioner, so its
 CPU tests run every form. Calls with documents, fp32 on a GPU, rows the ring finishes into another buffer, dK/dV
 added into accumulators and layouts the descriptors cannot address keep the other kernels.
@@ -20,37 +20,49 @@ import triton
 
 WS_TRITON = (3, 9)  # the triton (major, minor) whose Hopper partitioner was checked to split the kernels right
 WS_HEAD_DIMS = (64, 128)  # the head dims with a measured launch config
-CHECKED_FORMS = frozenset({"dkdv"})  # forms (ws_form's names) that passed the GPU test suite on the H200
+# forms (ws_form's names) that passed the GPU test suite on the H200 (docs/performance.md, "Eighth session"); "dkdv
+# fp32" there in the seventh session, the ring's dK/dV shares
+CHECKED_FORMS = frozenset({"fwd", "dkdv", "dkdv fp32", "dq"})
+# per kernel, the head dims at which its split form was timed faster than the default kernel on the H200 (triton 3.9;
+# docs/performance.md): without $RINGATTN_WS a GPU call takes a checked form only there
+FASTER_HEAD_DIMS = {"fwd": (128,), "dkdv": (64, 128), "dq": (128,)}
 WS_MODES = ("0", "1", "all")
 
 
 def ws_mode() -> str | None:
     """$RINGATTN_WS, checked: unset (None), a GPU forward or backward takes the checked forms of the
-    warp-specialised kernels where they apply (Hopper GPUs with triton 3.9) and the interpreter (CPU tensors) none;
-    "1", the interpreter takes every form too (the CPU tests); "all", a GPU too (to check forms not yet checked);
-    "0", none."""
+    warp-specialised kernels where they apply (Hopper GPUs with triton 3.9) at the head dims where they were timed
+    faster, and the interpreter (CPU tensors) none; "1", a GPU takes the checked forms at any head dim, and the
+    interpreter every form (the CPU tests); "all", a GPU too (to check forms not yet checked); "0", none."""
     value = os.environ.get("RINGATTN_WS")
     if value is not None and value not in WS_MODES:
         raise ValueError(f"$RINGATTN_WS must be one of {', '.join(WS_MODES)} (or unset), got {value!r}")
     return value
 
 
-def ws_form(kernel: str, causal: bool, grouped: bool = False, accumulate: bool = False, merge: bool = False) -> str:
+def ws_form(
+    kernel: str, causal: bool, grouped: bool = False, fp32: bool = False, accumulate: bool = False, merge: bool = False
+) -> str:
     """The name of a form of the warp-specialised kernels: "fwd", "dkdv" or "dq", then " causal", " gqa" (dK/dV over a
-    group of q heads), " accumulate" (dQ added into an accumulator) and " merge" (the forward merged into the
-    ring's state) where they apply, e.g. "dkdv causal gqa"."""
-    extras = (("causal", causal), ("gqa", grouped), ("accumulate", accumulate), ("merge", merge))
+    group of q heads), " fp32" (results stored in fp32 from 16-bit inputs: the ring's state and shares),
+    " accumulate" (dQ added into an fp32 accumulator) and " merge" (the forward merged into the ring's fp32 state)
+    where they apply, e.g. "dkdv causal gqa fp32"."""
+    extras = (("causal", causal), ("gqa", grouped), ("fp32", fp32), ("accumulate", accumulate), ("merge", merge))
     return " ".join([kernel] + [name for name, on in extras if on])
 
 
-def ws_allowed(form: str, device: torch.device) -> bool:
-    """Whether $RINGATTN_WS (ws_mode) lets a call on `device` take the kernel form `form`."""
+def ws_allowed(form: str, device: torch.device, head_dim: int) -> bool:
+    """Whether $RINGATTN_WS (ws_mode) lets a call on `device` with head dim `head_dim` take the kernel form `form`:
+    unset, on a GPU the checked forms where FASTER_HEAD_DIMS has the head dim; "1", the checked forms at any head
+    dim on a GPU (the GPU tests) and every form in the interpreter; "all", every form; "0", none."""
     mode = ws_mode()
     if mode == "0":
         return False
     if mode == "all" or (mode == "1" and device.type != "cuda"):
         return True
-    return device.type == "cuda" and form in CHECKED_FORMS
+    if device.type != "cuda" or form not in CHECKED_FORMS:
+        return False
+    return mode == "1" or head_dim in FASTER_HEAD_DIMS[form.split()[0]]
 
 
 def _triton_version() -> tuple[int, int]:
@@ -71,7 +83,7 @@ def _ws_taken(form: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> 
     row of stats 16-byte aligned), on a GPU a Hopper one (compute capability 9.0) and fp16 or bf16 (fp32 would
     multiply in tf32 there), and every tensor of the call (the (B, Hq, Sq) stats included) one the descriptors can
     address."""
-    if not ws_allowed(form, q.device) or _triton_version() != WS_TRITON:
+    if not ws_allowed(form, q.device, q.shape[-1]) or _triton_version() != WS_TRITON:
         return False
     if q.shape[-1] not in WS_HEAD_DIMS or q.shape[1] % 4:
         return False
@@ -96,7 +108,7 @@ def fwd_ws_ready(
     """Whether the forward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) into out like q and lse (B, Hq, Sq) (merged into
     them with merge_state) takes the warp-specialised kernel: no documents, no rows finished into another buffer
     (has_final), and what _ws_taken checks."""
-    form = ws_form("fwd", causal, merge=merge_state)
+    form = ws_form("fwd", causal, fp32=not merge_state and out.dtype != q.dtype, merge=merge_state)
     return not (has_docs or has_final) and _ws_taken(form, q, (q, k, v, out, lse))
 
 
@@ -116,7 +128,7 @@ def dkdv_ws_ready(
     """Whether the backward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), dout like q and contiguous lse, delta
     (B, Hq, Sq), into dk, dv like k, takes the warp-specialised dK/dV kernel: no documents, dK and dV stored rather
     than added (add_dkdv False: the ring's shares, or no accumulators), and what _ws_taken checks."""
-    form = ws_form("dkdv", causal, grouped=q.shape[2] != k.shape[2])
+    form = ws_form("dkdv", causal, grouped=q.shape[2] != k.shape[2], fp32=dk.dtype != k.dtype)
     return not (has_docs or add_dkdv) and _ws_taken(form, q, (q, k, v, dout, lse, delta, dk, dv))
 
 
@@ -135,7 +147,7 @@ def dq_ws_ready(
 ) -> bool:
     """Whether that backward, into dq like q (add_dq: added into it), takes the warp-specialised dQ kernel: no
     documents, no rows finished into another buffer (has_final: the ring's last step), and what _ws_taken checks."""
-    form = ws_form("dq", causal, accumulate=add_dq)
+    form = ws_form("dq", causal, fp32=not add_dq and dq.dtype != q.dtype, accumulate=add_dq)
     return not (has_docs or has_final) and _ws_taken(form, q, (q, k, v, dout, lse, delta, dq))
 
 

@@ -40,11 +40,11 @@ def ws_on(monkeypatch):
         pytest.skip("the warp-specialised kernels are taken on Hopper GPUs only")
 
 
-def _launched(q, k, v, dout, causal, **kwargs):
-    """The (dK/dV, dQ) kernels the backward launches."""
+def _launched(q, k, v, dout, causal, grads_dtype=None, **kwargs):
+    """The (dK/dV, dQ) kernels the backward into gradients of grads_dtype (default: the inputs') launches."""
     out, lse = attn_fwd(q, k, v, 0.125, causal)
     delta = attn_ops.attn_bwd_preprocess(out, dout)
-    grads = [torch.empty_like(t) for t in (q, k, v)]
+    grads = [torch.empty_like(t, dtype=grads_dtype) for t in (q, k, v)]
     cfgs = attn_ops._bwd_configs(attn_ops._padded_head_dim(q.shape[-1]), q.dtype, q.device)
     args = dict(q_doc_ids=None, k_doc_ids=None, add_dq=False, add_dkdv=False, dq_final=None) | kwargs
     launches = attn_ops._bwd_launches(
@@ -54,19 +54,23 @@ def _launched(q, k, v, dout, causal, **kwargs):
     return tuple(launch.kernel for launch in launches)
 
 
-def _expected(q, k, causal, add_dq=False):
-    """The (dK/dV, dQ) kernels the forms allowed here mean (all of them in the interpreter)."""
-    dkdv = warp_spec.ws_allowed(warp_spec.ws_form("dkdv", causal, grouped=q.shape[2] != k.shape[2]), q.device)
-    dq = warp_spec.ws_allowed(warp_spec.ws_form("dq", causal, accumulate=add_dq), q.device)
+def _expected(q, k, causal, add_dq=False, fp32=False):
+    """The (dK/dV, dQ) kernels the forms allowed here mean (all of them in the interpreter); fp32: gradients stored
+    in fp32 from 16-bit inputs (the ring's shares)."""
+    grouped = q.shape[2] != k.shape[2]
+    head_dim = q.shape[-1]
+    dkdv = warp_spec.ws_allowed(warp_spec.ws_form("dkdv", causal, grouped=grouped, fp32=fp32), q.device, head_dim)
+    dq_form = warp_spec.ws_form("dq", causal, fp32=fp32 and not add_dq, accumulate=add_dq)
+    dq = warp_spec.ws_allowed(dq_form, q.device, head_dim)
     return (
         _attn_bwd_dkdv_ws_kernel if dkdv else attn_ops._attn_bwd_dkdv_kernel,
         _attn_bwd_dq_ws_kernel if dq else attn_ops._attn_bwd_dq_kernel,
     )
 
 
-def _fwd_kernel(q, k, v, causal, merge_state=False, **kwargs):
-    """The kernel the forward (merge_state: the ring's step into an fp32 state) launches."""
-    out = torch.empty(q.shape, device=DEVICE, dtype=torch.float32 if merge_state else q.dtype)
+def _fwd_kernel(q, k, v, causal, merge_state=False, fp32=False, **kwargs):
+    """The kernel the forward (merge_state: the ring's step into an fp32 state; fp32: into an fp32 out) launches."""
+    out = torch.empty(q.shape, device=DEVICE, dtype=torch.float32 if merge_state or fp32 else q.dtype)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=DEVICE)
     args = dict(q_doc_ids=None, k_doc_ids=None, final=None) | kwargs
     launch = attn_ops._pick_fwd_launch(
@@ -75,8 +79,9 @@ def _fwd_kernel(q, k, v, causal, merge_state=False, **kwargs):
     return launch.kernel
 
 
-def _expected_fwd(q, causal, merge_state=False):
-    allowed = warp_spec.ws_allowed(warp_spec.ws_form("fwd", causal, merge=merge_state), q.device)
+def _expected_fwd(q, causal, merge_state=False, fp32=False):
+    form = warp_spec.ws_form("fwd", causal, fp32=fp32, merge=merge_state)
+    allowed = warp_spec.ws_allowed(form, q.device, q.shape[-1])
     return _attn_fwd_ws_kernel if allowed else attn_ops._attn_fwd_kernel
 
 
@@ -107,6 +112,8 @@ def test_ws_forward_merges_into_the_ring_state(causal, ws_on):
     which every row sees, give the whole call's out and lse (Sk = 100; the first block's key tile padded)."""
     q, k, v, _ = make_qkv(1, 64, 100, 4, 2, 64, DTYPES[0], seed=9)
     assert _fwd_kernel(q, k[:, 36:], v[:, 36:], causal, merge_state=True) is _expected_fwd(q, causal, True)
+    fp32 = q.dtype != torch.float32  # the state's dtype is not the inputs' (16-bit on a GPU)
+    assert _fwd_kernel(q, k[:, :36], v[:, :36], False, fp32=True) is _expected_fwd(q, False, fp32=fp32)
     first, lse = attn_fwd(q, k[:, :36], v[:, :36], 0.125, False, out_dtype=torch.float32)
     attn_fwd_merge_(q, k[:, 36:], v[:, 36:], 0.125, causal, first, lse)
     want_out, want_lse = attn_fwd(q, k, v, 0.125, causal, out_dtype=torch.float32)
@@ -121,7 +128,8 @@ def test_ws_ring_step_forms(heads, causal, ws_on):
     """The ring's forms: dK, dV stored (add_dkdv=False) into fp32 buffers that are not read, dQ added into an fp32
     accumulator: the public call's gradients, in fp32, plus what the accumulator held."""
     q, k, v, dout = make_qkv(1, 64, 64, *heads, 64, DTYPES[0], seed=5)
-    assert _launched(q, k, v, dout, causal, add_dq=True) == _expected(q, k, causal, add_dq=True)
+    launched = _launched(q, k, v, dout, causal, grads_dtype=torch.float32, add_dq=True)
+    assert launched == _expected(q, k, causal, add_dq=True, fp32=q.dtype != torch.float32)
     out, lse = attn_fwd(q, k, v, 0.125, causal)
     held = torch.randn(q.shape, device=DEVICE)
     dq = held.clone()
@@ -185,19 +193,28 @@ def test_ws_is_taken_only_where_it_applies(monkeypatch):
 
 
 def test_ws_forms_allowed_by_mode(monkeypatch):
-    """Unset: the checked forms on a GPU, none in the interpreter; "1": every form in the interpreter too; "all":
-    every form anywhere; "0": none."""
-    checked, unchecked = "dkdv", "dq causal"
+    """Unset: the checked forms on a GPU at the head dims where they were timed faster, none in the interpreter;
+    "1": the checked forms at any head dim on a GPU, every form in the interpreter; "all": every form anywhere;
+    "0": none."""
+    checked, unchecked, faster, untimed = "dq", "dq causal", 128, 64
     assert checked in warp_spec.CHECKED_FORMS and unchecked not in warp_spec.CHECKED_FORMS
+    assert faster in warp_spec.FASTER_HEAD_DIMS["dq"] and untimed not in warp_spec.FASTER_HEAD_DIMS["dq"]
     monkeypatch.delenv("RINGATTN_WS", raising=False)
-    assert warp_spec.ws_allowed(checked, GPU) and not warp_spec.ws_allowed(unchecked, GPU)
-    assert not warp_spec.ws_allowed(checked, CPU)
+    assert warp_spec.ws_allowed(checked, GPU, faster) and not warp_spec.ws_allowed(unchecked, GPU, faster)
+    assert not warp_spec.ws_allowed(checked, GPU, untimed)
+    assert not warp_spec.ws_allowed(checked, CPU, faster)
     monkeypatch.setenv("RINGATTN_WS", "1")
-    assert warp_spec.ws_allowed(unchecked, CPU) and not warp_spec.ws_allowed(unchecked, GPU)
+    assert warp_spec.ws_allowed(checked, GPU, untimed) and not warp_spec.ws_allowed(unchecked, GPU, faster)
+    assert warp_spec.ws_allowed(unchecked, CPU, untimed)
     monkeypatch.setenv("RINGATTN_WS", "all")
-    assert warp_spec.ws_allowed(unchecked, GPU) and warp_spec.ws_allowed(unchecked, CPU)
+    assert warp_spec.ws_allowed(unchecked, GPU, untimed) and warp_spec.ws_allowed(unchecked, CPU, untimed)
     monkeypatch.setenv("RINGATTN_WS", "0")
-    assert not warp_spec.ws_allowed(checked, GPU) and not warp_spec.ws_allowed(checked, CPU)
+    assert not warp_spec.ws_allowed(checked, GPU, faster) and not warp_spec.ws_allowed(checked, CPU, faster)
+
+
+def test_every_kernel_has_its_faster_head_dims():
+    assert set(warp_spec.FASTER_HEAD_DIMS) == {form.split()[0] for form in warp_spec.CHECKED_FORMS}
+    assert all(set(dims) <= set(warp_spec.WS_HEAD_DIMS) for dims in warp_spec.FASTER_HEAD_DIMS.values())
 
 
 def test_ws_form_names():
@@ -205,6 +222,8 @@ def test_ws_form_names():
     assert warp_spec.ws_form("dkdv", True, grouped=True) == "dkdv causal gqa"
     assert warp_spec.ws_form("dq", True, accumulate=True) == "dq causal accumulate"
     assert warp_spec.ws_form("fwd", False, merge=True) == "fwd merge"
+    assert warp_spec.ws_form("dkdv", True, grouped=True, fp32=True) == "dkdv causal gqa fp32"
+    assert warp_spec.ws_form("dq", False, fp32=True) == "dq fp32"
 
 
 def test_bad_ws_mode_raises(monkeypatch):
