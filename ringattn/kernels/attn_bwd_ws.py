@@ -13,8 +13,10 @@ partitioner (triton 3.9) got right and wrong was measured on the H200 (docs/perf
 dK/dV"): one plain loop with the results stored through descriptors gave attn_bwd's bits; masked pointer stores
 of the results, or a causal mask computed from the loop's index, gave wrong gradients; a second loop after the
 first, or a loop nest, did not compile. Hence one loop per kernel: GQA's (head, Q tile) pairs are flattened into
-it, and the causal mask compares against positions loaded from memory like the other row data. ops/warp_spec.py
-says which forms are taken where.
+it, and the causal mask compares positions loaded from memory like the other row data, on both sides. A position
+made as `start + tl.arange(...)` from the program's own tile start is wrong in the second consumer: the
+partitioner (triton 3.9) moves both `start` and the range by that consumer's offset, so the sum has it twice (seen
+in the causal forward's TTGIR). ops/warp_spec.py says which forms are taken where.
 """
 
 import triton
@@ -27,10 +29,11 @@ from .common import LOG2E, _rows_descriptor
 def _ws_q_tile(q_desc, do_desc, lse_desc, delta_desc, m0, hq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                GROUPED: tl.constexpr):  # fmt: skip
     """Q, dO (BLOCK_M, HEAD_DIM), lse in log2 units and delta (BLOCK_M,) of the rows from m0 of q head hq (GROUPED:
-    descriptors over a batch's heads; else over one head's rows, hq unused). Rows past Sq load as zeros."""
+    descriptors over a batch's heads, Q and dO over its (Sq, Hq x HEAD_DIM) rows, the head at column hq x HEAD_DIM;
+    else over one head's rows, hq unused). Rows past Sq load as zeros."""
     if GROUPED:
-        q = q_desc.load([m0, hq, 0]).reshape(BLOCK_M, HEAD_DIM)
-        do = do_desc.load([m0, hq, 0]).reshape(BLOCK_M, HEAD_DIM)
+        q = q_desc.load([m0, hq * HEAD_DIM])
+        do = do_desc.load([m0, hq * HEAD_DIM])
         lse2 = lse_desc.load([hq, m0]).reshape(BLOCK_M) * LOG2E
         delta = delta_desc.load([hq, m0]).reshape(BLOCK_M)
     else:
@@ -79,21 +82,25 @@ def _attn_bwd_dkdv_ws_kernel(
     """dK, dV (B, Sk, Hkv, HEAD_DIM) for one BLOCK_N tile of keys of one (batch, kv head); grid (Sk tiles, Hkv, B).
 
     Q, DOut (B, Sq, Hq, HEAD_DIM) and K, V (B, Sk, Hkv, HEAD_DIM): HEAD_DIM a power of two, the base addresses and
-    every stride but the last 16-byte aligned; Lse, Delta (B, Hq, Sq) fp32 contiguous, Sq a multiple of 4 (each
+    every stride but the last 16-byte aligned (GROUP_SIZE > 1: Q's and DOut's heads packed, stride_qh = stride_doh =
+    HEAD_DIM); Lse, Delta (B, Hq, Sq) fp32 contiguous, Sq a multiple of 4 (each
     head's row of stats 16-byte aligned); DK, DV like K and V, aligned alike, written in their dtype (the ring's
     shares: fp32). The GROUP_SIZE q heads sharing the kv head are summed in registers. CAUSAL (bottom-right): Pos
-    int32 (>= Sq,) holds 0, 1, 2, ..., and the loop starts at the first Q tile that sees a key of the tile.
+    int32 (>= max(Sq, Sk),) holds 0, 1, 2, ..., and the loop starts at the first Q tile that sees a key of the
+    tile.
     """
     start_n = tl.program_id(0)
     off_hk = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
     GROUPED: tl.constexpr = GROUP_SIZE > 1
     num_heads_q = num_heads_k * GROUP_SIZE
-    if GROUPED:  # the batch's q heads, addressed by head
-        q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb, shape=[seqlen_q, num_heads_q, HEAD_DIM],
-                                           strides=[stride_qs, stride_qh, 1], block_shape=[BLOCK_M, 1, HEAD_DIM])
-        do_desc = tl.make_tensor_descriptor(DOut + off_b * stride_dob, shape=[seqlen_q, num_heads_q, HEAD_DIM],
-                                            strides=[stride_dos, stride_doh, 1], block_shape=[BLOCK_M, 1, HEAD_DIM])
+    if GROUPED:  # the batch's q heads side by side in each row (stride_qh = stride_doh = HEAD_DIM), by column
+        # 2D, not a 3D (BLOCK_M, 1, HEAD_DIM) block reshaped: through the reshape the partitioner lost the products'
+        # uses of the tile and released its buffer to the producer before them (seen in the TTGIR)
+        q_desc = tl.make_tensor_descriptor(Q + off_b * stride_qb, shape=[seqlen_q, num_heads_q * HEAD_DIM],
+                                           strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        do_desc = tl.make_tensor_descriptor(DOut + off_b * stride_dob, shape=[seqlen_q, num_heads_q * HEAD_DIM],
+                                            strides=[stride_dos, 1], block_shape=[BLOCK_M, HEAD_DIM])
     else:  # the one q head's rows
         q_desc = _rows_descriptor(Q + off_b * stride_qb + off_hk * stride_qh, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M)
         do_desc = _rows_descriptor(DOut + off_b * stride_dob + off_hk * stride_doh, seqlen_q, stride_dos, HEAD_DIM,
@@ -112,7 +119,6 @@ def _attn_bwd_dkdv_ws_kernel(
         delta_desc = tl.make_tensor_descriptor(Delta + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
 
     n0 = start_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     k = k_desc.load([n0, 0])  # (BLOCK_N, HEAD_DIM); rows past Sk load as zeros
     v = v_desc.load([n0, 0])
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -121,9 +127,14 @@ def _attn_bwd_dkdv_ws_kernel(
     if CAUSAL:  # rows before start_m see no key of this tile
         start_m = tl.maximum(n0 - causal_shift, 0) // BLOCK_M * BLOCK_M
         pos_desc = tl.make_tensor_descriptor(Pos, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
+        # the keys' positions loaded like K (keys past Sk load as 0; their rows are not stored), not n0 +
+        # tl.arange: the partitioner offsets both n0 and the range for the second consumer's keys
+        keys_desc = tl.make_tensor_descriptor(Pos, shape=[seqlen_k], strides=[1], block_shape=[BLOCK_N])
+        offs_n = keys_desc.load([n0])
     else:
         start_m = 0
         pos_desc = None
+        offs_n = None
     if GROUPED:  # one loop over (q head, Q tile) pairs
         num_m = tl.cdiv(tl.maximum(seqlen_q - start_m, 0), BLOCK_M)
         for i in tl.range(0, GROUP_SIZE * num_m, warp_specialize=True):
@@ -160,7 +171,7 @@ def _attn_bwd_dq_ws_kernel(
 ):
     """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head); grid (Sq tiles, Hq, B).
 
-    Inputs as _attn_bwd_dkdv_ws_kernel's (Pos: >= Sk entries when CAUSAL); DQ like Q, aligned alike, in its own
+    Inputs as _attn_bwd_dkdv_ws_kernel's; DQ like Q, aligned alike, in its own
     dtype (the ring's accumulator: fp32); ACCUMULATE adds dQ to what DQ holds. Zero keys past Sk add nothing to
     dQ (dS K with zero K rows); rows whose lse is -inf get P = 0.
     """
@@ -183,7 +194,9 @@ def _attn_bwd_dq_ws_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     causal_shift = seqlen_k - seqlen_q
     if CAUSAL:  # keys from end_n on are seen by no row of the tile
-        last_key = m0 + tl.arange(0, BLOCK_M) + causal_shift
+        # the rows' positions loaded like Q (rows past Sq load as 0 and are not stored), not m0 + tl.arange
+        rows_desc = tl.make_tensor_descriptor(Pos, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
+        last_key = rows_desc.load([m0]) + causal_shift
         end_n = tl.maximum(tl.minimum(m0 + BLOCK_M + causal_shift, seqlen_k), 0)
         pos_desc = tl.make_tensor_descriptor(Pos, shape=[seqlen_k], strides=[1], block_shape=[BLOCK_N])
     else:

@@ -5,7 +5,8 @@ and every result stored through descriptors made in the kernel, masks against po
 One program computes one (BLOCK_M, HEAD_DIM) tile of the output for one (batch, q head), looping over the key
 tiles; the partitioner gives each of two consumer warpgroups half of its rows. Keys past Sk would load as zero rows
 and count in the softmax's sum, so where Sk is not a multiple of BLOCK_N (and always when causal) every tile is
-masked by key positions loaded from Pos, an int32 0, 1, 2, ... long enough that no tile reads past its end.
+masked by key positions loaded from Pos, an int32 0, 1, 2, ... long enough that no tile reads past its end; the
+causal mask's row positions are loaded from it too.
 ops/warp_spec.py says when it is taken.
 """
 
@@ -34,7 +35,7 @@ def _attn_fwd_ws_kernel(
     power of two, base addresses and every stride but the last 16-byte aligned; Lse (B, Hq, Sq) fp32 with a
     contiguous last dim, its rows 16-byte aligned. qk_scale = softmax_scale * log2(e). CAUSAL (bottom-right: row i
     sees keys j <= i + Sk - Sq) and MASK_KEYS (Sk not a multiple of BLOCK_N, or CAUSAL): Pos holds num_positions
-    >= cdiv(Sk, BLOCK_N) * BLOCK_N positions. MERGE_STATE: Out (fp32) and Lse hold a running state on entry, and
+    >= cdiv(Sk, BLOCK_N) * BLOCK_N positions (and >= Sq when CAUSAL: the rows' too). MERGE_STATE: Out (fp32) and Lse hold a running state on entry, and
     the tile's result is merged into it (the ring's step). Rows that see no key get out 0, lse -inf.
     """
     start_m = tl.program_id(0)
@@ -52,13 +53,16 @@ def _attn_fwd_ws_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     causal_shift = seqlen_k - seqlen_q
+    if MASK_KEYS:
+        pos_desc = tl.make_tensor_descriptor(Pos, shape=[num_positions], strides=[1], block_shape=[BLOCK_N])
     if CAUSAL:  # keys from end_n on are seen by no row of the tile
-        last_key = m0 + tl.arange(0, BLOCK_M) + causal_shift
+        # the rows' positions loaded like Q, not m0 + tl.arange: the partitioner offsets both m0 and the range for
+        # the second consumer's rows, so the sum would count its offset twice
+        rows_desc = tl.make_tensor_descriptor(Pos, shape=[num_positions], strides=[1], block_shape=[BLOCK_M])
+        last_key = rows_desc.load([m0]) + causal_shift
         end_n = tl.maximum(tl.minimum(m0 + BLOCK_M + causal_shift, seqlen_k), 0)
     else:
         end_n = seqlen_k
-    if MASK_KEYS:
-        pos_desc = tl.make_tensor_descriptor(Pos, shape=[num_positions], strides=[1], block_shape=[BLOCK_N])
     for n0 in tl.range(0, end_n, BLOCK_N, warp_specialize=True):
         k = k_desc.load([n0, 0])
         v = v_desc.load([n0, 0])

@@ -212,7 +212,7 @@ def _fwd_ws_launch(q, k, v, softmax_scale, causal, out, lse, merge_state: bool) 
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     cfg = _fwd_ws_config(head_dim, q.dtype, q.device)
     mask_keys = bool(causal) or seqlen_k % cfg.block_n != 0
-    positions = _ws_positions(triton.cdiv(seqlen_k, cfg.block_n) * cfg.block_n, mask_keys, lse)
+    positions = _ws_positions(max(triton.cdiv(seqlen_k, cfg.block_n) * cfg.block_n, seqlen_q), mask_keys, lse)
     return KernelLaunch(
         _attn_fwd_ws_kernel,
         (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),

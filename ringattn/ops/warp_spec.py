@@ -127,9 +127,14 @@ def dkdv_ws_ready(
 ) -> bool:
     """Whether the backward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), dout like q and contiguous lse, delta
     (B, Hq, Sq), into dk, dv like k, takes the warp-specialised dK/dV kernel: no documents, dK and dV stored rather
-    than added (add_dkdv False: the ring's shares, or no accumulators), and what _ws_taken checks."""
-    form = ws_form("dkdv", causal, grouped=q.shape[2] != k.shape[2], fp32=dk.dtype != k.dtype)
-    return not (has_docs or add_dkdv) and _ws_taken(form, q, (q, k, v, dout, lse, delta, dk, dv))
+    than added (add_dkdv False: the ring's shares, or no accumulators), for GQA q's and dout's heads packed (head
+    stride D), and what _ws_taken checks."""
+    grouped = q.shape[2] != k.shape[2]
+    form = ws_form("dkdv", causal, grouped=grouped, fp32=dk.dtype != k.dtype)
+    heads_packed = q.stride(2) == q.shape[-1] and dout.stride(2) == dout.shape[-1]  # GQA's descriptors need it
+    return not (has_docs or add_dkdv or (grouped and not heads_packed)) and _ws_taken(
+        form, q, (q, k, v, dout, lse, delta, dk, dv)
+    )
 
 
 def dq_ws_ready(

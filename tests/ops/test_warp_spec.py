@@ -20,7 +20,8 @@ from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, attn_fwd_merge_, warp_s
 from ringattn.ops import attn as attn_ops
 from ringattn.parallel import LAYOUTS
 from ringattn.parallel.simulate import simulate_ring_attn
-from tests.utils import DEVICE, DTYPES, check_against_reference, make_qkv
+from ringattn.testing import check_close
+from tests.utils import DEVICE, DTYPES, check_against_reference, make_qkv, reference_attention
 
 CHECKED_TRITON = warp_spec._triton_version() == warp_spec.WS_TRITON
 needs_checked_triton = pytest.mark.skipif(not CHECKED_TRITON, reason=f"triton {triton.__version__}, not 3.9")
@@ -109,16 +110,19 @@ def test_ws_forward_and_backward_match_reference(seqlen_q, seqlen_k, head_dim, h
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ws_forward_merges_into_the_ring_state(causal, ws_on):
     """The ring's step: the last Sq keys (causal: the diagonal block) merged into the fp32 state of the first 36,
-    which every row sees, give the whole call's out and lse (Sk = 100; the first block's key tile padded)."""
-    q, k, v, _ = make_qkv(1, 64, 100, 4, 2, 64, DTYPES[0], seed=9)
+    which every row sees, give the whole call's out and lse against float64 (Sk = 100; the first block's key tile
+    padded). Against the reference, not the one-pass call: in 16-bit the two round P to the dtype against
+    different maxima, so they differ by more than fp32's rounding."""
+    q, k, v, dout = make_qkv(1, 64, 100, 4, 2, 64, DTYPES[0], seed=9)
+    fp32 = q.dtype != torch.float32
     assert _fwd_kernel(q, k[:, 36:], v[:, 36:], causal, merge_state=True) is _expected_fwd(q, causal, True)
-    fp32 = q.dtype != torch.float32  # the state's dtype is not the inputs' (16-bit on a GPU)
     assert _fwd_kernel(q, k[:, :36], v[:, :36], False, fp32=True) is _expected_fwd(q, False, fp32=fp32)
-    first, lse = attn_fwd(q, k[:, :36], v[:, :36], 0.125, False, out_dtype=torch.float32)
-    attn_fwd_merge_(q, k[:, 36:], v[:, 36:], 0.125, causal, first, lse)
-    want_out, want_lse = attn_fwd(q, k, v, 0.125, causal, out_dtype=torch.float32)
-    torch.testing.assert_close(first, want_out)
-    torch.testing.assert_close(lse, want_lse)
+    out, lse = attn_fwd(q, k[:, :36], v[:, :36], 0.125, False, out_dtype=torch.float32)
+    attn_fwd_merge_(q, k[:, 36:], v[:, 36:], 0.125, causal, out, lse)
+    ref, plain = (reference_attention(q, k, v, dout, 0.125, causal, dtype)[:2] for dtype in (torch.float64, q.dtype))
+    for name, ours, p, r in zip(("out", "lse"), (out, lse), plain, ref, strict=True):
+        assert ours.dtype == torch.float32
+        check_close(name, ours, p, r)
 
 
 @needs_checked_triton
@@ -174,6 +178,10 @@ def test_ws_is_taken_only_where_it_applies(monkeypatch):
     assert _launched(*make_qkv(1, 97, 64, 2, 2, 64, dtype, seed=1), False) == old  # Sq % 4: stats rows off 16 B
     assert _launched(q, _offset_view(k.shape, dtype), v, dout, False) == old  # k off 16 bytes: both read it
     assert _launched(q, k, v, dout, False, add_dkdv=True) == (old[0], ws[1])  # dK, dV added into accumulators
+    gq, gk, gv, gdout = make_qkv(1, 64, 64, 4, 2, 64, dtype, seed=1)
+    assert _launched(gq, gk, gv, gdout, False) == ws  # GQA, heads packed in each row
+    unpacked = gq.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) view of (B, H, S, D): head stride S x D
+    assert _launched(unpacked, gk, gv, gdout, False) == (old[0], ws[1])  # GQA's dK/dV descriptors need them packed
     final = attn_ops.FinalRows(torch.empty_like(q), range(0, 32))
     assert _launched(q, k, v, dout, False, dq_final=final) == (ws[0], old[1])  # rows finished elsewhere
     assert _fwd_kernel(q, k, v, True) is _attn_fwd_ws_kernel
