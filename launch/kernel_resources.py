@@ -16,7 +16,8 @@ into an fp32 state), "dkdv" and "dq" (the backward, as the ring calls it: gradie
 accumulators), "fwd_ws" and "fwd_ws_merge" (the warp-specialised forward, public and as the ring's step),
 "dkdv_ws" and "dq_ws" (the warp-specialised backward kernels as the ring calls them: dK, dV stored into fp32
 shares, dQ added to an fp32 accumulator; "ws partitions" counts the warp-specialised
-regions the partitioner made, 0 when it made none). Without --configs or --candidates, each at the launch
+regions the partitioner made, 0 when it made none, and "ws hazards" the ops in them it is known to split wrong,
+ws_hazards()). Without --configs or --candidates, each at the launch
 config the launchers pick on a GPU.
 """
 
@@ -96,9 +97,19 @@ def compile_launch(launch: attn_ops.KernelLaunch, target: GPUTarget):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
+def ws_hazards(ttgir: str) -> int:
+    """Ops in a warp-specialised region that triton 3.9's partitioner was seen to get wrong (docs/performance.md,
+    "Eighth session"): a `tl.arange` range (added to the program's tile start, the second consumer's offset counted
+    twice) and a reshaped shared-memory tile (its buffer released to the producer before the products read it)."""
+    return sum(
+        "async_task_id" in line and ("tt.make_range" in line or "ttg.memdesc_reshape" in line)
+        for line in ttgir.splitlines()
+    )
+
+
 def resources(compiled, arch: int) -> dict:
     """Registers per thread and spill bytes (ptxas -v), shared memory bytes, CTAs per SM, warps (the partitioner's
-    included) and warp-specialised regions."""
+    included), warp-specialised regions and the ops in them known to be split wrong (ws_hazards)."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
@@ -116,7 +127,7 @@ def resources(compiled, arch: int) -> dict:
     return dict(
         regs=regs, spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)),
         smem_bytes=smem, ctas_per_sm=min(limits), warps=num_warps,
-        ws_partitions=compiled.asm["ttgir"].count("ttg.warp_specialize"),
+        ws_partitions=compiled.asm["ttgir"].count("ttg.warp_specialize"), ws_hazards=ws_hazards(compiled.asm["ttgir"]),
     )  # fmt: skip
 
 
@@ -161,11 +172,11 @@ def main() -> None:
         env = dict(kind="env", triton=triton.__version__, torch=torch.__version__, arch=f"sm_{args.arch}a")
         write_json(args.out, env, records)
     header = ["kernel", "D", "Hkv", "causal", "config", "TMA", "regs", "spill st/ld B", "smem KiB", "CTAs/SM", "warps",
-              "ws partitions"]  # fmt: skip
+              "ws partitions", "ws hazards"]  # fmt: skip
     rows = [[r["kernel"], r["D"], r["Hkv"], "yes" if r["causal"] else "no", "x".join(map(str, r["config"])),
-             "yes" if r["tma"] else "no"] + ([r["error"], "", "", "", "", ""] if "error" in r else
+             "yes" if r["tma"] else "no"] + ([r["error"], "", "", "", "", "", ""] if "error" in r else
              [r["regs"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}", f"{r['smem_bytes'] / 1024:.0f}",
-              r["ctas_per_sm"], r["warps"], r["ws_partitions"]]) for r in records]  # fmt: skip
+              r["ctas_per_sm"], r["warps"], r["ws_partitions"], r["ws_hazards"]]) for r in records]  # fmt: skip
     print(markdown_table(header, rows))
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ringattn.ops.attn as attn_ops
+from ringattn.ops import warp_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,3 +35,25 @@ def test_reports_the_dq_kernel_at_its_gpu_config(tmp_path):
         assert 0 < r["regs"] <= 255 and r["smem_bytes"] > 0 and r["ctas_per_sm"] >= 1
         assert r["spill_store_bytes"] >= 0 and r["spill_load_bytes"] >= 0
     assert "| dq | 64 | 32 | yes |" in result.stdout
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(warp_spec._triton_version() != warp_spec.WS_TRITON, reason="the partitioner of triton 3.9")
+def test_split_kernels_partition_without_known_hazards(tmp_path):
+    """Every split kernel, causal or not, GQA (the dK/dV kernel's grouped loop), public and the ring's forms:
+    split into a producer and two consumers (12 warps), no spills, within a CTA's shared memory, and none of the
+    ops the partitioner was seen to split wrong (a tl.arange range, a reshaped shared-memory tile) in a region."""
+    out = tmp_path / "resources.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)])
+    kernels = ["fwd_ws", "fwd_ws_merge", "dq_ws", "dkdv_ws"]
+    cmd = [sys.executable, str(ROOT / "launch/kernel_resources.py"), "--kernels", *kernels, "--head-dims", "64",
+           "--kv-heads", "8", "--out", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stderr[-2000:]
+    _, *records = json.loads(out.read_text())
+    assert [(r["kernel"], r["causal"]) for r in records] == [(k, c) for k in kernels for c in (False, True)]
+    for r in records:
+        assert "error" not in r, r
+        assert (r["ws_partitions"], r["warps"], r["ws_hazards"]) == (1, 12, 0), r
+        assert r["spill_store_bytes"] == r["spill_load_bytes"] == 0 and r["smem_bytes"] <= 227 * 1024, r
