@@ -83,11 +83,10 @@ def _attn_bwd_dkdv_ws_kernel(
 
     Q, DOut (B, Sq, Hq, HEAD_DIM) and K, V (B, Sk, Hkv, HEAD_DIM): HEAD_DIM a power of two, the base addresses and
     every stride but the last 16-byte aligned (GROUP_SIZE > 1: Q's and DOut's heads packed, stride_qh = stride_doh =
-    HEAD_DIM); Lse, Delta (B, Hq, Sq) fp32 contiguous, Sq a multiple of 4 (each
-    head's row of stats 16-byte aligned); DK, DV like K and V, aligned alike, written in their dtype (the ring's
-    shares: fp32). The GROUP_SIZE q heads sharing the kv head are summed in registers. CAUSAL (bottom-right): Pos
-    int32 (>= max(Sq, Sk),) holds 0, 1, 2, ..., and the loop starts at the first Q tile that sees a key of the
-    tile.
+    HEAD_DIM); Lse, Delta (B, Hq, Sq) fp32 contiguous, Sq a multiple of 4 (each head's row of stats 16-byte
+    aligned); DK, DV like K and V, aligned alike, written in their dtype (the ring's shares: fp32). The GROUP_SIZE
+    q heads sharing the kv head are summed in registers. CAUSAL (bottom-right): Pos int32 (>= max(Sq, Sk),) holds
+    0, 1, 2, ..., and the loop starts at the first Q tile that sees a key of the tile.
     """
     start_n = tl.program_id(0)
     off_hk = tl.program_id(1).to(tl.int64)
@@ -171,8 +170,8 @@ def _attn_bwd_dq_ws_kernel(
 ):
     """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head); grid (Sq tiles, Hq, B).
 
-    Inputs as _attn_bwd_dkdv_ws_kernel's; DQ like Q, aligned alike, in its own
-    dtype (the ring's accumulator: fp32); ACCUMULATE adds dQ to what DQ holds. Zero keys past Sk add nothing to
+    Inputs as _attn_bwd_dkdv_ws_kernel's; DQ like Q, aligned alike, in its own dtype (the ring's accumulator:
+    fp32); ACCUMULATE adds dQ to what DQ holds. Zero keys past Sk add nothing to
     dQ (dS K with zero K rows); rows whose lse is -inf get P = 0.
     """
     start_m = tl.program_id(0)

@@ -35,8 +35,9 @@ def _attn_fwd_ws_kernel(
     power of two, base addresses and every stride but the last 16-byte aligned; Lse (B, Hq, Sq) fp32 with a
     contiguous last dim, its rows 16-byte aligned. qk_scale = softmax_scale * log2(e). CAUSAL (bottom-right: row i
     sees keys j <= i + Sk - Sq) and MASK_KEYS (Sk not a multiple of BLOCK_N, or CAUSAL): Pos holds num_positions
-    >= cdiv(Sk, BLOCK_N) * BLOCK_N positions (and >= Sq when CAUSAL: the rows' too). MERGE_STATE: Out (fp32) and Lse hold a running state on entry, and
-    the tile's result is merged into it (the ring's step). Rows that see no key get out 0, lse -inf.
+    >= cdiv(Sk, BLOCK_N) * BLOCK_N positions (and >= Sq: the rows' too). MERGE_STATE: Out (fp32) and Lse hold a
+    running state on entry, and the tile's result is merged into it (the ring's step). Rows that see no key get
+    out 0, lse -inf.
     """
     start_m = tl.program_id(0)
     off_hq = tl.program_id(1)
