@@ -131,8 +131,12 @@ def check_forms(forms: list[str], lengths, head_dims, dtype, device, print_line:
     """Every case of every form in `forms`, in order; prints a line per case."""
     records = []
     for form in forms:
-        head_layouts = [(4, 2), (4, 1)] if " gqa" in form else [(4, 4)] if form.startswith("dkdv") else [
-            (4, 4), (4, 2), (4, 1)]  # fmt: skip
+        if " gqa" in form:
+            head_layouts = [(4, 2), (4, 1)]
+        elif form.startswith("dkdv"):  # without " gqa": MHA
+            head_layouts = [(4, 4)]
+        else:
+            head_layouts = [(4, 4), (4, 2), (4, 1)]
         for (seqlen_q, seqlen_k), heads, head_dim in itertools.product(lengths, head_layouts, head_dims):
             batch = 2 if seqlen_q * seqlen_k <= 300 * 300 else 1
             try:

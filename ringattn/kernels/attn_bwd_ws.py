@@ -171,8 +171,8 @@ def _attn_bwd_dq_ws_kernel(
     """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head); grid (Sq tiles, Hq, B).
 
     Inputs as _attn_bwd_dkdv_ws_kernel's; DQ like Q, aligned alike, in its own dtype (the ring's accumulator:
-    fp32); ACCUMULATE adds dQ to what DQ holds. Zero keys past Sk add nothing to
-    dQ (dS K with zero K rows); rows whose lse is -inf get P = 0.
+    fp32); ACCUMULATE adds dQ to what DQ holds. Zero keys past Sk add nothing to dQ (dS K with zero K rows); rows
+    whose lse is -inf get P = 0.
     """
     start_m = tl.program_id(0)
     off_hq = tl.program_id(1)

@@ -388,10 +388,11 @@ def _dq_ws_launch(dout, q, k, v, lse, delta, dq, positions, qk_scale, softmax_sc
     )  # fmt: skip
 
 
-def _ws_positions(length: int, causal: bool, like: torch.Tensor) -> torch.Tensor:
-    """Row and key positions 0, 1, ..., length - 1 (int32) that the warp-specialised kernels' causal mask loads (the
-    kernels' docstring says why it is loaded); `like` (any tensor on the device, never read) when not causal."""
-    return torch.arange(length, dtype=torch.int32, device=like.device) if causal else like
+def _ws_positions(length: int, needed: bool, like: torch.Tensor) -> torch.Tensor:
+    """Row and key positions 0, 1, ..., length - 1 (int32) that the warp-specialised kernels' masks load (the
+    kernels' docstrings say why they are loaded); `like` (any tensor on the device, never read) when no mask needs
+    them."""
+    return torch.arange(length, dtype=torch.int32, device=like.device) if needed else like
 
 
 def _bwd_launches(

@@ -12,6 +12,7 @@ added into accumulators and layouts the descriptors cannot address keep the othe
 """
 
 import contextvars
+import functools
 import os
 from collections.abc import Callable
 
@@ -65,6 +66,7 @@ def ws_allowed(form: str, device: torch.device, head_dim: int) -> bool:
     return mode == "1" or head_dim in FASTER_HEAD_DIMS[form.split()[0]]
 
 
+@functools.cache
 def _triton_version() -> tuple[int, int]:
     major, minor = triton.__version__.split(".")[:2]
     return int(major), int(minor)
