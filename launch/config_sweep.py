@@ -155,6 +155,17 @@ def _ws_off():
             os.environ["RINGATTN_WS"] = before
 
 
+def swept_configs(kernels: list[str], head_dims: list[int], configs: list[str] | None, defaults: bool) -> dict:
+    """kernel -> head dim -> the configs to time: CANDIDATES, or `configs` ("BLOCK_M,BLOCK_N,warps,stages" each) for
+    every kernel, or (defaults) each kernel's default config alone."""
+    if defaults:
+        return {kernel: {d: [_default_config(kernel, d)] for d in head_dims} for kernel in kernels}
+    if configs:
+        given = [tuple(map(int, c.split(","))) for c in configs]
+        return {kernel: dict.fromkeys(head_dims, given) for kernel in kernels}
+    return {kernel: CANDIDATES[kernel] for kernel in kernels}
+
+
 def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, rep: int, candidates: dict) -> list[dict]:
     """Time each candidate config of each kernel in `candidates` (kernel -> head dim -> configs)."""
     batch = TOKENS // seqlen
@@ -241,15 +252,15 @@ def main():
         "takes them, dkdv and dq elsewhere)",
     )
     parser.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each: these only")
+    parser.add_argument("--defaults", action="store_true",
+                        help="each kernel at its default config only (with $RINGATTN_WS: a split kernel against the "
+                        "default one, per form)")  # fmt: skip
     parser.add_argument("--rep", type=int, default=100, help="do_bench's rep (ms)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
     _check_defaults(args.head_dims)
     args.kernels = args.kernels or list(CANDIDATES)
-    candidates = {kernel: CANDIDATES[kernel] for kernel in args.kernels}
-    if args.configs:
-        given = [tuple(map(int, c.split(","))) for c in args.configs]
-        candidates = {kernel: dict.fromkeys(args.head_dims, given) for kernel in args.kernels}
+    candidates = swept_configs(args.kernels, args.head_dims, args.configs, args.defaults)
     records = []
     for head_dim in args.head_dims:
         for kv_heads in args.kv_heads:

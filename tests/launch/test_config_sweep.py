@@ -30,6 +30,16 @@ def test_check_defaults_catches_a_list_out_of_date(monkeypatch):
         config_sweep._check_defaults([64, 128])
 
 
+def test_swept_configs_candidates_given_or_defaults():
+    kernels, dims = ["dq", "fwd_ws"], [64, 128]
+    assert config_sweep.swept_configs(kernels, dims, None, False) == {k: config_sweep.CANDIDATES[k] for k in kernels}
+    given = config_sweep.swept_configs(kernels, dims, ["64,64,4,1", "128,64,8,3"], False)
+    assert given == {k: {d: [(64, 64, 4, 1), (128, 64, 8, 3)] for d in dims} for k in kernels}
+    defaults = config_sweep.swept_configs(kernels, dims, ["64,64,4,1"], True)
+    assert defaults == {k: {d: [config_sweep._default_config(k, d)] for d in dims} for k in kernels}
+    assert defaults["fwd_ws"][128] == [tuple(attn_ops._fwd_ws_config(128, torch.bfloat16, CUDA).__dict__.values())]
+
+
 def _record(kernel, config, causal, ms=None):
     record = dict(kernel=kernel, config=list(config), D=128, causal=causal)
     return {**record, "ms": ms} if ms is not None else {**record, "error": "out of resource: shared memory"}
