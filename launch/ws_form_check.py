@@ -26,16 +26,6 @@ from bench_common import env_record, write_json
 from ringattn.ops import attn_bwd, attn_fwd, attn_fwd_merge_, warp_spec
 from ringattn.testing import check_close, magnitude, reference
 
-FORMS = [
-    warp_spec.ws_form(kernel, causal, **extras)
-    for kernel, extra_sets in (
-        ("fwd", [{}, {"fp32": True}, {"merge": True}]),
-        ("dkdv", [{}, {"grouped": True}, {"fp32": True}, {"grouped": True, "fp32": True}]),
-        ("dq", [{}, {"fp32": True}, {"accumulate": True}]),
-    )
-    for extras in extra_sets
-    for causal in (False, True)
-]
 GPU_LENGTHS = [(256, 256), (300, 300), (200, 456), (1000, 1000), (512, 136)]
 CPU_LENGTHS = [(132, 132), (68, 100)]
 
@@ -164,14 +154,16 @@ def verdicts(records: list[dict]) -> dict[str, bool]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--forms", nargs="+", default=FORMS, help="ws_form names (quote each); default: all")
+    parser.add_argument(
+        "--forms", nargs="+", default=warp_spec.WS_FORMS, help="ws_form names (quote each); default: all"
+    )
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=list(warp_spec.WS_HEAD_DIMS))
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
-    unknown = sorted(set(args.forms) - set(FORMS))
+    unknown = sorted(set(args.forms) - set(warp_spec.WS_FORMS))
     if unknown:
-        parser.error(f"--forms: unknown {unknown}; known: {FORMS}")
+        parser.error(f"--forms: unknown {unknown}; known: {warp_spec.WS_FORMS}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype] if cuda else torch.float32

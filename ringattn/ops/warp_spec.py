@@ -4,10 +4,11 @@ and the scratch memory their in-kernel tensor descriptors need.
 Triton's Hopper partitioner splits those kernels into a TMA producer warpgroup and two consumer warpgroups; it has
 also turned correct-looking code into wrong results (kernels/attn_bwd_ws.py's docstring says how). So each form of
 them (forward, dK/dV or dQ; causal or not; GQA for dK/dV, merging into the ring's state for the forward, adding
-into an accumulator for dQ) is taken on a GPU only once it has been checked there: CHECKED_FORMS lists the forms
-that passed the test suite on the H200 with triton 3.9 (docs/performance.md, "Warp-specialised kernels"), and only
-triton 3.9 takes any (3.6, the GPU image's, fails in the partitioner). The interpreter has no partitioner, so its
-CPU tests run every form. Calls with documents, fp32 on a GPU, rows the ring finishes into another buffer, dK/dV
+into an accumulator for dQ; WS_FORMS names them all) is taken on a GPU only once it has been checked there, and
+only where it was timed faster than the default kernel: CHECKED_FORMS lists the forms that passed
+launch/ws_form_check.py and the test suite on the H200 with triton 3.9 (docs/performance.md, "Warp-specialised
+kernels"), FASTER_HEAD_DIMS where each kernel was faster, and only triton 3.9 takes any (3.6, the GPU image's, fails
+in the partitioner). The interpreter has no partitioner, so its CPU tests run every form. Calls with documents, fp32 on a GPU, rows the ring finishes into another buffer, dK/dV
 added into accumulators and layouts the descriptors cannot address keep the other kernels.
 """
 
@@ -21,12 +22,43 @@ import triton
 
 WS_TRITON = (3, 9)  # the triton (major, minor) whose Hopper partitioner was checked to split the kernels right
 WS_HEAD_DIMS = (64, 128)  # the head dims with a measured launch config
-# forms (ws_form's names) that passed the GPU test suite on the H200 (docs/performance.md, "Eighth session"); "dkdv
-# fp32" there in the seventh session, the ring's dK/dV shares
-CHECKED_FORMS = frozenset({"fwd", "dkdv", "dkdv fp32", "dq"})
-# per kernel, the head dims at which its split form was timed faster than the default kernel on the H200 (triton 3.9;
-# docs/performance.md): without $RINGATTN_WS a GPU call takes a checked form only there
-FASTER_HEAD_DIMS = {"fwd": (128,), "dkdv": (64, 128), "dq": (128,)}
+
+
+def ws_form(
+    kernel: str, causal: bool, grouped: bool = False, fp32: bool = False, accumulate: bool = False, merge: bool = False
+) -> str:
+    """The name of a form of the warp-specialised kernels: "fwd", "dkdv" or "dq", then " causal", " gqa" (dK/dV over a
+    group of q heads), " fp32" (results stored in fp32 from 16-bit inputs: the ring's state and shares),
+    " accumulate" (dQ added into an fp32 accumulator) and " merge" (the forward merged into the ring's fp32 state)
+    where they apply, e.g. "dkdv causal gqa fp32"."""
+    extras = (("causal", causal), ("gqa", grouped), ("fp32", fp32), ("accumulate", accumulate), ("merge", merge))
+    return " ".join([kernel] + [name for name, on in extras if on])
+
+
+WS_FORMS = tuple(  # every form the kernels have, by ws_form's names
+    ws_form(kernel, causal, **extras)
+    for kernel, extra_sets in (
+        ("fwd", [{}, {"fp32": True}, {"merge": True}]),
+        ("dkdv", [{}, {"grouped": True}, {"fp32": True}, {"grouped": True, "fp32": True}]),
+        ("dq", [{}, {"fp32": True}, {"accumulate": True}]),
+    )
+    for extras in extra_sets
+    for causal in (False, True)
+)
+# the forms that passed launch/ws_form_check.py and the GPU test suite on the H200 (docs/performance.md, "Ninth
+# session"): all of them
+CHECKED_FORMS = frozenset(WS_FORMS)
+# per kernel and causal setting, the head dims at which the split kernel was timed faster than the default one on the
+# H200, each alone at its default config (triton 3.9; docs/performance.md, "Ninth session"): without $RINGATTN_WS a
+# GPU call takes a checked form only there. The ring's forms (fp32, merge, accumulate) run the same loop.
+FASTER_HEAD_DIMS = {
+    "fwd": (128,),
+    "fwd causal": (),
+    "dkdv": (64, 128),
+    "dkdv causal": (64, 128),
+    "dq": (128,),
+    "dq causal": (128,),
+}
 WS_MODES = ("0", "1", "all")
 
 
@@ -41,17 +73,6 @@ def ws_mode() -> str | None:
     return value
 
 
-def ws_form(
-    kernel: str, causal: bool, grouped: bool = False, fp32: bool = False, accumulate: bool = False, merge: bool = False
-) -> str:
-    """The name of a form of the warp-specialised kernels: "fwd", "dkdv" or "dq", then " causal", " gqa" (dK/dV over a
-    group of q heads), " fp32" (results stored in fp32 from 16-bit inputs: the ring's state and shares),
-    " accumulate" (dQ added into an fp32 accumulator) and " merge" (the forward merged into the ring's fp32 state)
-    where they apply, e.g. "dkdv causal gqa fp32"."""
-    extras = (("causal", causal), ("gqa", grouped), ("fp32", fp32), ("accumulate", accumulate), ("merge", merge))
-    return " ".join([kernel] + [name for name, on in extras if on])
-
-
 def ws_allowed(form: str, device: torch.device, head_dim: int) -> bool:
     """Whether $RINGATTN_WS (ws_mode) lets a call on `device` with head dim `head_dim` take the kernel form `form`:
     unset, on a GPU the checked forms where FASTER_HEAD_DIMS has the head dim; "1", the checked forms at any head
@@ -63,7 +84,13 @@ def ws_allowed(form: str, device: torch.device, head_dim: int) -> bool:
         return True
     if device.type != "cuda" or form not in CHECKED_FORMS:
         return False
-    return mode == "1" or head_dim in FASTER_HEAD_DIMS[form.split()[0]]
+    return mode == "1" or head_dim in FASTER_HEAD_DIMS[_timed_as(form)]
+
+
+def _timed_as(form: str) -> str:
+    """FASTER_HEAD_DIMS's key of a form: its kernel, and " causal" if it is causal."""
+    kernel, *extras = form.split()
+    return kernel + " causal" if "causal" in extras else kernel
 
 
 @functools.cache

@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 
 def test_forms_are_every_name_the_kernels_have():
     """3 forward, 8 dK/dV and 6 dQ forms (each causal or not), the checked ones among them."""
-    forms = ws_form_check.FORMS
+    forms = warp_spec.WS_FORMS
     assert len(forms) == len(set(forms)) == 2 * (3 + 4 + 3)
     assert warp_spec.CHECKED_FORMS <= set(forms)
     assert {"fwd causal merge", "dkdv causal gqa fp32", "dq accumulate"} <= set(forms)

@@ -205,7 +205,7 @@ def test_ws_forms_allowed_by_mode(monkeypatch):
     "1": the checked forms at any head dim on a GPU, every form in the interpreter; "all": every form anywhere;
     "0": none."""
     checked, unchecked, faster, untimed = "dq", "dq causal", 128, 64
-    assert checked in warp_spec.CHECKED_FORMS and unchecked not in warp_spec.CHECKED_FORMS
+    monkeypatch.setattr(warp_spec, "CHECKED_FORMS", warp_spec.CHECKED_FORMS - {unchecked})  # every form is checked
     assert faster in warp_spec.FASTER_HEAD_DIMS["dq"] and untimed not in warp_spec.FASTER_HEAD_DIMS["dq"]
     monkeypatch.delenv("RINGATTN_WS", raising=False)
     assert warp_spec.ws_allowed(checked, GPU, faster) and not warp_spec.ws_allowed(unchecked, GPU, faster)
@@ -221,7 +221,9 @@ def test_ws_forms_allowed_by_mode(monkeypatch):
 
 
 def test_every_kernel_has_its_faster_head_dims():
-    assert set(warp_spec.FASTER_HEAD_DIMS) == {form.split()[0] for form in warp_spec.CHECKED_FORMS}
+    """FASTER_HEAD_DIMS has an entry for each kernel and causal setting of the checked forms, and no other."""
+    assert set(warp_spec.FASTER_HEAD_DIMS) == {warp_spec._timed_as(form) for form in warp_spec.CHECKED_FORMS}
+    assert warp_spec._timed_as("dkdv causal gqa fp32") == "dkdv causal" and warp_spec._timed_as("dq fp32") == "dq"
     assert all(set(dims) <= set(warp_spec.WS_HEAD_DIMS) for dims in warp_spec.FASTER_HEAD_DIMS.values())
 
 
