@@ -8,8 +8,9 @@ into an accumulator for dQ; WS_FORMS names them all) is taken on a GPU only once
 only where it was timed faster than the default kernel: CHECKED_FORMS lists the forms that passed
 launch/ws_form_check.py and the test suite on the H200 with triton 3.9 (docs/performance.md, "Warp-specialised
 kernels"), FASTER_HEAD_DIMS where each kernel was faster, and only triton 3.9 takes any (3.6, the GPU image's, fails
-in the partitioner). The interpreter has no partitioner, so its CPU tests run every form. Calls with documents, fp32 on a GPU, rows the ring finishes into another buffer, dK/dV
-added into accumulators and layouts the descriptors cannot address keep the other kernels.
+in the partitioner). The interpreter has no partitioner, so its CPU tests run every form. Calls with documents,
+fp32 on a GPU, rows the ring finishes into another buffer, dK/dV added into accumulators and layouts the
+descriptors cannot address keep the other kernels.
 """
 
 import contextvars
