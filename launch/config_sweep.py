@@ -253,8 +253,8 @@ def main():
     )
     parser.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each: these only")
     parser.add_argument("--defaults", action="store_true",
-                        help="each kernel at its default config only (with $RINGATTN_WS: a split kernel against the "
-                        "default one, per form)")  # fmt: skip
+                        help="each kernel at its default config only, --configs ignored (with $RINGATTN_WS: a split "
+                        "kernel against the default one, per form)")  # fmt: skip
     parser.add_argument("--rep", type=int, default=100, help="do_bench's rep (ms)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
