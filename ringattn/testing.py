@@ -12,12 +12,15 @@ reference() gives the two sides of the rule for a whole (long) sequence: the gro
 and the plain implementation (the inputs' dtype), chunked so that it fits where S x S does not.
 """
 
+from collections.abc import Mapping
+
 import torch
 
 from .ops import attn_bwd_ref, attn_fwd_ref
 
 ERROR_RATIO = 2.0
 FLOOR_ULPS = 16.0
+RESULTS = ("out", "lse", "dq", "dk", "dv")  # an attention call's results, forward then backward
 
 
 def max_abs_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -64,6 +67,20 @@ def check_close(
             f"(2 x plain-PyTorch error {max_abs_error(pt, ref):.3e} + floor)"
         )
     return err, allowed
+
+
+def check_results(
+    what: str, ours: Mapping[str, torch.Tensor], pt: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[float, float]]:
+    """check_close on each of `ours` (any of RESULTS by name) against `ref`, with `pt` (all of RESULTS) the plain
+    implementation: out and lse at their own magnitude, the gradients at the largest of ref's three (check_close
+    says why). Returns name -> (error, allowed); raises AssertionError, naming `what` and the tensor, at the first
+    one off."""
+    grad_scale = max(magnitude(ref[name]) for name in RESULTS[2:])
+    return {
+        name: check_close(f"{what} {name}".strip(), t, pt[name], ref[name], None if name in RESULTS[:2] else grad_scale)
+        for name, t in ours.items()
+    }
 
 
 def reference(

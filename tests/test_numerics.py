@@ -8,21 +8,11 @@ import ringattn
 from ringattn.ops import KERNEL_OPS, AttnOps
 from ringattn.parallel import shard_indices
 from ringattn.parallel.simulate import simulate_ring_attn, simulate_ring_backward, simulate_ring_forward
-from ringattn.testing import check_close, magnitude, max_abs_error, tolerance
+from ringattn.testing import RESULTS, check_results, magnitude, max_abs_error, tolerance
 from tests.distributed import run_ranks
-from tests.utils import DEVICE, DTYPES, make_qkv, reference_attention
+from tests.utils import DEVICE, DTYPES, check_against_reference, make_qkv, reference_attention
 
 DTYPE = DTYPES[0]
-NAMES = ("out", "lse", "dq", "dk", "dv")
-
-
-def _check_all(ours, q, k, v, dout, softmax_scale, causal, what):
-    """The tolerance rule (ringattn.testing) on out, lse, dq, dk, dv against float64."""
-    ref = reference_attention(q, k, v, dout, softmax_scale, causal, torch.float64)
-    pt = reference_attention(q, k, v, dout, softmax_scale, causal, q.dtype)
-    grad_scale = max(magnitude(g) for g in ref[2:])
-    for i, name in enumerate(NAMES):
-        check_close(f"{what} {name}", ours[i], pt[i], ref[i], None if i < 2 else grad_scale)
 
 
 def _flash(q, k, v, dout, softmax_scale, causal):
@@ -42,7 +32,7 @@ def test_fully_masked_rows_give_zero_output_and_grads_flash():
         assert not torch.isnan(t).any(), f"NaN in {name}"
     assert (out[:, :masked] == 0).all() and (dq[:, :masked] == 0).all()
     assert (lse[:, :, :masked] == float("-inf")).all() and torch.isfinite(lse[:, :, masked:]).all()
-    _check_all((out, lse, dq, dk, dv), q, k, v, dout, 0.3, True, "flash")
+    check_against_reference(q, k, v, dout, 0.3, True, (out, lse, dq, dk, dv), "flash")
 
 
 class _QueryPaddingOps(AttnOps):
@@ -122,12 +112,12 @@ def _check_extreme(ours, q, k, v, dout, softmax_scale, causal, what):
     the exponent's rounding relative to the row max instead). Allowed extra: 4 eps |lse| max (P^T |dout|)."""
     ref = reference_attention(q, k, v, dout, softmax_scale, causal, torch.float64)
     pt = reference_attention(q, k, v, dout, softmax_scale, causal, q.dtype)
-    grad_scale = max(magnitude(g) for g in ref[2:])
-    for i, name in enumerate(NAMES[:4]):
-        check_close(f"{what} {name}", ours[i], pt[i], ref[i], None if i < 2 else grad_scale)
+    ref, pt = (dict(zip(RESULTS, r, strict=True)) for r in (ref, pt))
+    check_results(what, dict(zip(RESULTS[:4], ours[:4], strict=True)), pt, ref)
+    grad_scale = max(magnitude(ref[name]) for name in RESULTS[2:])
     dv_weight = reference_attention(q, k, v, dout.abs(), softmax_scale, causal, torch.float64)[4]
-    allowance = 4 * torch.finfo(torch.float32).eps * magnitude(ref[1]) * magnitude(dv_weight)
-    err, allowed = max_abs_error(ours[4], ref[4]), tolerance(pt[4], ref[4], grad_scale) + allowance
+    allowance = 4 * torch.finfo(torch.float32).eps * magnitude(ref["lse"]) * magnitude(dv_weight)
+    err, allowed = max_abs_error(ours[4], ref["dv"]), tolerance(pt["dv"], ref["dv"], grad_scale) + allowance
     assert err <= allowed, f"{what} dv: max abs error {err:.3e} exceeds {allowed:.3e} (lse allowance {allowance:.1e})"
 
 
@@ -143,11 +133,11 @@ def test_extreme_logits_do_not_overflow():
     assert (torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale).abs().max() > 1e3
     for causal in (False, True):
         flash = _flash(q, k, v, dout, scale, causal)
-        for name, t in zip(NAMES, flash, strict=True):
+        for name, t in zip(RESULTS, flash, strict=True):
             assert not torch.isnan(t).any() and not torch.isinf(t).any(), f"flash {name} not finite"
         _check_extreme(flash, q, k, v, dout, scale, causal, f"flash causal={causal}")
     ring = simulate_ring_attn(KERNEL_OPS, q, k, v, scale, True, 3, "zigzag", dout=dout)
-    for name, t in zip(NAMES, ring, strict=True):
+    for name, t in zip(RESULTS, ring, strict=True):
         assert torch.isfinite(t).all(), f"ring {name} not finite"
     _check_extreme(ring, q, k, v, dout, scale, True, "ring")
 
@@ -158,7 +148,7 @@ def test_fp16_in_gives_fp16_out_and_grads_flash():
     ours = _flash(q, k, v, dout, 32**-0.5, True)
     assert ours[0].dtype == torch.float16 and ours[1].dtype == torch.float32
     assert all(g.dtype == torch.float16 for g in ours[2:])
-    _check_all(ours, q, k, v, dout, 32**-0.5, True, "flash fp16")
+    check_against_reference(q, k, v, dout, 32**-0.5, True, ours, "flash fp16")
 
 
 def _ring_results(rank, world_size, dtype, layout, seqlen_local, strides=("contiguous",)):
@@ -195,7 +185,7 @@ def test_fp16_in_gives_fp16_out_and_grads_ring():
         idx = shard_indices(seqlen, rank, world_size, "zigzag")
         for i, t in enumerate(results):
             full[i][(slice(None), slice(None), idx) if i == 1 else (slice(None), idx)] = t
-    _check_all(full, q, k, v, dout, 16**-0.5, True, "ring fp16")
+    check_against_reference(q, k, v, dout, 16**-0.5, True, full, "ring fp16")
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks run the interpreted kernels on the CPU")
@@ -203,7 +193,7 @@ def test_non_contiguous_inputs_give_the_contiguous_result_ring():
     """gloo, W = 2, zigzag causal: q, k, v and dout that are views with gaps (NaN-filled, so reading them would
     show) give bitwise the results of contiguous ones."""
     for rank, (a, b) in enumerate(run_ranks(_ring_results, 2, DTYPE, "zigzag", 20, ("contiguous", "strided"))):
-        for name, x, y in zip(NAMES, a, b, strict=True):
+        for name, x, y in zip(RESULTS, a, b, strict=True):
             assert torch.equal(x, y), f"rank {rank} {name}: non-contiguous inputs changed the result"
 
 
@@ -213,7 +203,7 @@ def test_backward_is_bitwise_deterministic_flash():
     first = _flash(q, k, v, dout, 0.2, True)
     for _ in range(2):
         again = _flash(q, k, v, dout, 0.2, True)
-        for name, x, y in zip(NAMES, first, again, strict=True):
+        for name, x, y in zip(RESULTS, first, again, strict=True):
             assert torch.equal(x, y), f"flash {name} differs between runs"
 
 
@@ -223,7 +213,7 @@ def test_backward_is_bitwise_deterministic_ring():
     dK/dV accumulators always visit the ranks in the same order)."""
     for rank, runs in enumerate(run_ranks(_ring_results, 3, DTYPE, "contiguous", 19, ("contiguous",) * 2)):
         for again in runs[1:]:
-            for name, x, y in zip(NAMES, runs[0], again, strict=True):
+            for name, x, y in zip(RESULTS, runs[0], again, strict=True):
                 assert torch.equal(x, y), f"rank {rank} {name} differs between runs"
 
 
@@ -233,5 +223,5 @@ def test_backward_is_bitwise_deterministic_simulated_ring():
     q, k, v, dout = make_qkv(1, 96, 96, 4, 2, 32, DTYPE, seed=29)
     first = simulate_ring_attn(KERNEL_OPS, q, k, v, 0.2, True, 4, "zigzag", dout=dout)
     again = simulate_ring_attn(KERNEL_OPS, q, k, v, 0.2, True, 4, "zigzag", dout=dout)
-    for name, x, y in zip(NAMES, first, again, strict=True):
+    for name, x, y in zip(RESULTS, first, again, strict=True):
         assert torch.equal(x, y), f"simulated ring {name} differs between runs"

@@ -4,7 +4,7 @@ launch/ring_error_growth.py equals the unchunked reference ops under autograd.""
 import pytest
 import torch
 
-from ringattn.testing import reference
+from ringattn.testing import RESULTS, check_results, reference
 from tests.utils import make_qkv, reference_attention
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -26,3 +26,16 @@ def test_reference_rounds_to_the_input_dtype_and_keeps_lse_wide():
     q, k, v, dout = make_qkv(1, 33, 33, 2, 1, 16, torch.float32, device=torch.device("cpu"))
     got = reference(q, k, v, dout, 0.25, True, torch.float16)
     assert {name: got[name].dtype for name in NAMES} == dict.fromkeys(NAMES, torch.float16) | {"lse": torch.float32}
+
+
+def test_check_results_judges_gradients_at_the_largest_and_names_the_tensor():
+    """A gradient small against the others (here dq, zero in ref and plain) is allowed an error at the others'
+    scale; beyond it, the failure names the call and the tensor."""
+    ref = {name: torch.full((4,), 1e3 if name == "dv" else 0.0, dtype=torch.float64) for name in RESULTS}
+    pt = {name: t.float() for name, t in ref.items()}
+    ok = check_results("call", {"dq": torch.full((4,), 1e-3)}, pt, ref)
+    assert set(ok) == {"dq"} and ok["dq"][0] <= ok["dq"][1]
+    with pytest.raises(AssertionError, match="call dq"):
+        check_results("call", {"dq": torch.full((4,), 1.0)}, pt, ref)
+    with pytest.raises(AssertionError, match="call out"):  # out at its own magnitude (0): no such allowance
+        check_results("call", {"out": torch.full((4,), 1e-3)}, pt, ref)

@@ -3,7 +3,7 @@
 import torch
 
 from ringattn.ops import attn_fwd_ref
-from ringattn.testing import check_close, magnitude
+from ringattn.testing import RESULTS, check_results
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # The interpreter runs fp32; on a GPU the kernels are checked in the training dtypes.
@@ -41,13 +41,9 @@ def reference_attention(q, k, v, dout, softmax_scale, causal, dtype, **doc_ids):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def check_against_reference(q, k, v, dout, softmax_scale, causal, results, **doc_ids):
+def check_against_reference(q, k, v, dout, softmax_scale, causal, results, what="", **doc_ids):
     """Check results = (out, lse, dq, dk, dv) of one attention call against reference_attention in float64 under
-    the tolerance rule (ringattn.testing.check_close; the gradients' floor from the largest of them)."""
+    the tolerance rule (ringattn.testing.check_results); `what` names the call in a failure."""
     ref = reference_attention(q, k, v, dout, softmax_scale, causal, torch.float64, **doc_ids)
     pt = reference_attention(q, k, v, dout, softmax_scale, causal, q.dtype, **doc_ids)
-    grad_scale = max(magnitude(g) for g in ref[2:])
-    scales = (None, None, grad_scale, grad_scale, grad_scale)
-    names = ("out", "lse", "dq", "dk", "dv")
-    for name, ours, p, r, scale in zip(names, results, pt, ref, scales, strict=True):
-        check_close(name, ours, p, r, scale)
+    check_results(what, *(dict(zip(RESULTS, r, strict=True)) for r in (results, pt, ref)))
