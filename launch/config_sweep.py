@@ -20,8 +20,8 @@ all timings as JSON; launch/bench_kernel.py --configs launches with those best c
 
 import argparse
 import os
-from contextlib import contextmanager
 from functools import partial
+from unittest import mock
 
 import torch
 from bench_common import attention_flops, env_record, write_json
@@ -141,18 +141,9 @@ def _launched(kernel: str, q, k, v, causal: bool) -> bool:
     return ws == kernel.endswith("_ws")
 
 
-@contextmanager
 def _ws_off():
-    """$RINGATTN_WS=0 inside: no warp-specialised kernel."""
-    before = os.environ.get("RINGATTN_WS")
-    os.environ["RINGATTN_WS"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["RINGATTN_WS"]
-        else:
-            os.environ["RINGATTN_WS"] = before
+    """$RINGATTN_WS=0 inside: no warp-specialised kernel; the setting before comes back after."""
+    return mock.patch.dict(os.environ, RINGATTN_WS="0")
 
 
 def swept_configs(kernels: list[str], head_dims: list[int], configs: list[str] | None, defaults: bool) -> dict:
