@@ -54,12 +54,13 @@ def _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2, delta, pos_desc, m
     key n for row m where n > m + causal_shift, m loaded through pos_desc (the positions); rows whose lse is -inf
     (no key at all) get P = 0.
     """
-    st = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M)
-    if CAUSAL:  # mask the scores, not P (as attn_bwd's kernels)
+    if CAUSAL:  # rows that see no key (lse -inf): +inf, so that their P is 0 (every score of theirs is masked too)
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    st = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]  # (BLOCK_N, BLOCK_M); one FMA a score
+    if CAUSAL:  # masked after the FMA (exp2's argument, not P): a mask between the product and the sum splits it
         last_key = pos_desc.load([m0]) + causal_shift
         st = tl.where(offs_n[:, None] <= last_key[None, :], st, float("-inf"))
-        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-    pt = tl.math.exp2(st - lse2[None, :])
+    pt = tl.math.exp2(st)
     dv = tl.dot(pt.to(do.dtype), do, dv)
     dpt = tl.dot(v, tl.trans(do))
     dst = pt * (dpt - delta[None, :])
@@ -203,10 +204,10 @@ def _attn_bwd_dq_ws_kernel(
     for n0 in tl.range(0, end_n, BLOCK_N, warp_specialize=True):
         k = k_desc.load([n0, 0])  # (BLOCK_N, HEAD_DIM); rows past Sk load as zeros
         v = v_desc.load([n0, 0])
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
-        if CAUSAL:
+        s = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]  # (BLOCK_M, BLOCK_N); one FMA a score
+        if CAUSAL:  # masked after the FMA, as in the dK/dV tile
             s = tl.where(pos_desc.load([n0])[None, :] <= last_key[:, None], s, float("-inf"))
-        p = tl.math.exp2(s - lse2[:, None])
+        p = tl.math.exp2(s)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)

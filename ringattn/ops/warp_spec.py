@@ -47,7 +47,7 @@ WS_FORMS = tuple(  # every form the kernels have, by ws_form's names
     for causal in (False, True)
 )
 # the forms that passed launch/ws_form_check.py and the GPU test suite on the H200 (docs/performance.md, "Ninth
-# session"): all of them
+# session"; the causal backward's again in the tenth, with the mask after the FMA): all of them
 CHECKED_FORMS = frozenset(WS_FORMS)
 # per kernel and causal setting, the head dims at which the split kernel was timed faster than the default one on the
 # H200, each alone at its default config (triton 3.9; docs/performance.md, "Ninth session"): without $RINGATTN_WS a
