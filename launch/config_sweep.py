@@ -1,6 +1,7 @@
 """Time each attention kernel under a list of launch configs, to pick ops/attn.py's `_fwd_config`,
 `_bwd_dkdv_config` and `_bwd_dq_config` (or, where ops/warp_spec.py takes the warp-specialised kernels,
-`_fwd_ws_config`, `_bwd_dkdv_ws_config` and `_bwd_dq_ws_config`) for 16-bit inputs on the GPU at hand.
+`_fwd_ws_config`, `_bwd_dkdv_ws_config` and `_bwd_dq_ws_config`, and where ops/gluon_fwd.py takes the Gluon
+forward, `_fwd_gluon_config`: num_stages is its rings' depth) for 16-bit inputs on the GPU at hand.
 
     PYTHONPATH=. python3 launch/config_sweep.py --out docs/benchmarks/config_sweep_h200.json
 
@@ -12,7 +13,7 @@ the candidate lists of the swept --kernels. The forward is timed alone; a dK/dV 
 whole backward with the default dQ config, and a dQ config with the default dK/dV config, so the two
 backward sweeps differ only in the kernel under test (each record also holds the time of the kernel
 under test alone, kernel_ms). TFLOP/s: forward 4 B H S^2 D (x 0.5 causal), backward 2.5 x that.
-Every config's result is checked against the default kernels' (no warp-specialised kernel) before timing; a
+Every config's result is checked against the default kernels' (no warp-specialised or Gluon kernel) before timing; a
 config off them is recorded with its error, as one that does not fit. Prints the best config
 per kernel and head dim (least time summed over the K/V head counts and causal settings it runs in) and writes
 all timings as JSON; launch/bench_kernel.py --configs launches with those best configs.
@@ -29,7 +30,7 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 import ringattn.ops.attn as attn_ops
-from ringattn.ops import warp_spec
+from ringattn.ops import gluon_fwd, warp_spec
 
 TOKENS, HEADS = 32768, 32
 CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of each list is the current default
@@ -65,10 +66,14 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
         64: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 2)],
         128: [(128, 64, 4, 2), (128, 64, 4, 3), (64, 128, 4, 2), (128, 128, 4, 2)],
     },
+    "fwd_gluon": {  # num_warps: the first consumer's warpgroup; num_stages: the key and value rings' depth
+        64: [(128, 128, 4, 3), (128, 128, 4, 2), (128, 128, 4, 4)],
+        128: [(128, 128, 4, 2), (128, 128, 4, 3)],
+    },
 }
 CONFIG_FUNCTIONS = {"fwd": "_fwd_config", "dkdv": "_bwd_dkdv_config", "dq": "_bwd_dq_config",
                     "fwd_ws": "_fwd_ws_config", "dkdv_ws": "_bwd_dkdv_ws_config",
-                    "dq_ws": "_bwd_dq_ws_config"}  # fmt: skip
+                    "dq_ws": "_bwd_dq_ws_config", "fwd_gluon": "_fwd_gluon_config"}  # fmt: skip
 
 
 DEFAULT_FUNCTIONS = {kernel: getattr(attn_ops, name) for kernel, name in CONFIG_FUNCTIONS.items()}
@@ -127,23 +132,26 @@ def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal
 
 
 def _launched(kernel: str, q, k, v, causal: bool) -> bool:
-    """Whether the swept call runs `kernel`: the warp-specialised kernels where ops/warp_spec.py takes them, the
-    others elsewhere."""
+    """Whether the swept call runs `kernel`: the Gluon forward where ops/gluon_fwd.py takes it, the
+    warp-specialised kernels where ops/warp_spec.py takes them, the others elsewhere."""
     stats = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     if kernel in ("dkdv", "dkdv_ws"):
         ws = warp_spec.dkdv_ws_ready(q, k, v, q, stats, stats, k, v, causal, has_docs=False, add_dkdv=False)
-    elif kernel in ("dq", "dq_ws"):
+        return ws == kernel.endswith("_ws")
+    if kernel in ("dq", "dq_ws"):
         ws = warp_spec.dq_ws_ready(q, k, v, q, stats, stats, q, causal, has_docs=False, add_dq=False, has_final=False)
-    else:
-        out = torch.empty_like(q)
-        ws = warp_spec.fwd_ws_ready(q, k, v, out, stats, causal, has_docs=False, merge_state=False, has_final=False)
-        ws = ws and attn_ops.fwd_tma_enabled()
-    return ws == kernel.endswith("_ws")
+        return ws == kernel.endswith("_ws")
+    out = torch.empty_like(q)
+    if gluon_fwd.fwd_gluon_ready(q, k, v, out, stats, has_docs=False, merge_state=False, has_final=False):
+        return kernel == "fwd_gluon"
+    ws = warp_spec.fwd_ws_ready(q, k, v, out, stats, causal, has_docs=False, merge_state=False, has_final=False)
+    return kernel == ("fwd_ws" if ws and attn_ops.fwd_tma_enabled() else "fwd")
 
 
-def _ws_off():
-    """$RINGATTN_WS=0 inside: no warp-specialised kernel; the setting before comes back after."""
-    return mock.patch.dict(os.environ, RINGATTN_WS="0")
+def _default_kernels_only():
+    """$RINGATTN_WS=0 and $RINGATTN_GLUON=0 inside: no warp-specialised or Gluon kernel; the settings before come
+    back after."""
+    return mock.patch.dict(os.environ, RINGATTN_WS="0", RINGATTN_GLUON="0")
 
 
 def swept_configs(kernels: list[str], head_dims: list[int], configs: list[str] | None, defaults: bool) -> dict:
@@ -164,7 +172,7 @@ def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, rep: int, can
     q, dout = (torch.randn(batch, seqlen, HEADS, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(batch, seqlen, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     fwd_flops, bwd_flops = (attention_flops(batch, HEADS, seqlen, head_dim, causal, mode) for mode in ("fwd", "bwd"))
-    with _ws_off():  # the reference: the default kernels, checked everywhere
+    with _default_kernels_only():  # the reference: the default kernels, checked everywhere
         out, lse = attn_ops.attn_fwd(q, k, v, scale, causal)
         want_bwd = attn_ops.attn_bwd(dout, q, k, v, out, lse, scale, causal)
     records = []

@@ -17,7 +17,8 @@ accumulators), "fwd_ws" and "fwd_ws_merge" (the warp-specialised forward, public
 "dkdv_ws" and "dq_ws" (the warp-specialised backward kernels as the ring calls them: dK, dV stored into fp32
 shares, dQ added to an fp32 accumulator; "ws partitions" counts the warp-specialised
 regions the partitioner made, 0 when it made none, and "ws hazards" the ops in them it is known to split wrong,
-ws_hazards()). Without --configs or --candidates, each at the launch
+ws_hazards()), "fwd_gluon" (the Gluon forward: its config's fourth number is its rings' depth; "ws partitions"
+counts its one explicit region). Without --configs or --candidates, each at the launch
 config the launchers pick on a GPU.
 """
 
@@ -40,7 +41,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from ringattn.ops import attn as attn_ops
 
-KERNELS = ("fwd", "fwd_merge", "dkdv", "dq", "fwd_ws", "fwd_ws_merge", "dkdv_ws", "dq_ws")
+KERNELS = ("fwd", "fwd_merge", "dkdv", "dq", "fwd_ws", "fwd_ws_merge", "dkdv_ws", "dq_ws", "fwd_gluon")
 HEADS, SEQLEN = 32, 64  # strides as the benchmark's; the length is not specialised on
 REGS_PER_SM, SMEM_PER_SM, SMEM_PER_CTA, THREADS_PER_SM = 65536, 228 * 1024, 227 * 1024, 2048
 
@@ -53,6 +54,11 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg) -> att
     block_d = attn_ops._padded_head_dim(head_dim)
     cuda = torch.device("cuda")
     scale = head_dim**-0.5
+    if kernel == "fwd_gluon":
+        launch = attn_ops._fwd_gluon_launch(q, k, v, scale, causal, torch.empty_like(q), lse)
+        cfg = cfg or attn_ops._fwd_gluon_config(head_dim, q.dtype, cuda)
+        kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, NUM_BUFFERS=cfg.num_stages)
+        return replace(launch, kwargs=launch.kwargs | kwargs)
     if kernel.startswith("fwd"):
         merge = kernel.endswith("_merge")
         out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
@@ -94,7 +100,10 @@ def compile_launch(launch: attn_ops.KernelLaunch, target: GPUTarget):
     kwargs = dict(launch.kwargs)
     bound_args, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    source = ASTSource
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def ws_hazards(ttgir: str) -> int:
@@ -136,7 +145,7 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
     launch = _launch(kernel, head_dim, kv_heads, causal, cfg)
     kw = launch.kwargs
     record = dict(kernel=kernel, D=head_dim, H=HEADS, Hkv=kv_heads, causal=causal, dtype="bfloat16",
-                  config=[kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]],
+                  config=[kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw.get("num_stages", kw.get("NUM_BUFFERS"))],
                   tma=bool(kw.get("KV_TMA", False)))  # fmt: skip
     try:
         compiled = compile_launch(launch, GPUTarget("cuda", arch, 32))

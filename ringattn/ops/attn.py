@@ -19,6 +19,7 @@ from ..kernels.attn_bwd_ws import _attn_bwd_dkdv_ws_kernel, _attn_bwd_dq_ws_kern
 from ..kernels.attn_fwd import _attn_fwd_kernel
 from ..kernels.attn_fwd_ws import _attn_fwd_ws_kernel
 from .final_rows import FinalRows, check_dq_final, check_final_rows
+from .gluon_fwd import fwd_gluon_ready
 from .streams import bwd_on_two_streams, run_side_by_side
 from .validation import check_attn_inputs, check_attn_state, check_doc_ids, check_runnable_device
 from .warp_spec import descriptor_aligned, dkdv_ws_ready, dq_ws_ready, fwd_ws_ready, run_with_scratch
@@ -51,6 +52,9 @@ _CUDA_16BIT_CONFIGS = {
     "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(32, 32, 4, 1))),
     # num_warps is the consumers' warpgroup: the partitioner adds a producer one and splits the consumers in two
     "fwd_ws": ((128, LaunchConfig(128, 128, 4, 2)),),
+    # the Gluon forward: num_warps is the first consumer's warpgroup (the kernel adds the second and a producer),
+    # num_stages the depth of its key and value rings (launch/gluon_fwd_check.py timed 2 and 3 alike at D = 128)
+    "fwd_gluon": ((64, LaunchConfig(128, 128, 4, 3)), (128, LaunchConfig(128, 128, 4, 2))),
     "dkdv_ws": ((128, LaunchConfig(64, 128, 4, 2)),),
     "dq_ws": ((128, LaunchConfig(128, 64, 4, 2)),),
 }
@@ -84,6 +88,10 @@ def _bwd_dq_config(block_d: int, dtype: torch.dtype, device: torch.device) -> La
 
 def _fwd_ws_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
     return _launch_config("fwd_ws", block_d, dtype, device)
+
+
+def _fwd_gluon_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    return _launch_config("fwd_gluon", block_d, dtype, device)
 
 
 def _bwd_dkdv_ws_config(block_d: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
@@ -230,11 +238,41 @@ def _fwd_ws_launch(q, k, v, softmax_scale, causal, out, lse, merge_state: bool) 
     )  # fmt: skip
 
 
+# the Gluon forward's registers per thread at launch: 12 warps x 32 x 168 fill the SM's 64K registers, which the
+# kernel then moves to 240 for each consumer and 24 for the producer
+GLUON_MAXNREG = 168
+
+
+def _fwd_gluon_launch(q, k, v, softmax_scale, causal, out, lse) -> KernelLaunch:
+    """_attn_fwd_gluon_kernel writing out and lse; inputs checked and fwd_gluon_ready."""
+    from ..kernels.attn_fwd_gluon import _attn_fwd_gluon_kernel  # Gluon of triton 3.9: imported once it is there
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    cfg = _fwd_gluon_config(head_dim, q.dtype, q.device)
+    return KernelLaunch(
+        _attn_fwd_gluon_kernel,
+        (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
+        (
+            q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out), lse.stride(0),
+            lse.stride(1), seqlen_q, seqlen_k, softmax_scale * LOG2E,
+        ),
+        dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
+            CAUSAL=bool(causal), NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps, maxnreg=GLUON_MAXNREG,
+            enable_fp_fusion=True,  # as _fwd_launch's
+        ),
+        scratch=True,
+    )  # fmt: skip
+
+
 def _pick_fwd_launch(
     q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool, final: FinalRows | None
 ) -> KernelLaunch:
-    """_fwd_ws_launch where fwd_ws_ready (and $RINGATTN_FWD_TMA allows descriptors), else _fwd_launch with the
-    launch config of q's head dim, dtype and device."""
+    """_fwd_gluon_launch where fwd_gluon_ready, else _fwd_ws_launch where fwd_ws_ready (and $RINGATTN_FWD_TMA allows
+    descriptors), else _fwd_launch with the launch config of q's head dim, dtype and device."""
+    if fwd_gluon_ready(q, k, v, out, lse, q_doc_ids is not None, merge_state, final is not None):
+        return _fwd_gluon_launch(q, k, v, softmax_scale, causal, out, lse)
     if fwd_tma_enabled() and fwd_ws_ready(
         q, k, v, out, lse, causal, q_doc_ids is not None, merge_state, final is not None
     ):

@@ -73,13 +73,15 @@ def test_use_configs_changes_16bit_cuda_launches_only(monkeypatch):
         assert function(block_d, dtype, device) == attn_ops._launch_config(kernel, block_d, dtype, device)
 
 
-@pytest.mark.parametrize("before", [None, "all"], ids=["unset", "all"])
-def test_reference_runs_without_the_split_kernels(before, monkeypatch):
-    """The sweep's reference results come from the default kernels ($RINGATTN_WS=0), and the setting is restored."""
-    if before is None:
-        monkeypatch.delenv("RINGATTN_WS", raising=False)
-    else:
-        monkeypatch.setenv("RINGATTN_WS", before)
-    with config_sweep._ws_off():
-        assert os.environ["RINGATTN_WS"] == "0"
-    assert os.environ.get("RINGATTN_WS") == before
+@pytest.mark.parametrize("before", [None, "1"], ids=["unset", "1"])
+def test_reference_runs_without_the_split_or_gluon_kernels(before, monkeypatch):
+    """The sweep's reference results come from the default kernels ($RINGATTN_WS=0, $RINGATTN_GLUON=0), and the
+    settings are restored."""
+    for name in ("RINGATTN_WS", "RINGATTN_GLUON"):
+        if before is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, before)
+    with config_sweep._default_kernels_only():
+        assert os.environ["RINGATTN_WS"] == os.environ["RINGATTN_GLUON"] == "0"
+    assert os.environ.get("RINGATTN_WS") == os.environ.get("RINGATTN_GLUON") == before

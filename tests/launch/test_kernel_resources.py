@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ringattn.ops.attn as attn_ops
-from ringattn.ops import warp_spec
+from ringattn.ops import gluon_fwd, warp_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,3 +57,24 @@ def test_split_kernels_partition_without_known_hazards(tmp_path):
         assert "error" not in r, r
         assert (r["ws_partitions"], r["warps"], r["ws_hazards"]) == (1, 12, 0), r
         assert r["spill_store_bytes"] == r["spill_load_bytes"] == 0 and r["smem_bytes"] <= 227 * 1024, r
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(warp_spec._triton_version() != gluon_fwd.GLUON_TRITON, reason="Gluon of triton 3.9")
+def test_gluon_forward_compiles_for_hopper(tmp_path):
+    """The Gluon forward at both head dims, MHA and GQA, causal or not: one warp-specialised region of 12 warps (two
+    consumer warpgroups, a producer warp rounded up to a warpgroup), within a CTA's shared memory, at most a few
+    bytes of spills."""
+    out = tmp_path / "resources.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)])
+    cmd = [sys.executable, str(ROOT / "launch/kernel_resources.py"), "--kernels", "fwd_gluon", "--head-dims", "64",
+           "128", "--kv-heads", "32", "8", "--out", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stderr[-2000:]
+    _, *records = json.loads(out.read_text())
+    assert len(records) == 8
+    for r in records:
+        assert "error" not in r, r
+        assert (r["ws_partitions"], r["warps"], r["ctas_per_sm"]) == (1, 12, 1), r
+        assert r["spill_store_bytes"] <= 8 and r["smem_bytes"] <= 227 * 1024, r

@@ -35,8 +35,10 @@ GPU = torch.device("cuda", 0)
 
 @pytest.fixture
 def ws_on(monkeypatch):
-    """$RINGATTN_WS=1, or "all" where the environment has it; skips where the kernels are never taken."""
+    """$RINGATTN_WS=1, or "all" where the environment has it, and no Gluon forward ($RINGATTN_GLUON=0: it would take
+    the D = 128 forward); skips where the kernels are never taken."""
     monkeypatch.setenv("RINGATTN_WS", "all" if os.environ.get("RINGATTN_WS") == "all" else "1")
+    monkeypatch.setenv("RINGATTN_GLUON", "0")
     if DEVICE.type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised kernels are taken on Hopper GPUs only")
 
@@ -164,6 +166,7 @@ def _offset_view(shape, dtype):
 @needs_checked_triton
 def test_ws_is_taken_only_where_it_applies(monkeypatch):
     monkeypatch.setenv("RINGATTN_WS", "all")
+    monkeypatch.setenv("RINGATTN_GLUON", "0")
     if DEVICE.type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised kernels are taken on Hopper GPUs only")
     dtype = DTYPES[0]

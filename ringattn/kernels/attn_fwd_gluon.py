@@ -1,0 +1,235 @@
+"""Forward attention kernel written in Gluon for Hopper (triton 3.9's triton.experimental.gluon): the warp
+specialisation, the shared-memory ring of key/value tiles and the order of the tensor-core work are spelled out,
+not left to triton's partitioner.
+
+One program computes one (BLOCK_M, HEAD_DIM) tile of the output for one (batch, q head), in three partitions: a
+one-warp producer loads Q once and the key/value tiles into a ring of NUM_BUFFERS shared-memory slots by TMA, and
+two consumer warpgroups, BLOCK_M // 2 rows each, run the online softmax and store their rows. The consumers meet
+only at the ring's barriers (a slot is free once both have arrived), so each runs at its own pace. A consumer's
+loop is software-pipelined as FA3's is: the scores of tile j (S = Q K_j^T) are issued before the product of
+tile j - 1 (O += P V), so the tensor cores work on one while the softmax of the other runs. Only the tiles that
+need a mask (the causal diagonal, and the last tile where Sk is not a multiple of BLOCK_N) compare positions: a
+branch on the tile index, which the automatic partitioner (kernels/attn_fwd_ws.py) cannot take, so that kernel
+masks every tile.
+ops/gluon_fwd.py says when it is taken.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, offs_m, n0, seqlen_k, causal_shift, qk_scale, MASKED: gl.constexpr,
+                  CAUSAL: gl.constexpr):  # fmt: skip
+    """One key tile's online-softmax step on its unscaled scores s (ROWS, BLOCK_N): (P, alpha, m, l), m in log2
+    units, alpha the factor that moves the accumulator to the new m. MASKED masks keys past seqlen_k and (CAUSAL)
+    past each row's last key with -inf; a row with no key yet keeps m = -inf and gets P = 0."""
+    if MASKED:
+        offs_n = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        visible = offs_n[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if MASKED:
+        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - 0) = 0
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _load_partition(args, CAUSAL: gl.constexpr):
+    """The producer: Q into q_smem, then key tile j and value tile j into slot j % NUM_BUFFERS of their rings, each
+    once both consumers freed it (keys and values have their own barriers: a key slot frees as soon as its scores
+    are computed, a tile before its values' slot).
+    args: the kernel's descriptors, buffers, barriers and scalars, as _attn_fwd_gluon_kernel packs them."""
+    q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, Lse, m0, num_tiles = args[:13]
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_load(q_desc, [m0, 0], q_bar, q_smem)
+    for j in range(num_tiles):
+        slot = j % num_buffers
+        free_phase = (j // num_buffers & 1) ^ 1  # a fresh barrier passes phase 1
+        _load_tile(k_desc, j * BLOCK_N, k_bufs.index(slot), k_bars.index(2 * slot), k_bars.index(2 * slot + 1),
+                   free_phase)  # fmt: skip
+        _load_tile(v_desc, j * BLOCK_N, v_bufs.index(slot), v_bars.index(2 * slot), v_bars.index(2 * slot + 1),
+                   free_phase)  # fmt: skip
+
+
+@gluon.jit
+def _load_tile(desc, row, buf, ready, free, free_phase):
+    """Load desc's tile at row into buf once the consumers freed it (free passed free_phase); ready counts it in."""
+    mbarrier.wait(free, free_phase)
+    mbarrier.expect(ready, desc.block_type.nbytes)
+    tma.async_load(desc, [row, 0], ready, buf)
+
+
+@gluon.jit
+def _softmax_rows(args, CAUSAL: gl.constexpr, HALF: gl.constexpr):
+    """A consumer: rows [m0 + HALF * BLOCK_M // 2, + BLOCK_M // 2) of the output over the key tiles, stored with
+    their lse (rows past seqlen_q are not)."""
+    q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, Lse, m0, num_tiles = args[:13]
+    seqlen_q, seqlen_k, qk_scale = args[13:]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    ROWS: gl.constexpr = BLOCK_M // 2
+    num_buffers: gl.constexpr = k_bufs.type.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    acc_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    FIRST: gl.constexpr = HALF * ROWS
+    r0 = m0 + FIRST
+    q = q_smem.slice(FIRST, ROWS)  # this consumer's rows of Q
+    offs_m = r0 + gl.arange(0, ROWS, layout=row_layout)
+    causal_shift = seqlen_k - seqlen_q
+    if CAUSAL:  # tiles from num_unmasked on hold a key that some row of this half does not see
+        num_unmasked = gl.maximum(gl.minimum(r0 + causal_shift + 1, seqlen_k), 0) // BLOCK_N
+    else:
+        num_unmasked = seqlen_k // BLOCK_N
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)  # always: the consumers' rows of Q stage their output, after the load lands
+    if num_tiles > 0:
+        # tile 0: its scores, then its softmax
+        mbarrier.wait(k_bars.index(0), 0)
+        s = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_bars.index(1), count=1)
+        if num_unmasked > 0:
+            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, 0, seqlen_k, causal_shift, qk_scale, False, CAUSAL)
+        else:
+            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, 0, seqlen_k, causal_shift, qk_scale, True, CAUSAL)
+        for j in range(1, num_tiles):
+            slot = j % num_buffers
+            prev = (j - 1) % num_buffers
+            # tile j's scores issued first, then tile j - 1's product: the softmax of j runs beside the product
+            mbarrier.wait(k_bars.index(2 * slot), j // num_buffers & 1)
+            s = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_bars.index(2 * prev), (j - 1) // num_buffers & 1)
+            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            mbarrier.arrive(k_bars.index(2 * slot + 1), count=1)
+            if j < num_unmasked:
+                p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N, seqlen_k, causal_shift,
+                                                   qk_scale, False, CAUSAL)  # fmt: skip
+            else:
+                p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N, seqlen_k, causal_shift,
+                                                   qk_scale, True, CAUSAL)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_bars.index(2 * prev + 1), count=1)
+            acc = acc * gl.convert_layout(alpha, acc_rows)[:, None]
+        last = (num_tiles - 1) % num_buffers
+        mbarrier.wait(v_bars.index(2 * last), (num_tiles - 1) // num_buffers & 1)
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_bars.index(2 * last + 1), count=1)
+
+    empty = l_i == 0.0  # every key masked: output 0, lse -inf
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, acc_rows)[:, None]
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    gl.store(Lse + offs_m, lse, mask=offs_m < seqlen_q)
+    q.store(out.to(q_smem.dtype))  # its rows of Q, read by its products only, stage the output's TMA store
+    fence_async_shared()
+    tma.async_store(o_desc, [r0, 0], q)  # rows past seqlen_q are clipped
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _softmax_partition_0(args, CAUSAL: gl.constexpr):
+    _softmax_rows(args, CAUSAL, 0)
+
+
+@gluon.jit
+def _softmax_partition_1(args, CAUSAL: gl.constexpr):
+    _softmax_rows(args, CAUSAL, 1)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
+def _attn_fwd_gluon_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+):
+    """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile and Lse[b, h, m] in natural log; grid (Sq tiles, Hq, B),
+    4 warps (the first consumer; the partitions add 5).
+
+    Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), Out like Q, all 16-bit (bf16 or fp16),
+    HEAD_DIM a power of two, base addresses and every stride but the last 16-byte aligned; Lse (B, Hq, Sq) fp32,
+    its last dim contiguous. qk_scale = softmax_scale * log2(e). CAUSAL is bottom-right. Rows that see no key get
+    out 0, lse -inf.
+    """
+    start_m = gl.program_id(0)
+    off_hq = gl.program_id(1)
+    off_b = gl.program_id(2).to(gl.int64)
+    off_hk = (off_hq // GROUP_SIZE).to(gl.int64)
+    off_hq = off_hq.to(gl.int64)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + off_hq * stride_qh, [seqlen_q, HEAD_DIM],
+                                        [stride_qs, 1], [BLOCK_M, HEAD_DIM], tile_layout)  # fmt: skip
+    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [seqlen_k, HEAD_DIM],
+                                        [stride_ks, 1], [BLOCK_N, HEAD_DIM], tile_layout)  # fmt: skip
+    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [seqlen_k, HEAD_DIM],
+                                        [stride_vs, 1], [BLOCK_N, HEAD_DIM], tile_layout)  # fmt: skip
+    # the output's descriptor, in half tiles: each consumer stores its own rows
+    o_desc = tma.make_tensor_descriptor(Out + off_b * stride_ob + off_hq * stride_oh, [seqlen_q, HEAD_DIM],
+                                        [stride_os, 1], [BLOCK_M // 2, HEAD_DIM], tile_layout)  # fmt: skip
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], tile_layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], tile_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # per slot of each ring, two barriers: [2 * slot] its tile landed, [2 * slot + 1] both consumers are done with it
+    k_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(k_bars.index(2 * i), count=1)
+        mbarrier.init(k_bars.index(2 * i + 1), count=2)  # one arrival from each consumer
+        mbarrier.init(v_bars.index(2 * i), count=1)
+        mbarrier.init(v_bars.index(2 * i + 1), count=2)
+
+    m0 = start_m * BLOCK_M
+    if CAUSAL:  # keys from end_n on are seen by no row of the tile (bottom-right: row i sees keys j <= i + Sk - Sq)
+        end_n = gl.maximum(gl.minimum(m0 + BLOCK_M + seqlen_k - seqlen_q, seqlen_k), 0)
+    else:
+        end_n = seqlen_k
+    num_tiles = gl.cdiv(end_n, BLOCK_N)
+    lse_row = Lse + off_b * stride_lb + off_hq * stride_lh
+    args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, lse_row, m0, num_tiles,
+            seqlen_q, seqlen_k, qk_scale)  # fmt: skip
+    gl.warp_specialize(  # CAUSAL beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
+        [
+            (_softmax_partition_0, (args, CAUSAL)),
+            (_softmax_partition_1, (args, CAUSAL)),
+            (_load_partition, (args, CAUSAL)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
