@@ -8,7 +8,7 @@ passing fewer K/V heads; lse is (batch, nheads, seqlen) fp32 in natural log.
 import torch
 import torch.distributed as dist
 
-from .ops import KERNEL_OPS, bwd_streams_enabled, fwd_tma_enabled, ws_mode
+from .ops import KERNEL_OPS, bwd_streams_enabled, fwd_tma_enabled, gluon_mode, ws_mode
 from .ops.custom_ops import attn_bwd_op, attn_fwd_op
 from .ops.validation import check_attn_inputs, check_runnable_device, default_softmax_scale
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
@@ -142,6 +142,7 @@ def check_ring_inputs(
     fwd_tma_enabled()
     bwd_streams_enabled()
     ws_mode()
+    gluon_mode()
     if dist.get_world_size(group) > 1:
         check_agreement(ring_signature(q, k, v, scale, causal, layout, documents), group, q.device)
     return scale

@@ -82,6 +82,8 @@ CASES = [
          env={"RINGATTN_BWD_STREAMS": "on"}),
     Case("bwd-ws-env", dict(), ValueError, r"\$RINGATTN_WS must be one of 0, 1, all \(or unset\), got 'on'",
          ring_only=True, env={"RINGATTN_WS": "on"}),
+    Case("gluon-env", dict(), ValueError, r"\$RINGATTN_GLUON must be one of 0, 1 \(or unset\), got 'on'",
+         env={"RINGATTN_GLUON": "on"}),
 ]  # fmt: skip
 if DEVICE.type == "cpu":
     CASES += [

@@ -10,6 +10,7 @@ from typing import NamedTuple
 from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd, attn_fwd_merge_, fwd_tma_enabled
 from .attn_ref import attn_bwd_preprocess_ref, attn_bwd_ref, attn_fwd_merge_ref_, attn_fwd_ref
 from .final_rows import FinalRows
+from .gluon_fwd import gluon_mode
 from .merge import merge_attn_states_
 from .streams import bwd_streams_enabled
 from .warp_spec import ws_mode
@@ -44,5 +45,6 @@ __all__ = [
     "bwd_streams_enabled",
     "ws_mode",
     "fwd_tma_enabled",
+    "gluon_mode",
     "merge_attn_states_",
 ]
