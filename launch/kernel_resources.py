@@ -17,9 +17,9 @@ accumulators), "fwd_ws" and "fwd_ws_merge" (the warp-specialised forward, public
 "dkdv_ws" and "dq_ws" (the warp-specialised backward kernels as the ring calls them: dK, dV stored into fp32
 shares, dQ added to an fp32 accumulator; "ws partitions" counts the warp-specialised
 regions the partitioner made, 0 when it made none, and "ws hazards" the ops in them it is known to split wrong,
-ws_hazards()), "fwd_gluon" (the Gluon forward: its config's fourth number is its rings' depth; "ws partitions"
-counts its one explicit region). Without --configs or --candidates, each at the launch
-config the launchers pick on a GPU.
+ws_hazards()), "fwd_gluon" and "fwd_gluon_merge" (the Gluon forward, public and as the ring's step: its
+config's fourth number is its rings' depth; "ws partitions" counts its one explicit region). Without --configs
+or --candidates, each at the launch config the launchers pick on a GPU.
 """
 
 import argparse
@@ -41,7 +41,9 @@ from triton.runtime.jit import create_function_from_signature
 
 from ringattn.ops import attn as attn_ops
 
-KERNELS = ("fwd", "fwd_merge", "dkdv", "dq", "fwd_ws", "fwd_ws_merge", "dkdv_ws", "dq_ws", "fwd_gluon")
+KERNELS = (
+    "fwd", "fwd_merge", "dkdv", "dq", "fwd_ws", "fwd_ws_merge", "dkdv_ws", "dq_ws", "fwd_gluon", "fwd_gluon_merge",
+)  # fmt: skip
 HEADS, SEQLEN = 32, 64  # strides as the benchmark's; the length is not specialised on
 REGS_PER_SM, SMEM_PER_SM, SMEM_PER_CTA, THREADS_PER_SM = 65536, 228 * 1024, 227 * 1024, 2048
 
@@ -54,8 +56,10 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg) -> att
     block_d = attn_ops._padded_head_dim(head_dim)
     cuda = torch.device("cuda")
     scale = head_dim**-0.5
-    if kernel == "fwd_gluon":
-        launch = attn_ops._fwd_gluon_launch(q, k, v, scale, causal, torch.empty_like(q), lse)
+    if kernel.startswith("fwd_gluon"):
+        merge = kernel.endswith("_merge")
+        out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
+        launch = attn_ops._fwd_gluon_launch(q, k, v, scale, causal, out, lse, merge)
         cfg = cfg or attn_ops._fwd_gluon_config(head_dim, q.dtype, cuda)
         kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, NUM_BUFFERS=cfg.num_stages)
         return replace(launch, kwargs=launch.kwargs | kwargs)

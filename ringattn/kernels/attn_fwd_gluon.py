@@ -24,6 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .merge import _merge_states
+
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
@@ -48,7 +50,7 @@ def _softmax_tile(s, m_i, l_i, offs_m, n0, seqlen_k, causal_shift, qk_scale, MAS
 
 
 @gluon.jit
-def _load_partition(args, CAUSAL: gl.constexpr):
+def _load_partition(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr):
     """The producer: Q into q_smem, then key tile j and value tile j into slot j % NUM_BUFFERS of their rings, each
     once both consumers freed it (keys and values have their own barriers: a key slot frees as soon as its scores
     are computed, a tile before its values' slot).
@@ -76,11 +78,11 @@ def _load_tile(desc, row, buf, ready, free, free_phase):
 
 
 @gluon.jit
-def _softmax_rows(args, CAUSAL: gl.constexpr, HALF: gl.constexpr):
+def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, HALF: gl.constexpr):
     """A consumer: rows [m0 + HALF * BLOCK_M // 2, + BLOCK_M // 2) of the output over the key tiles, stored with
     their lse (rows past seqlen_q are not)."""
     q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, Lse, m0, num_tiles = args[:13]
-    seqlen_q, seqlen_k, qk_scale = args[13:]
+    seqlen_q, seqlen_k, qk_scale, Out, stride_os = args[13:]
     BLOCK_M: gl.constexpr = q_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
@@ -148,21 +150,32 @@ def _softmax_rows(args, CAUSAL: gl.constexpr, HALF: gl.constexpr):
     l_safe = gl.where(empty, 1.0, l_i)
     out = acc / gl.convert_layout(l_safe, acc_rows)[:, None]
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    gl.store(Lse + offs_m, lse, mask=offs_m < seqlen_q)
-    q.store(out.to(q_smem.dtype))  # its rows of Q, read by its products only, stage the output's TMA store
-    fence_async_shared()
-    tma.async_store(o_desc, [r0, 0], q)  # rows past seqlen_q are clipped
-    tma.store_wait(pendings=0)
+    if MERGE_STATE:  # the ring's step: merged into the fp32 state (Out, Lse), by pointers (any row stride)
+        rows = r0 + gl.arange(0, ROWS, layout=acc_rows)
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = Out + rows[:, None].to(gl.int64) * stride_os + cols[None, :]
+        row_mask = (rows < seqlen_q)[:, None]
+        run_out = gl.load(ptrs, mask=row_mask, other=0.0)
+        run_lse = gl.load(Lse + rows, mask=rows < seqlen_q, other=float("-inf"))
+        out, lse = _merge_states(out, gl.convert_layout(lse, acc_rows), run_out, run_lse)
+        gl.store(ptrs, out, mask=row_mask)
+        gl.store(Lse + rows, lse, mask=rows < seqlen_q)
+    else:
+        gl.store(Lse + offs_m, lse, mask=offs_m < seqlen_q)
+        q.store(out.to(q_smem.dtype))  # its rows of Q, read by its products only, stage the output's TMA store
+        fence_async_shared()
+        tma.async_store(o_desc, [r0, 0], q)  # rows past seqlen_q are clipped
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _softmax_partition_0(args, CAUSAL: gl.constexpr):
-    _softmax_rows(args, CAUSAL, 0)
+def _softmax_partition_0(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr):
+    _softmax_rows(args, CAUSAL, MERGE_STATE, 0)
 
 
 @gluon.jit
-def _softmax_partition_1(args, CAUSAL: gl.constexpr):
-    _softmax_rows(args, CAUSAL, 1)
+def _softmax_partition_1(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr):
+    _softmax_rows(args, CAUSAL, MERGE_STATE, 1)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
@@ -175,7 +188,7 @@ def _attn_fwd_gluon_kernel(
     stride_lb, stride_lh,
     seqlen_q, seqlen_k, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
-    CAUSAL: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+    CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, NUM_BUFFERS: gl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile and Lse[b, h, m] in natural log; grid (Sq tiles, Hq, B),
     4 warps (the first consumer; the partitions add 5).
@@ -199,8 +212,12 @@ def _attn_fwd_gluon_kernel(
     v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [seqlen_k, HEAD_DIM],
                                         [stride_vs, 1], [BLOCK_N, HEAD_DIM], tile_layout)  # fmt: skip
     # the output's descriptor, in half tiles: each consumer stores its own rows
+    # (with MERGE_STATE, over the fp32 state and unused: the merge goes by pointers)
+    out_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=Out.dtype.element_ty.primitive_bitwidth, rank=2
+    )
     o_desc = tma.make_tensor_descriptor(Out + off_b * stride_ob + off_hq * stride_oh, [seqlen_q, HEAD_DIM],
-                                        [stride_os, 1], [BLOCK_M // 2, HEAD_DIM], tile_layout)  # fmt: skip
+                                        [stride_os, 1], [BLOCK_M // 2, HEAD_DIM], out_layout)  # fmt: skip
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], tile_layout)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], tile_layout)
@@ -222,13 +239,14 @@ def _attn_fwd_gluon_kernel(
         end_n = seqlen_k
     num_tiles = gl.cdiv(end_n, BLOCK_N)
     lse_row = Lse + off_b * stride_lb + off_hq * stride_lh
+    out_head = Out + off_b * stride_ob + off_hq * stride_oh
     args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, lse_row, m0, num_tiles,
-            seqlen_q, seqlen_k, qk_scale)  # fmt: skip
+            seqlen_q, seqlen_k, qk_scale, out_head, stride_os)  # fmt: skip
     gl.warp_specialize(  # CAUSAL beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
-            (_softmax_partition_0, (args, CAUSAL)),
-            (_softmax_partition_1, (args, CAUSAL)),
-            (_load_partition, (args, CAUSAL)),
+            (_softmax_partition_0, (args, CAUSAL, MERGE_STATE)),
+            (_softmax_partition_1, (args, CAUSAL, MERGE_STATE)),
+            (_load_partition, (args, CAUSAL, MERGE_STATE)),
         ],
         [4, 1],
         [240, 24],

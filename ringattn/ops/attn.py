@@ -243,8 +243,9 @@ def _fwd_ws_launch(q, k, v, softmax_scale, causal, out, lse, merge_state: bool) 
 GLUON_MAXNREG = 168
 
 
-def _fwd_gluon_launch(q, k, v, softmax_scale, causal, out, lse) -> KernelLaunch:
-    """_attn_fwd_gluon_kernel writing out and lse; inputs checked and fwd_gluon_ready."""
+def _fwd_gluon_launch(q, k, v, softmax_scale, causal, out, lse, merge_state: bool) -> KernelLaunch:
+    """_attn_fwd_gluon_kernel writing (or, with merge_state, merging into) out and lse; inputs checked and
+    fwd_gluon_ready."""
     from ..kernels.attn_fwd_gluon import _attn_fwd_gluon_kernel  # Gluon of triton 3.9: imported once it is there
 
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -259,7 +260,8 @@ def _fwd_gluon_launch(q, k, v, softmax_scale, causal, out, lse) -> KernelLaunch:
         ),
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
-            CAUSAL=bool(causal), NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps, maxnreg=GLUON_MAXNREG,
+            CAUSAL=bool(causal), MERGE_STATE=merge_state, NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps,
+            maxnreg=GLUON_MAXNREG,
             enable_fp_fusion=True,  # as _fwd_launch's
         ),
         scratch=True,
@@ -272,7 +274,7 @@ def _pick_fwd_launch(
     """_fwd_gluon_launch where fwd_gluon_ready, else _fwd_ws_launch where fwd_ws_ready (and $RINGATTN_FWD_TMA allows
     descriptors), else _fwd_launch with the launch config of q's head dim, dtype and device."""
     if fwd_gluon_ready(q, k, v, out, lse, q_doc_ids is not None, merge_state, final is not None):
-        return _fwd_gluon_launch(q, k, v, softmax_scale, causal, out, lse)
+        return _fwd_gluon_launch(q, k, v, softmax_scale, causal, out, lse, merge_state)
     if fwd_tma_enabled() and fwd_ws_ready(
         q, k, v, out, lse, causal, q_doc_ids is not None, merge_state, final is not None
     ):

@@ -2,8 +2,8 @@
 
 The kernel is Hopper code (warpgroup MMA, TMA, mbarriers) written against triton 3.9's Gluon; the interpreter cannot
 run Gluon, so CPU calls never take it, and GPU calls take it only on a Hopper GPU (compute capability 9.0) under
-triton 3.9, for the public forward of 16-bit inputs: no documents, no fp32 state (the ring's steps keep the
-warp-specialised and default kernels), at the head dims where it was checked and timed faster on the H200
+triton 3.9, for the forward of 16-bit inputs, public or the ring's step (merged into its fp32 state): no
+documents, no rows finished into another buffer, at the head dims where it was checked and timed faster on the H200
 (docs/performance.md, "The Gluon forward"). $RINGATTN_GLUON says otherwise.
 """
 
@@ -38,16 +38,16 @@ def fwd_gluon_ready(
     merge_state: bool,
     has_final: bool,
 ) -> bool:
-    """Whether the forward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) into out (B, Sq, Hq, D) and lse (B, Hq, Sq) takes
-    the Gluon kernel: a Hopper GPU and triton 3.9, fp16 or bf16 with out in the same dtype, no documents, no merge
-    into a running state, no rows finished into another buffer, a head dim gluon_mode allows, and q, k, v, out
-    addressable by TMA descriptors (lse's last dim contiguous)."""
+    """Whether the forward of q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) into out (B, Sq, Hq, D) and lse (B, Hq, Sq) (merged
+    into them with merge_state: the ring's step) takes the Gluon kernel: a Hopper GPU and triton 3.9, fp16 or bf16
+    with out in the same dtype (merging: the fp32 state), no documents, no rows finished into another buffer, a
+    head dim gluon_mode allows, and q, k, v, out addressable by TMA descriptors (lse's last dim contiguous)."""
     mode = gluon_mode()
-    if mode == "0" or not q.is_cuda or has_docs or merge_state or has_final:
+    if mode == "0" or not q.is_cuda or has_docs or has_final:
         return False
     if _triton_version() != GLUON_TRITON or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype:
+    if q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != (torch.float32 if merge_state else q.dtype):
         return False
     if q.shape[-1] not in (GLUON_HEAD_DIMS if mode == "1" else FASTER_HEAD_DIMS):
         return False

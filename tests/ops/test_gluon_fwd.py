@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from ringattn.ops import attn as attn_ops
-from ringattn.ops import attn_bwd, attn_fwd, gluon_fwd
+from ringattn.ops import attn_bwd, attn_fwd, attn_fwd_merge_, gluon_fwd
 from ringattn.ops.warp_spec import _triton_version
-from tests.utils import DEVICE, DTYPES, check_against_reference, dtype_id, make_qkv
+from ringattn.testing import check_close
+from tests.utils import DEVICE, DTYPES, check_against_reference, dtype_id, make_qkv, reference_attention
 
 GLUON_GPU = (
     DEVICE.type == "cuda"
@@ -76,7 +77,7 @@ def test_gluon_is_taken_only_where_it_applies(monkeypatch):
     ids = torch.zeros(256, dtype=torch.int32, device=DEVICE)
     assert _fwd_kernel(q, k, v, False, q_doc_ids=ids, k_doc_ids=ids) is not gluon  # documents
     assert _fwd_kernel(q, k, v, False, out_dtype=torch.float32) is not gluon  # fp32 out
-    assert _fwd_kernel(q, k, v, False, out_dtype=torch.float32, merge_state=True) is not gluon  # the ring's step
+    assert _fwd_kernel(q, k, v, True, out_dtype=torch.float32, merge_state=True) is gluon  # the ring's step
     final = attn_ops.FinalRows(torch.empty_like(q), range(0, 128))
     assert _fwd_kernel(q, k, v, False, final=final) is not gluon  # rows finished elsewhere
     offset = torch.randn(k.numel() + 1, device=DEVICE, dtype=k.dtype)[1:].view(k.shape)  # off 16 bytes
@@ -109,3 +110,24 @@ def test_gluon_forward_and_backward_match_reference(seqlen_q, seqlen_k, head_dim
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
     grads = attn_bwd(dout, q, k, v, out, lse, scale, causal)
     check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads), what="gluon")
+
+
+@needs_gluon_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", HEADS[:2], ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS[:2]])
+@pytest.mark.parametrize("head_dim", gluon_fwd.GLUON_HEAD_DIMS, ids=lambda d: f"D{d}")
+def test_gluon_forward_merges_into_the_ring_state(head_dim, heads, causal, dtype, monkeypatch):
+    """The ring's step by the Gluon kernel: keys 400 to 1000 (causal, bottom-right: a block whose last rows see
+    all of it) merged into the fp32 state of keys 0 to 400 (which every row sees) give the whole call's out and lse
+    against float64, Sq = 300."""
+    monkeypatch.setenv("RINGATTN_GLUON", "1")
+    q, k, v, dout = make_qkv(1, 300, 1000, *heads, head_dim, dtype, seed=head_dim + heads[1])
+    first, rest = slice(0, 400), slice(400, 1000)
+    assert _fwd_kernel(q, k[:, rest], v[:, rest], causal, torch.float32, merge_state=True) is _gluon_kernel()
+    scale = head_dim**-0.5
+    out, lse = attn_fwd(q, k[:, first], v[:, first], scale, False, out_dtype=torch.float32)
+    attn_fwd_merge_(q, k[:, rest], v[:, rest], scale, causal, out, lse)
+    ref, plain = (reference_attention(q, k, v, dout, scale, causal, t)[:2] for t in (torch.float64, q.dtype))
+    for name, ours, p, r in zip(("out", "lse"), (out, lse), plain, ref, strict=True):
+        check_close(name, ours, p, r)
