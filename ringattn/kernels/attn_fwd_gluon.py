@@ -193,10 +193,11 @@ def _attn_fwd_gluon_kernel(
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile and Lse[b, h, m] in natural log; grid (Sq tiles, Hq, B),
     4 warps (the first consumer; the partitions add 5).
 
-    Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), Out like Q, all 16-bit (bf16 or fp16),
-    HEAD_DIM a power of two, base addresses and every stride but the last 16-byte aligned; Lse (B, Hq, Sq) fp32,
-    its last dim contiguous. qk_scale = softmax_scale * log2(e). CAUSAL is bottom-right. Rows that see no key get
-    out 0, lse -inf.
+    Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), all 16-bit (bf16 or fp16), HEAD_DIM 64 or
+    128, base addresses and every stride but the last 16-byte aligned; Out like Q, aligned alike, in Q's dtype, and
+    Lse (B, Hq, Sq) fp32 with its last dim contiguous. qk_scale = softmax_scale * log2(e). CAUSAL is bottom-right.
+    MERGE_STATE: Out (fp32) and Lse hold a running state on entry, and the tile's result is merged into it (the
+    ring's step). Rows that see no key get out 0, lse -inf.
     """
     start_m = gl.program_id(0)
     off_hq = gl.program_id(1)

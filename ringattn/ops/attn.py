@@ -53,7 +53,7 @@ _CUDA_16BIT_CONFIGS = {
     # num_warps is the consumers' warpgroup: the partitioner adds a producer one and splits the consumers in two
     "fwd_ws": ((128, LaunchConfig(128, 128, 4, 2)),),
     # the Gluon forward: num_warps is the first consumer's warpgroup (the kernel adds the second and a producer),
-    # num_stages the depth of its key and value rings (launch/gluon_fwd_check.py timed 2 and 3 alike at D = 128)
+    # num_stages the depth of its key and value rings (launch/config_sweep.py timed 2 and 3 alike at D = 128)
     "fwd_gluon": ((64, LaunchConfig(128, 128, 4, 3)), (128, LaunchConfig(128, 128, 4, 2))),
     "dkdv_ws": ((128, LaunchConfig(64, 128, 4, 2)),),
     "dq_ws": ((128, LaunchConfig(128, 64, 4, 2)),),
