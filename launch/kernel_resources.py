@@ -150,7 +150,7 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
     kw = launch.kwargs
     record = dict(kernel=kernel, D=head_dim, H=HEADS, Hkv=kv_heads, causal=causal, dtype="bfloat16",
                   config=[kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw.get("num_stages", kw.get("NUM_BUFFERS"))],
-                  tma=bool(kw.get("KV_TMA", False)))  # fmt: skip
+                  tma=bool(kw.get("KV_TMA", False)) or launch.scratch)  # fmt: skip (scratch: descriptors in-kernel)
     try:
         compiled = compile_launch(launch, GPUTarget("cuda", arch, 32))
     except Exception as err:  # noqa: BLE001 - a config the compiler refuses is a result, recorded
