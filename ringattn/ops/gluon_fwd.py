@@ -1,4 +1,4 @@
-"""When the public forward runs the Gluon kernel (kernels/attn_fwd_gluon.py).
+"""When a forward, public or the ring's step, runs the Gluon kernel (kernels/attn_fwd_gluon.py).
 
 The kernel is Hopper code (warpgroup MMA, TMA, mbarriers) written against triton 3.9's Gluon; the interpreter cannot
 run Gluon, so CPU calls never take it, and GPU calls take it only on a Hopper GPU (compute capability 9.0) under
