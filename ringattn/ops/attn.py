@@ -271,14 +271,14 @@ def _fwd_gluon_launch(q, k, v, softmax_scale, causal, out, lse, merge_state: boo
 def _pick_fwd_launch(
     q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state: bool, final: FinalRows | None
 ) -> KernelLaunch:
-    """_fwd_gluon_launch where fwd_gluon_ready, else _fwd_ws_launch where fwd_ws_ready (and $RINGATTN_FWD_TMA allows
-    descriptors), else _fwd_launch with the launch config of q's head dim, dtype and device."""
-    if fwd_gluon_ready(q, k, v, out, lse, q_doc_ids is not None, merge_state, final is not None):
-        return _fwd_gluon_launch(q, k, v, softmax_scale, causal, out, lse, merge_state)
-    if fwd_tma_enabled() and fwd_ws_ready(
-        q, k, v, out, lse, causal, q_doc_ids is not None, merge_state, final is not None
-    ):
-        return _fwd_ws_launch(q, k, v, softmax_scale, causal, out, lse, merge_state)
+    """Where $RINGATTN_FWD_TMA allows descriptors: _fwd_gluon_launch where fwd_gluon_ready, else _fwd_ws_launch where
+    fwd_ws_ready; else _fwd_launch with the launch config of q's head dim, dtype and device."""
+    has_docs, has_final = q_doc_ids is not None, final is not None
+    if fwd_tma_enabled():
+        if fwd_gluon_ready(q, k, v, out, lse, has_docs, merge_state, has_final):
+            return _fwd_gluon_launch(q, k, v, softmax_scale, causal, out, lse, merge_state)
+        if fwd_ws_ready(q, k, v, out, lse, causal, has_docs, merge_state, has_final):
+            return _fwd_ws_launch(q, k, v, softmax_scale, causal, out, lse, merge_state)
     cfg = _fwd_config(_padded_head_dim(q.shape[-1]), q.dtype, q.device)
     return _fwd_launch(q, k, v, softmax_scale, causal, out, lse, q_doc_ids, k_doc_ids, merge_state, final, cfg)
 

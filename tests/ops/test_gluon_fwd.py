@@ -89,6 +89,9 @@ def test_gluon_is_taken_only_where_it_applies(monkeypatch):
     monkeypatch.setenv("RINGATTN_GLUON", "0")
     assert _fwd_kernel(q, k, v, False) is not gluon
     monkeypatch.delenv("RINGATTN_GLUON")
+    monkeypatch.setenv("RINGATTN_FWD_TMA", "0")  # no descriptors at all
+    assert _fwd_kernel(q, k, v, False) is attn_ops._attn_fwd_kernel
+    monkeypatch.delenv("RINGATTN_FWD_TMA")
     monkeypatch.setattr(gluon_fwd, "_triton_version", lambda: (3, 6))
     assert _fwd_kernel(q, k, v, False) is not gluon
 
