@@ -30,7 +30,6 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 import ringattn.ops.attn as attn_ops
-from ringattn.ops import gluon_fwd, warp_spec
 
 TOKENS, HEADS = 32768, 32
 CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of each list is the current default
@@ -118,10 +117,15 @@ def _check_defaults(head_dims: list[int]) -> None:
                 )
 
 
-def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
-    """The launch of backward kernel `kernel` ("dkdv", "dq", "dkdv_ws" or "dq_ws") alone at its current config, on
-    buffers of its own (delta computed once, gradients new)."""
-    delta = attn_ops.attn_bwd_preprocess(out, dout)
+# each swept kernel's Triton function, as the launchers name it (ops/attn.py)
+KERNEL_FUNCTIONS = {"fwd": "_attn_fwd_kernel", "fwd_ws": "_attn_fwd_ws_kernel", "fwd_gluon": "_attn_fwd_gluon_kernel",
+                    "dkdv": "_attn_bwd_dkdv_kernel", "dkdv_ws": "_attn_bwd_dkdv_ws_kernel", "dq": "_attn_bwd_dq_kernel",
+                    "dq_ws": "_attn_bwd_dq_ws_kernel"}  # fmt: skip
+
+
+def _bwd_launch(kernel: str, dout, q, k, v, lse, delta, scale: float, causal: bool):
+    """The launch of the backward's dK/dV kernel (`kernel` "dkdv" or "dkdv_ws") or dQ kernel ("dq", "dq_ws"), as the
+    launchers pick it, at its current config, into new gradients."""
     grads = [torch.empty_like(t) for t in (q, k, v)]
     block_d = attn_ops._padded_head_dim(q.shape[-1])
     cfgs = attn_ops._bwd_configs(block_d, q.dtype, q.device)
@@ -131,21 +135,21 @@ def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal
     return launches[1] if kernel.startswith("dq") else launches[0]
 
 
+def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
+    """The launch of backward kernel `kernel` alone (_bwd_launch) on buffers of its own, delta computed once."""
+    return _bwd_launch(kernel, dout, q, k, v, lse, attn_ops.attn_bwd_preprocess(out, dout), scale, causal)
+
+
 def _launched(kernel: str, q, k, v, causal: bool) -> bool:
-    """Whether the swept call runs `kernel`: the Gluon forward where ops/gluon_fwd.py takes it, the
-    warp-specialised kernels where ops/warp_spec.py takes them, the others elsewhere."""
+    """Whether the swept call runs `kernel`: asked of the launchers themselves (which of the default,
+    warp-specialised and Gluon kernels they pick for these inputs), nothing run."""
     stats = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
-    if kernel in ("dkdv", "dkdv_ws"):
-        ws = warp_spec.dkdv_ws_ready(q, k, v, q, stats, stats, k, v, causal, has_docs=False, add_dkdv=False)
-        return ws == kernel.endswith("_ws")
-    if kernel in ("dq", "dq_ws"):
-        ws = warp_spec.dq_ws_ready(q, k, v, q, stats, stats, q, causal, has_docs=False, add_dq=False, has_final=False)
-        return ws == kernel.endswith("_ws")
-    out = torch.empty_like(q)
-    if gluon_fwd.fwd_gluon_ready(q, k, v, out, stats, has_docs=False, merge_state=False, has_final=False):
-        return kernel == "fwd_gluon"
-    ws = warp_spec.fwd_ws_ready(q, k, v, out, stats, causal, has_docs=False, merge_state=False, has_final=False)
-    return kernel == ("fwd_ws" if ws and attn_ops.fwd_tma_enabled() else "fwd")
+    if kernel.startswith("fwd"):
+        out = torch.empty_like(q)
+        launch = attn_ops._pick_fwd_launch(q, k, v, 1.0, causal, out, stats, None, None, False, None)
+    else:
+        launch = _bwd_launch(kernel, q, q, k, v, stats, stats, 1.0, causal)
+    return launch.kernel.__name__ == KERNEL_FUNCTIONS[kernel]
 
 
 def _default_kernels_only():

@@ -85,3 +85,18 @@ def test_reference_runs_without_the_split_or_gluon_kernels(before, monkeypatch):
     with config_sweep._default_kernels_only():
         assert os.environ["RINGATTN_WS"] == os.environ["RINGATTN_GLUON"] == "0"
     assert os.environ.get("RINGATTN_WS") == os.environ.get("RINGATTN_GLUON") == before
+
+
+@pytest.mark.parametrize("mode", [None, "1"], ids=["ws-unset", "ws-1"])
+def test_launched_asks_the_launchers(mode, monkeypatch):
+    """The sweep times a kernel where the launchers pick it: in the interpreter the default kernels, and with
+    $RINGATTN_WS=1 the split ones (the interpreter takes every form then); never the Gluon forward there."""
+    if mode is None:
+        monkeypatch.delenv("RINGATTN_WS", raising=False)
+    else:
+        monkeypatch.setenv("RINGATTN_WS", mode)
+    assert set(config_sweep.CANDIDATES) == set(config_sweep.KERNEL_FUNCTIONS)
+    q, k, v = (torch.randn(1, 64, 2, 64) for _ in range(3))
+    for causal in (False, True):
+        launched = {kernel for kernel in config_sweep.CANDIDATES if config_sweep._launched(kernel, q, k, v, causal)}
+        assert launched == ({"fwd_ws", "dkdv_ws", "dq_ws"} if mode else {"fwd", "dkdv", "dq"}), causal
