@@ -12,7 +12,7 @@ import torch
 from ringattn.ops import attn as attn_ops
 from ringattn.ops import attn_bwd, attn_fwd, attn_fwd_merge_, gluon_fwd
 from ringattn.ops.warp_spec import _triton_version
-from ringattn.testing import check_close
+from ringattn.testing import RESULTS, check_results
 from tests.utils import DEVICE, DTYPES, check_against_reference, dtype_id, make_qkv, reference_attention
 
 GLUON_GPU = (
@@ -131,6 +131,6 @@ def test_gluon_forward_merges_into_the_ring_state(head_dim, heads, causal, dtype
     scale = head_dim**-0.5
     out, lse = attn_fwd(q, k[:, first], v[:, first], scale, False, out_dtype=torch.float32)
     attn_fwd_merge_(q, k[:, rest], v[:, rest], scale, causal, out, lse)
-    ref, plain = (reference_attention(q, k, v, dout, scale, causal, t)[:2] for t in (torch.float64, q.dtype))
-    for name, ours, p, r in zip(("out", "lse"), (out, lse), plain, ref, strict=True):
-        check_close(name, ours, p, r)
+    ref, plain = (dict(zip(RESULTS, reference_attention(q, k, v, dout, scale, causal, t), strict=True))
+                  for t in (torch.float64, q.dtype))  # fmt: skip
+    check_results("gluon step", {"out": out, "lse": lse}, plain, ref)
