@@ -7,13 +7,14 @@ wholly above the causal diagonal are never visited. With document ids (HAS_DOCS,
 variable-length sequences) a query row sees only keys of its own document: every tile is
 masked, and tiles whose documents do not meet the Q tile's are skipped. With MERGE_STATE
 the tile's result is merged into a running fp32 (out, lse) state in place (the ring's step),
-in the epilogue, so a ring step needs no separate merge pass. With HAS_FINAL the rows the ring
+in the epilogue, so a ring step needs no separate merge pass. With HAS_FINAL_ROWS the rows the ring
 finishes in this call are written rounded to the output dtype, not to the fp32 state. See docs/design.md.
 """
 
 import triton
 import triton.language as tl
 
+from ..merge import _merge_into_state
 from .common import (
     LN2,
     _doc_span,
@@ -25,7 +26,6 @@ from .common import (
     _q_tile_docs,
     _store_rows,
 )
-from .merge import _merge_into_state
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _attn_fwd_kernel(
     seqlen_q, seqlen_k, qk_scale, final_lo, final_hi,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, MERGE_STATE: tl.constexpr, HAS_FINAL: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, MERGE_STATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr,
     KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile; Lse[b, h, m] in natural log.
@@ -101,7 +101,7 @@ def _attn_fwd_kernel(
     Lse (B, Hq, Sq) fp32 with a contiguous last dim. qk_scale = softmax_scale * log2(e).
     Grid (Sq tiles, Hq, B).
     MERGE_STATE: Out (fp32) and Lse hold a running state on entry; the tile's result is merged into it.
-    HAS_FINAL: rows [final_lo, final_hi) of the result go to Final (shaped like Out, its own dtype), rounded,
+    HAS_FINAL_ROWS: rows [final_lo, final_hi) of the result go to Final (shaped like Out, its own dtype), rounded,
     and not to Out, whose rows there are left as they were; Lse is written for every row.
     CAUSAL is aligned bottom-right: row i sees keys j <= i + (Sk - Sq).
     HAS_DOCS: QDoc (Sq,) and KDoc (Sk,) int32 document ids, non-decreasing; row i sees key j only
@@ -161,5 +161,5 @@ def _attn_fwd_kernel(
     if MERGE_STATE:
         out, lse = _merge_into_state(out, lse, o_ptrs, lse_ptrs, row_mask, mask_m)
     _store_rows(out, o_ptrs, row_mask, offs_m, offs_d, Final, off_b, off_hq, stride_fb, stride_fs, stride_fh,
-                final_lo, final_hi, HAS_FINAL)  # fmt: skip
+                final_lo, final_hi, HAS_FINAL_ROWS)  # fmt: skip
     tl.store(lse_ptrs, lse, mask=mask_m)

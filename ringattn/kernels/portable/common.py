@@ -88,14 +88,14 @@ def _key_tile_visible(
 @triton.jit
 def _store_rows(
     x, ptrs, row_mask, offs_m, offs_d, Final, off_b, off_h, stride_fb, stride_fs, stride_fh, final_lo, final_hi,
-    HAS_FINAL: tl.constexpr,
+    HAS_FINAL_ROWS: tl.constexpr,
 ):
     """Store the (BLOCK_M, BLOCK_D) result tile x (rows offs_m) at ptrs where row_mask, in ptrs' dtype.
 
-    HAS_FINAL: rows [final_lo, final_hi) go instead to Final, shaped like the result (B, Sq, H, D) in its own dtype,
-    at (off_b, off_h), rounded; ptrs' rows there are left as they were (the ring's finished rows, ops/final_rows.py).
+    HAS_FINAL_ROWS: rows [final_lo, final_hi) go instead to Final, shaped like the result (B, Sq, H, D) in its own
+    dtype, at (off_b, off_h), rounded; ptrs' rows there are left as they were (ops/final_rows.py).
     """
-    if HAS_FINAL:
+    if HAS_FINAL_ROWS:
         finished = (offs_m >= final_lo) & (offs_m < final_hi)
         rows = offs_m[:, None].to(tl.int64)
         f_ptrs = Final + off_b * stride_fb + off_h * stride_fh + rows * stride_fs + offs_d[None, :]
@@ -122,11 +122,3 @@ def _online_softmax_step(acc, l_i, m_i, s, v, qk_scale, MASKED: tl.constexpr, DO
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
-
-
-@triton.jit
-def _rows_descriptor(base, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """A tensor descriptor, made in the kernel, of one head's (seqlen, HEAD_DIM) rows from base (row stride
-    stride_s) in (BLOCK, HEAD_DIM) tiles: rows past seqlen load as zeros and are not stored."""
-    return tl.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_s, 1],
-                                     block_shape=[BLOCK, HEAD_DIM])  # fmt: skip

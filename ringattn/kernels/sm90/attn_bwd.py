@@ -1,4 +1,4 @@
-"""Backward kernels for triton's warp specialisation on Hopper (triton 3.9): attn_bwd's dK/dV and dQ without
+"""Backward kernels for triton's warp specialisation on Hopper: the portable dK/dV and dQ kernels without
 documents, written so that triton's Hopper partitioner splits them into a TMA producer warpgroup and two consumer
 warpgroups, and splits them right.
 
@@ -16,13 +16,21 @@ first, or a loop nest, did not compile. Hence one loop per kernel: GQA's (head, 
 it, and the causal mask compares positions loaded from memory like the other row data, on both sides. A position
 made as `start + tl.arange(...)` from the program's own tile start is wrong in the second consumer: the
 partitioner (triton 3.9) moves both `start` and the range by that consumer's offset, so the sum has it twice (seen
-in the causal forward's TTGIR). ops/warp_spec.py says which forms are taken where.
+in a causal kernel's TTGIR). ops/sm90.py says where they are taken.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, _rows_descriptor
+LOG2E = tl.constexpr(1.4426950408889634)  # natural log -> log2 units
+
+
+@triton.jit
+def _rows_descriptor(base, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A tensor descriptor, made in the kernel, of one head's (seqlen, HEAD_DIM) rows from base (row stride
+    stride_s) in (BLOCK, HEAD_DIM) tiles: rows past seqlen load as zeros and are not stored."""
+    return tl.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_s, 1],
+                                     block_shape=[BLOCK, HEAD_DIM])  # fmt: skip
 
 
 @triton.jit

@@ -6,7 +6,7 @@ Three launches, no atomics:
                                tiles of every q head of its GQA group
   _attn_bwd_dq_kernel          dQ for one Q tile, looping over K/V tiles    grid (Sq tiles, Hq, B)
 With ACCUMULATE the gradients are added to what the output buffers hold (the ring's fp32
-accumulators); with HAS_FINAL the dQ rows the ring finishes go rounded to their own buffer.
+accumulators); with HAS_FINAL_ROWS the dQ rows the ring finishes go rounded to their own buffer.
 Rows whose lse is -inf (every key masked) get probability 0 everywhere, so they give zero
 gradients. HAS_DOCS masks pairs of different documents and skips tiles whose documents do
 not meet, as in the forward. Derivation in docs/design.md.
@@ -244,12 +244,12 @@ def _attn_bwd_dq_kernel(
     seqlen_q, seqlen_k, num_heads_q, qk_scale, sm_scale, final_lo, final_hi,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_FINAL: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head).
 
-    HAS_FINAL: rows [final_lo, final_hi) of dQ (after the ACCUMULATE add) go to DQFinal (shaped like DQ, its own
+    HAS_FINAL_ROWS: rows [final_lo, final_hi) of dQ (after the ACCUMULATE add) go to DQFinal (shaped like DQ, its own
     dtype), rounded, and not to DQ, whose rows there are left as they were.
     """
     start_m = tl.program_id(0)
@@ -296,4 +296,4 @@ def _attn_bwd_dq_kernel(
     if ACCUMULATE:
         dq += tl.load(dq_ptrs, mask=row_mask, other=0.0)
     _store_rows(dq, dq_ptrs, row_mask, offs_m, offs_d, DQFinal, off_b, off_hq, stride_fb, stride_fs, stride_fh,
-                final_lo, final_hi, HAS_FINAL)  # fmt: skip
+                final_lo, final_hi, HAS_FINAL_ROWS)  # fmt: skip

@@ -1,4 +1,4 @@
-"""Forward attention kernel written in Gluon for Hopper (triton 3.9's triton.experimental.gluon): the warp
+"""Forward attention kernel written in Gluon for Hopper (triton.experimental.gluon): the warp
 specialisation, the shared-memory ring of key/value tiles and the order of the tensor-core work are spelled out,
 not left to triton's partitioner.
 
@@ -9,9 +9,7 @@ only at the ring's barriers (a slot is free once both have arrived), so each run
 loop is software-pipelined as FA3's is: the scores of tile j (S = Q K_j^T) are issued before the product of
 tile j - 1 (O += P V), so the tensor cores work on one while the softmax of the other runs. Only the tiles that
 need a mask (the causal diagonal, and the last tile where Sk is not a multiple of BLOCK_N) compare positions: a
-branch on the tile index, which the automatic partitioner (kernels/attn_fwd_ws.py) cannot take, so that kernel
-masks every tile.
-ops/gluon_fwd.py says when it is taken.
+branch on the tile index, which triton's automatic partitioner cannot take. ops/sm90.py says when it is taken.
 """
 
 from triton.experimental import gluon
@@ -24,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .merge import _merge_states
+from ..merge import _merge_states
 
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
@@ -50,7 +48,7 @@ def _softmax_tile(s, m_i, l_i, offs_m, n0, seqlen_k, causal_shift, qk_scale, MAS
 
 
 @gluon.jit
-def _load_partition(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr):
+def _load_partition(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr):
     """The producer: Q into q_smem, then key tile j and value tile j into slot j % NUM_BUFFERS of their rings, each
     once both consumers freed it (keys and values have their own barriers: a key slot frees as soon as its scores
     are computed, a tile before its values' slot).
@@ -78,7 +76,8 @@ def _load_tile(desc, row, buf, ready, free, free_phase):
 
 
 @gluon.jit
-def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, HALF: gl.constexpr):
+def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr,
+                  HALF: gl.constexpr):
     """A consumer: rows [m0 + HALF * BLOCK_M // 2, + BLOCK_M // 2) of the output over the key tiles, stored with
     their lse (rows past seqlen_q are not)."""
     q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, Lse, m0, num_tiles = args[:13]
@@ -150,14 +149,16 @@ def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, HALF: g
     l_safe = gl.where(empty, 1.0, l_i)
     out = acc / gl.convert_layout(l_safe, acc_rows)[:, None]
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    if MERGE_STATE:  # the ring's step: merged into the fp32 state (Out, Lse), by pointers (any row stride)
+    if OUT_FP32:  # the ring's fp32 state, merged into (MERGE_STATE) or started, by pointers (any row stride)
         rows = r0 + gl.arange(0, ROWS, layout=acc_rows)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         ptrs = Out + rows[:, None].to(gl.int64) * stride_os + cols[None, :]
         row_mask = (rows < seqlen_q)[:, None]
-        run_out = gl.load(ptrs, mask=row_mask, other=0.0)
-        run_lse = gl.load(Lse + rows, mask=rows < seqlen_q, other=float("-inf"))
-        out, lse = _merge_states(out, gl.convert_layout(lse, acc_rows), run_out, run_lse)
+        lse = gl.convert_layout(lse, acc_rows)
+        if MERGE_STATE:
+            run_out = gl.load(ptrs, mask=row_mask, other=0.0)
+            run_lse = gl.load(Lse + rows, mask=rows < seqlen_q, other=float("-inf"))
+            out, lse = _merge_states(out, lse, run_out, run_lse)
         gl.store(ptrs, out, mask=row_mask)
         gl.store(Lse + rows, lse, mask=rows < seqlen_q)
     else:
@@ -169,13 +170,13 @@ def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, HALF: g
 
 
 @gluon.jit
-def _softmax_partition_0(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr):
-    _softmax_rows(args, CAUSAL, MERGE_STATE, 0)
+def _softmax_partition_0(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr):
+    _softmax_rows(args, CAUSAL, MERGE_STATE, OUT_FP32, 0)
 
 
 @gluon.jit
-def _softmax_partition_1(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr):
-    _softmax_rows(args, CAUSAL, MERGE_STATE, 1)
+def _softmax_partition_1(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr):
+    _softmax_rows(args, CAUSAL, MERGE_STATE, OUT_FP32, 1)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
@@ -188,16 +189,17 @@ def _attn_fwd_gluon_kernel(
     stride_lb, stride_lh,
     seqlen_q, seqlen_k, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
-    CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+    CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr, NUM_BUFFERS: gl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile and Lse[b, h, m] in natural log; grid (Sq tiles, Hq, B),
     4 warps (the first consumer; the partitions add 5).
 
     Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), all 16-bit (bf16 or fp16), HEAD_DIM 64 or
-    128, base addresses and every stride but the last 16-byte aligned; Out like Q, aligned alike, in Q's dtype, and
-    Lse (B, Hq, Sq) fp32 with its last dim contiguous. qk_scale = softmax_scale * log2(e). CAUSAL is bottom-right.
-    MERGE_STATE: Out (fp32) and Lse hold a running state on entry, and the tile's result is merged into it (the
-    ring's step). Rows that see no key get out 0, lse -inf.
+    128, base addresses and every stride but the last 16-byte aligned; Out like Q, and Lse (B, Hq, Sq) fp32 with its
+    last dim contiguous. qk_scale = softmax_scale * log2(e). CAUSAL is bottom-right.
+    OUT_FP32: Out is fp32 (the ring's running state), stored by pointers; else Out is in Q's dtype, aligned as Q, and
+    stored by TMA. MERGE_STATE (with OUT_FP32): Out and Lse hold a running state on entry, and the tile's result is
+    merged into it (the ring's step). Rows that see no key get out 0, lse -inf.
     """
     start_m = gl.program_id(0)
     off_hq = gl.program_id(1)
@@ -213,7 +215,7 @@ def _attn_fwd_gluon_kernel(
     v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [seqlen_k, HEAD_DIM],
                                         [stride_vs, 1], [BLOCK_N, HEAD_DIM], tile_layout)  # fmt: skip
     # the output's descriptor, in half tiles: each consumer stores its own rows
-    # (with MERGE_STATE, over the fp32 state and unused: the merge goes by pointers)
+    # (with OUT_FP32, over the fp32 state and unused: it is stored by pointers)
     out_layout: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=128, element_bitwidth=Out.dtype.element_ty.primitive_bitwidth, rank=2
     )
@@ -245,9 +247,9 @@ def _attn_fwd_gluon_kernel(
             seqlen_q, seqlen_k, qk_scale, out_head, stride_os)  # fmt: skip
     gl.warp_specialize(  # CAUSAL beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
-            (_softmax_partition_0, (args, CAUSAL, MERGE_STATE)),
-            (_softmax_partition_1, (args, CAUSAL, MERGE_STATE)),
-            (_load_partition, (args, CAUSAL, MERGE_STATE)),
+            (_softmax_partition_0, (args, CAUSAL, MERGE_STATE, OUT_FP32)),
+            (_softmax_partition_1, (args, CAUSAL, MERGE_STATE, OUT_FP32)),
+            (_load_partition, (args, CAUSAL, MERGE_STATE, OUT_FP32)),
         ],
         [4, 1],
         [240, 24],
