@@ -8,7 +8,7 @@ passing fewer K/V heads; lse is (batch, nheads, seqlen) fp32 in natural log.
 import torch
 import torch.distributed as dist
 
-from .ops import KERNEL_OPS, bwd_streams_enabled, fwd_tma_enabled, gluon_mode, ws_mode
+from .ops import KERNEL_OPS
 from .ops.custom_ops import attn_bwd_op, attn_fwd_op
 from .ops.validation import check_attn_inputs, check_runnable_device, default_softmax_scale
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
@@ -109,8 +109,8 @@ def check_ring_inputs(
     Raises:
         ValueError, TypeError: bad local inputs, an unknown layout, an odd local length with "zigzag",
             a group that is not a ProcessGroup or does not contain this rank, a device the backend
-            cannot carry, a bad $RINGATTN_P2P_TIMEOUT_S, $RINGATTN_AGREEMENT, $RINGATTN_FWD_TMA or
-            $RINGATTN_BWD_STREAMS; ranks that disagree (the same message on every rank).
+            cannot carry, a bad $RINGATTN_P2P_TIMEOUT_S, $RINGATTN_AGREEMENT or $RINGATTN_KERNELS; ranks that
+            disagree (the same message on every rank).
         RuntimeError: torch.distributed is not initialised; a device the kernels cannot run on;
             a rank that does not arrive for the agreement check within the P2P timeout (gloo).
     """
@@ -137,12 +137,8 @@ def check_ring_inputs(
         raise ValueError(f"q, k, v are CUDA tensors but the group's backend {backend!r} cannot carry them; use nccl")
     if not q.is_cuda and backend == "nccl":
         raise ValueError(f"q, k, v are on {q.device} but the group's backend is nccl; move them to the rank's GPU")
-    p2p_timeout_s()  # the environment's settings, checked before the first collective
-    agreement_mode()
-    fwd_tma_enabled()
-    bwd_streams_enabled()
-    ws_mode()
-    gluon_mode()
+    p2p_timeout_s()  # the environment's settings, checked before the first collective (the kernels' in
+    agreement_mode()  # check_runnable_device)
     if dist.get_world_size(group) > 1:
         check_agreement(ring_signature(q, k, v, scale, causal, layout, documents), group, q.device)
     return scale

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 import ringattn
+from ringattn.ops.dispatch import OVERRIDE_VARIABLE as KERNELS_ENV
+from ringattn.ops.dispatch import kernel_override
 from ringattn.parallel.agreement import AGREEMENT_ENV
 from ringattn.parallel.comm import P2P_TIMEOUT_ENV
 from tests.utils import DEVICE, DTYPES
@@ -76,14 +78,8 @@ CASES = [
          env={AGREEMENT_ENV: "sometimes"}),
     Case("ring-timeout-env", dict(), ValueError, r"\$RINGATTN_P2P_TIMEOUT_S must be a positive", ring_only=True,
          env={P2P_TIMEOUT_ENV: "soon"}),
-    Case("tma-env", dict(), ValueError, r"\$RINGATTN_FWD_TMA must be 0 or 1, got 'yes'",
-         env={"RINGATTN_FWD_TMA": "yes"}),
-    Case("bwd-streams-env", dict(), ValueError, r"\$RINGATTN_BWD_STREAMS must be 0 or 1, got 'on'", ring_only=True,
-         env={"RINGATTN_BWD_STREAMS": "on"}),
-    Case("bwd-ws-env", dict(), ValueError, r"\$RINGATTN_WS must be one of 0, 1, all \(or unset\), got 'on'",
-         ring_only=True, env={"RINGATTN_WS": "on"}),
-    Case("gluon-env", dict(), ValueError, r"\$RINGATTN_GLUON must be one of 0, 1 \(or unset\), got 'on'",
-         env={"RINGATTN_GLUON": "on"}),
+    Case("kernels-env", dict(), ValueError, r"\$RINGATTN_KERNELS must be one of auto, portable \(or unset\), got 'on'",
+         env={KERNELS_ENV: "on"}),
 ]  # fmt: skip
 if DEVICE.type == "cpu":
     CASES += [
@@ -124,6 +120,7 @@ def test_bad_input_raises_a_clear_error_before_communication(case, ring_of_two_w
     patch = ring_of_two_without_communication
     for name, value in (case.env or {}).items():
         patch.setenv(name, value)
+    kernel_override.cache_clear()  # read once per process: this case's (a bad value is never cached)
     args = dict(case.args)
     if "backend" in args:
         backend = args.pop("backend")

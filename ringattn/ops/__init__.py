@@ -1,19 +1,30 @@
-"""Attention ops: Triton launchers, their pure-PyTorch references and the fp32 state merge.
+"""Attention ops: the launchers, their pure-PyTorch references, the fp32 state merge and the kernel dispatch.
 
-An `AttnOps` bundles the block operations the ring needs, so the ring loop never
-knows whether it runs the compiled kernel, the interpreted kernel or the reference.
+An `AttnOps` bundles the block operations the ring needs, so the ring loop never knows whether it runs the
+compiled kernels, the interpreted kernels or the references; kernel_ops(backend) gives the launchers' bundle on a
+backend of ops/dispatch.py.
 """
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
-from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd, attn_fwd_merge_, fwd_tma_enabled
+from .attn import attn_bwd, attn_bwd_preprocess, attn_fwd, attn_fwd_merge_
 from .attn_ref import attn_bwd_preprocess_ref, attn_bwd_ref, attn_fwd_merge_ref_, attn_fwd_ref
+from .calls import BwdCall, FwdCall, Target
+from .dispatch import (
+    BACKENDS,
+    KERNELS,
+    bwd_launches,
+    capabilities,
+    fwd_launch,
+    kernel_override,
+    launch_config,
+    override_configs,
+)
 from .final_rows import FinalRows
-from .gluon_fwd import gluon_mode
+from .launch import KernelLaunch, LaunchConfig
 from .merge import merge_attn_states_
-from .streams import bwd_streams_enabled
-from .warp_spec import ws_mode
 
 
 class AttnOps(NamedTuple):
@@ -26,14 +37,31 @@ class AttnOps(NamedTuple):
     fwd_merge_: Callable
 
 
+def kernel_ops(backend: str | None = None) -> AttnOps:
+    """The launchers as an AttnOps, every call on `backend` (None or "auto", "portable", "sm90": ops/dispatch.py)."""
+    if backend is None:
+        return KERNEL_OPS
+    return AttnOps(
+        partial(attn_fwd, backend=backend), partial(attn_bwd, backend=backend), attn_bwd_preprocess,
+        partial(attn_fwd_merge_, backend=backend),
+    )  # fmt: skip
+
+
 KERNEL_OPS = AttnOps(attn_fwd, attn_bwd, attn_bwd_preprocess, attn_fwd_merge_)
 REFERENCE_OPS = AttnOps(attn_fwd_ref, attn_bwd_ref, attn_bwd_preprocess_ref, attn_fwd_merge_ref_)
 
 __all__ = [
+    "BACKENDS",
+    "KERNELS",
     "AttnOps",
+    "BwdCall",
     "FinalRows",
+    "FwdCall",
     "KERNEL_OPS",
+    "KernelLaunch",
+    "LaunchConfig",
     "REFERENCE_OPS",
+    "Target",
     "attn_bwd",
     "attn_bwd_preprocess",
     "attn_bwd_preprocess_ref",
@@ -42,9 +70,12 @@ __all__ = [
     "attn_fwd_merge_",
     "attn_fwd_merge_ref_",
     "attn_fwd_ref",
-    "bwd_streams_enabled",
-    "ws_mode",
-    "fwd_tma_enabled",
-    "gluon_mode",
+    "bwd_launches",
+    "capabilities",
+    "fwd_launch",
+    "kernel_ops",
+    "kernel_override",
+    "launch_config",
     "merge_attn_states_",
+    "override_configs",
 ]

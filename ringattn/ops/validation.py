@@ -4,6 +4,8 @@ import os
 
 import torch
 
+from .dispatch import kernel_override
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_GRID_DIM = 65535  # batch and heads are CUDA grid dimensions 2 and 1
@@ -54,12 +56,14 @@ KERNELS_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_runnable_device(t: torch.Tensor) -> None:
-    """Raise when the Triton kernels cannot run on t in this process.
+    """Raise when the Triton kernels cannot run on t in this process, or the kernels' setting is bad.
 
     Raises:
         RuntimeError: t is not a CUDA tensor and the kernels were not built for the interpreter.
         TypeError: a bfloat16 CPU tensor (the Triton interpreter computes bfloat16 wrongly).
+        ValueError: a bad $RINGATTN_KERNELS (ops/dispatch.py).
     """
+    kernel_override()
     if t.device.type == "cuda" and not KERNELS_INTERPRETED:
         return
     if t.device.type == "cpu" and KERNELS_INTERPRETED:

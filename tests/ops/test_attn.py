@@ -4,9 +4,17 @@ import pytest
 import torch
 
 import ringattn
-from ringattn.ops import attn as attn_ops
-from ringattn.ops import attn_bwd, attn_bwd_ref, attn_fwd, attn_fwd_merge_, attn_fwd_ref
-from ringattn.ops.attn import _kv_descriptors
+from ringattn.ops import (
+    FwdCall,
+    LaunchConfig,
+    Target,
+    attn_bwd,
+    attn_bwd_ref,
+    attn_fwd,
+    attn_fwd_ref,
+    override_configs,
+    portable,
+)
 from ringattn.testing import check_close, magnitude
 from tests.utils import DEVICE, DTYPES, check_against_reference, dtype_id, make_qkv, reference_attention
 
@@ -57,31 +65,43 @@ def test_any_strides_give_the_contiguous_result():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(97, 97), (17, 97), (97, 17)], ids=lambda n: str(n))
-def test_tma_and_pointer_kv_loads_agree_bitwise(seqlen_q, seqlen_k, causal, monkeypatch):
-    """The forward's K/V tiles by TMA descriptors (rows past Sk zero-filled by the copy engine) and by masked
-    pointer loads: the same bits, in the public call and the ring's merge; GQA; Sk not a multiple of a tile."""
+def test_tma_and_pointer_kv_loads_agree_bitwise(seqlen_q, seqlen_k, causal):
+    """The portable forward's K/V tiles by TMA descriptors (rows past Sk zero-filled by the copy engine) and by
+    masked pointer loads (the launch built for a GPU older than Hopper): the same bits, in the public call and the
+    ring's merge; GQA; Sk not a multiple of a tile."""
     q, k, v, _ = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 64, DTYPES[0], seed=seqlen_q + seqlen_k)
     state = torch.randn(2, seqlen_q, 4, 64, device=DEVICE), torch.randn(2, 4, seqlen_q, device=DEVICE)
+    here = Target.of(q)
+    if here.gpu and here.capability < (9, 0):
+        pytest.skip("TMA loads need Hopper or newer")
+    cfg = portable.launch_config("fwd", 64, q.dtype, here)
     results = {}
-    for tma in ("0", "1"):
-        monkeypatch.setenv("RINGATTN_FWD_TMA", tma)
-        out, lse = (t.clone() for t in state)
-        attn_fwd_merge_(q, k, v, 0.125, causal, out, lse)
-        results[tma] = (*attn_fwd(q, k, v, 0.125, causal), out, lse)
-    for off, on in zip(results["0"], results["1"], strict=True):
-        assert torch.equal(off, on)
+    for target in (here, Target((8, 0))):
+        outputs = []
+        for merge in (False, True):
+            out, lse = (t.clone() for t in state) if merge else (torch.empty_like(q), torch.empty_like(state[1]))
+            launch = portable.fwd_launch(FwdCall(q, k, v, 0.125, causal, out, lse, merge_state=merge), cfg, target)
+            assert launch.kwargs["KV_TMA"] is (target == here)
+            launch()
+            outputs += [out, lse]
+        results[target] = outputs
+    for tma, pointers in zip(*results.values(), strict=True):
+        assert torch.equal(tma, pointers)
 
 
 def test_tma_is_used_only_where_it_can_load():
     """A padded head dim or a base address off 16 bytes takes the pointer loads; contiguous and packed-qkv
-    views take TMA (where the device has it)."""
+    views take TMA (where the device has it: Hopper or newer, and the interpreter)."""
     dtype = DTYPES[0]
+    hopper = Target((9, 0))
     packed = torch.randn(2, 9, 3, 4, 64, device=DEVICE, dtype=dtype).unbind(dim=2)[1]
-    assert _kv_descriptors(packed, packed, 64, 64, 32) is not None
+    assert portable._kv_descriptors(packed, packed, 32, hopper) is not None
+    assert portable._kv_descriptors(packed, packed, 32, Target(None)) is not None
+    assert portable._kv_descriptors(packed, packed, 32, Target((8, 0))) is None
     padded = torch.randn(2, 9, 4, 40, device=DEVICE, dtype=dtype)
-    assert _kv_descriptors(padded, padded, 40, 64, 32) is None
+    assert portable._kv_descriptors(padded, padded, 32, hopper) is None
     unaligned = torch.randn(2 * 9 * 4 * 64 + 1, device=DEVICE, dtype=dtype)[1:].view(2, 9, 4, 64)
-    assert _kv_descriptors(unaligned, unaligned, 64, 64, 32) is None
+    assert portable._kv_descriptors(unaligned, unaligned, 32, hopper) is None
     q = torch.randn(2, 9, 4, 64, device=DEVICE, dtype=dtype)
     out, lse = attn_fwd(q, unaligned, unaligned, 0.125, True)
     out_c, lse_c = attn_fwd(q, unaligned.contiguous(), unaligned.contiguous(), 0.125, True)
@@ -256,14 +276,13 @@ UNEQUAL_TILE_SHAPES = {  # name: (seqlen_q, seqlen_k, DOC_CASES entry or None)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("tiles", list(UNEQUAL_BWD_TILES))
 @pytest.mark.parametrize("shape", list(UNEQUAL_TILE_SHAPES))
-def test_bwd_with_unequal_tile_sides_matches_reference(shape, tiles, causal, monkeypatch):
+def test_bwd_with_unequal_tile_sides_matches_reference(shape, tiles, causal):
     """The interpreter's tiles are square, the GPU's are not: the causal diagonal crossing a tile of unequal
     sides, ragged ends of both sequences and GQA must hold for any pair of tile sides, with and without
     documents."""
     seqlen_q, seqlen_k, doc_case = UNEQUAL_TILE_SHAPES[shape]
     (dkdv_m, dkdv_n), (dq_m, dq_n) = UNEQUAL_BWD_TILES[tiles]
-    configs = attn_ops.LaunchConfig(dkdv_m, dkdv_n, 4, 1), attn_ops.LaunchConfig(dq_m, dq_n, 4, 1)
-    monkeypatch.setattr(attn_ops, "_bwd_configs", lambda *_: configs)
+    configs = {"portable.dkdv": LaunchConfig(dkdv_m, dkdv_n, 4, 1), "portable.dq": LaunchConfig(dq_m, dq_n, 4, 1)}
     docs = {}
     if doc_case is not None:
         lengths = DOC_CASES[doc_case][0]
@@ -272,7 +291,8 @@ def test_bwd_with_unequal_tile_sides_matches_reference(shape, tiles, causal, mon
     q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 40, DTYPES[0], seed=seqlen_q + 3 * seqlen_k)
     scale = 40**-0.5
     out, lse = attn_fwd(q, k, v, scale, causal, **docs)
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, scale, causal, **docs)
+    with override_configs(configs):
+        dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, scale, causal, backend="portable", **docs)
     ref = reference_attention(q, k, v, dout, scale, causal, torch.float64, **docs)
     pt = reference_attention(q, k, v, dout, scale, causal, q.dtype, **docs)
     grad_scale = max(magnitude(g) for g in ref[2:])

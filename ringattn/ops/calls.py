@@ -1,0 +1,63 @@
+"""One attention call as the dispatch and the backends see it: its tensors, checked and allocated by ops/attn.py,
+and its flags. Layout: q, out, dout, dq (B, Sq, Hq, D); k, v, dk, dv (B, Sk, Hkv, D); lse, delta (B, Hq, Sq) fp32.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from .final_rows import FinalRows
+
+
+class FwdCall(NamedTuple):
+    """A forward into out and lse (with merge_state: merged into the running state they hold); final: rows written,
+    rounded, into final.out instead of out."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    softmax_scale: float
+    causal: bool
+    out: torch.Tensor
+    lse: torch.Tensor
+    q_doc_ids: torch.Tensor | None = None
+    k_doc_ids: torch.Tensor | None = None
+    merge_state: bool = False
+    final: FinalRows | None = None
+
+
+class BwdCall(NamedTuple):
+    """A backward into dq, dk, dv (add_dq, add_dkdv: added into what they hold, else stored), lse and delta
+    contiguous; dq_final: dQ's rows written, rounded, into dq_final.out instead of dq."""
+
+    dout: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    softmax_scale: float
+    causal: bool
+    q_doc_ids: torch.Tensor | None = None
+    k_doc_ids: torch.Tensor | None = None
+    add_dq: bool = False
+    add_dkdv: bool = False
+    dq_final: FinalRows | None = None
+
+
+class Target(NamedTuple):
+    """What a launch is built for: a GPU of compute capability `capability`, or (None) Triton's interpreter."""
+
+    capability: tuple[int, int] | None
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "Target":
+        """The target of a tensor's device: its GPU, or the interpreter for CPU tensors."""
+        return Target(torch.cuda.get_device_capability(t.device) if t.is_cuda else None)
+
+    @property
+    def gpu(self) -> bool:
+        return self.capability is not None

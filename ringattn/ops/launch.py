@@ -1,0 +1,113 @@
+"""What every backend's launchers share: a launch built but not run, its config, stride and alignment helpers,
+the scratch memory of in-kernel tensor descriptors, and two launches side by side on two CUDA streams.
+
+Layout everywhere: q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse, delta (B, Hq, Sq) fp32.
+"""
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and compiler hints of one launch: BLOCK_M query rows and BLOCK_N keys per tile, num_warps,
+    num_stages (for the Gluon forward: the depth of its key and value rings)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch, built but not run: kernel[grid](*args, **kwargs). `name` is the backend's name of the
+    kernel ("portable.fwd", "sm90.dkdv", ...: ringattn.ops.KERNELS); launch/tools/kernel_resources.py compiles the
+    same launches for a GPU architecture without running them."""
+
+    name: str
+    kernel: triton.JITFunction
+    grid: tuple[int, int, int]
+    args: tuple
+    kwargs: dict
+    scratch: bool = False  # the kernel makes tensor descriptors, in global scratch memory (run_with_scratch)
+
+    def __call__(self) -> None:
+        if self.scratch:
+            run_with_scratch(self._launch)
+        else:
+            self._launch()
+
+    def _launch(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+def strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a (B, S, H, D) tensor whose last dim is contiguous."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dim rounded up to a power of two of at least 16 (tl.dot's smallest K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def descriptor_aligned(t: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address t's rows: the last dim contiguous, the base address and every other
+    stride 16-byte aligned."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+
+
+def device_guard(t: torch.Tensor):
+    """Launch on t's GPU, whichever device is current."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for a launch, from PyTorch's caching allocator on the current device and stream (its blocks
+    are 512-byte aligned, more than triton asks)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _launch_with_torch_scratch(launch: Callable[[], None]) -> None:
+    triton.set_allocator(_torch_scratch)
+    launch()
+
+
+def run_with_scratch(launch: Callable[[], None]) -> None:
+    """Run launch() with PyTorch's allocator as triton's scratch allocator, set in a copy of the current context,
+    so that an allocator the caller set is neither needed nor replaced."""
+    contextvars.copy_context().run(_launch_with_torch_scratch, launch)
+
+
+_side_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    """One side stream per device and priority, made once."""
+    key = (device, priority)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device, priority=priority)
+    return _side_streams[key]
+
+
+def run_side_by_side(first: Callable[[], None], second: Callable[[], None], device: torch.device) -> None:
+    """Launch first() on a side stream of the current stream's priority and second() on the current stream, at
+    once; the current stream then waits for both. Work queued on the current stream before this call precedes
+    both, and work queued after follows both, so tensors used by first() may be freed once this returns."""
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device, main.priority)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        first()
+    second()
+    main.wait_stream(side)

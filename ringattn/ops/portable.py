@@ -1,0 +1,175 @@
+"""The portable backend: the Triton kernels of kernels/portable/ on any CUDA GPU and in Triton's interpreter.
+
+It runs every call the launchers accept (documents, rows finished into another buffer, any head dim up to 256,
+fp16, bf16 and fp32), and every call the Hopper backend's table does not take (ops/sm90.py). Its table is one
+launch config per kernel, padded head dim and dtype; on Hopper and newer GPUs the forward loads K/V tiles by TMA
+where the tensors allow it (1.08 to 1.14x at D = 128, 1.00 to 1.05x at D = 64 on the H200: docs/performance.md).
+"""
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..kernels.portable.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
+from ..kernels.portable.attn_fwd import _attn_fwd_kernel
+from .calls import BwdCall, FwdCall, Target
+from .final_rows import FinalRows
+from .launch import LOG2E, KernelLaunch, LaunchConfig, descriptor_aligned, padded_head_dim, strides
+
+INTERPRETER_CONFIG = LaunchConfig(32, 32, 4, 1)  # numpy does the work: few large tiles
+# Per kernel, (largest padded head dim, config) pairs; the first that fits wins. The 16-bit configs up to D = 128
+# come from launch/tools/config_sweep.py on the H200 (docs/performance.md, "Launch configs"). For dK/dV, block_n
+# keys belong to one program and block_m query rows are a loop step; for dQ the other way round.
+CONFIGS_16BIT = {
+    "fwd": ((64, LaunchConfig(128, 64, 4, 3)), (128, LaunchConfig(128, 128, 8, 3)), (256, LaunchConfig(64, 64, 8, 2))),
+    "dkdv": ((64, LaunchConfig(64, 64, 4, 3)), (128, LaunchConfig(64, 64, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
+    "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(32, 32, 4, 1))),
+}
+CONFIGS_FP32 = {
+    "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
+    "dkdv": ((256, LaunchConfig(32, 32, 4, 1)),),
+    "dq": ((256, LaunchConfig(32, 32, 4, 1)),),
+}
+PREPROCESS_BLOCK_M = 64
+
+
+def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, target: Target) -> LaunchConfig:
+    """The config of the portable kernel `kernel` ("fwd", "dkdv" or "dq") for a head dim, dtype and target."""
+    if not target.gpu:
+        return INTERPRETER_CONFIG
+    table = (CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT)[kernel]
+    block_d = padded_head_dim(head_dim)
+    return next(config for max_block_d, config in table if block_d <= max_block_d)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full fp32 ("ieee"), never tf32: exactness over speed for fp32.
+    (fp16/bf16 dots ignore the setting.)"""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, target: Target):
+    """TMA descriptors of k and v (B, Sk, Hkv, D) with block (1, block_n, 1, D), or None where TMA cannot load
+    them (pointer loads then): a GPU older than Hopper, D not a power of two of at least 16 (it would be padded),
+    or tensors the descriptors cannot address. The interpreter loads by descriptors too."""
+    head_dim = k.shape[-1]
+    if target.gpu and target.capability < (9, 0):
+        return None
+    if head_dim != padded_head_dim(head_dim) or not (descriptor_aligned(k) and descriptor_aligned(v)):
+        return None
+    block = [1, block_n, 1, head_dim]
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (k, v))
+
+
+def _final_args(final: FinalRows | None, out: torch.Tensor) -> tuple:
+    """(tensor, its batch, seq and head strides, first row, end row) of a kernel's HAS_FINAL_ROWS arguments; out
+    and empty rows when there is none (the kernel then reads none of them)."""
+    if final is None:
+        return out, 0, 0, 0, 0, 0
+    return final.out, *strides(final.out), final.rows.start, final.rows.stop
+
+
+def fwd_launch(call: FwdCall, cfg: LaunchConfig, target: Target) -> KernelLaunch:
+    """_attn_fwd_kernel writing (or, with merge_state, merging into) call.out and call.lse, finished rows into
+    call.final."""
+    q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    has_docs = call.q_doc_ids is not None
+    kv_desc = _kv_descriptors(k, v, cfg.block_n, target)
+    final_out, *final_strides, final_lo, final_hi = _final_args(call.final, out)
+    return KernelLaunch(
+        "portable.fwd",
+        _attn_fwd_kernel,
+        (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
+        (
+            q, *(kv_desc or (k, v)), out, lse, call.q_doc_ids if has_docs else lse,
+            call.k_doc_ids if has_docs else lse, final_out, *strides(q), *strides(k), *strides(v), *strides(out),
+            lse.stride(0), lse.stride(1), *final_strides, seqlen_q, seqlen_k, call.softmax_scale * LOG2E, final_lo,
+            final_hi,
+        ),
+        dict(
+            GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=call.causal, HAS_DOCS=has_docs, MERGE_STATE=call.merge_state,
+            HAS_FINAL_ROWS=call.final is not None, KV_TMA=kv_desc is not None,
+            DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=True,  # exp2(s * qk_scale - m) as one FMA; explicit, as triton's default will flip
+        ),
+    )  # fmt: skip
+
+
+def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor) -> KernelLaunch:
+    """_attn_bwd_preprocess_kernel: delta (B, Hq, Sq) = rowsum(dout * out) in fp32; out, dout (B, Sq, Hq, D) with
+    a contiguous last dim."""
+    batch, seqlen_q, heads_q, head_dim = out.shape
+    return KernelLaunch(
+        "portable.preprocess",
+        _attn_bwd_preprocess_kernel,
+        (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), heads_q, batch),
+        (out, dout, delta, *strides(out), *strides(dout), seqlen_q, heads_q),
+        dict(
+            HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=PREPROCESS_BLOCK_M,
+            enable_fp_fusion=True,  # as the forward's: triton's default will flip
+        ),
+    )  # fmt: skip
+
+
+def _bwd_common(call: BwdCall) -> dict:
+    """The constexprs both backward kernels take."""
+    return dict(
+        GROUP_SIZE=call.q.shape[2] // call.k.shape[2], HEAD_DIM=call.q.shape[-1],
+        BLOCK_D=padded_head_dim(call.q.shape[-1]), CAUSAL=call.causal, HAS_DOCS=call.q_doc_ids is not None,
+        DOT_PRECISION=_dot_precision(call.q.dtype),
+        enable_fp_fusion=True,  # as the forward's: triton's default (fused multiply-adds on) will flip
+    )  # fmt: skip
+
+
+def _doc_args(call: BwdCall) -> tuple:
+    """The kernels' QDoc, KDoc arguments: the document ids, or lse (never read) without documents."""
+    return (call.q_doc_ids, call.k_doc_ids) if call.q_doc_ids is not None else (call.lse, call.lse)
+
+
+def dkdv_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
+    """_attn_bwd_dkdv_kernel adding dK, dV into call.dk, call.dv if call.add_dkdv, else storing them."""
+    q, k, v, dout, dk, dv = call.q, call.k, call.v, call.dout, call.dk, call.dv
+    batch, seqlen_q, _, _ = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    return KernelLaunch(
+        "portable.dkdv",
+        _attn_bwd_dkdv_kernel,
+        (triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch),
+        (
+            q, k, v, dout, call.lse, call.delta, dk, dv, *_doc_args(call),
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
+            seqlen_q, seqlen_k, heads_k, call.softmax_scale * LOG2E, call.softmax_scale,
+        ),
+        dict(
+            **_bwd_common(call), ACCUMULATE=call.add_dkdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ),
+    )  # fmt: skip
+
+
+def dq_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
+    """_attn_bwd_dq_kernel adding dQ into call.dq if call.add_dq, else storing it, finished rows into
+    call.dq_final."""
+    q, k, v, dout, dq = call.q, call.k, call.v, call.dout, call.dq
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k = k.shape[1]
+    final_dq, *final_strides, final_lo, final_hi = _final_args(call.dq_final, dq)
+    return KernelLaunch(
+        "portable.dq",
+        _attn_bwd_dq_kernel,
+        (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
+        (
+            q, k, v, dout, call.lse, call.delta, dq, *_doc_args(call), final_dq,
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), *final_strides,
+            seqlen_q, seqlen_k, heads_q, call.softmax_scale * LOG2E, call.softmax_scale, final_lo, final_hi,
+        ),
+        dict(
+            **_bwd_common(call), ACCUMULATE=call.add_dq, HAS_FINAL_ROWS=call.dq_final is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ),
+    )  # fmt: skip

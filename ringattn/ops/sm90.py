@@ -1,0 +1,169 @@
+"""The Hopper backend (compute capability 9.x): the kernels of kernels/sm90/, each where it was timed faster than
+the portable one on the H200 (docs/performance.md), every other call on the portable backend (ops/portable.py).
+
+What it takes, by kernel (TABLE: head dims and launch configs; the *_supported functions: the rest). All of them
+take causal and not, MHA, GQA and MQA, and need every tensor 16-byte aligned for their TMA descriptors.
+- fwd, the Gluon forward (a TMA producer warp, two consumer warpgroups): D = 128 (at D = 64 it ran 0.92 to 0.99x
+  the portable forward); fp16 or bf16, out in q's dtype or the ring's fp32 state; no documents, no final rows; a
+  GPU (the interpreter cannot run Gluon).
+- dkdv, triton's warp specialisation over 128-key tiles: D = 64 and 128; fp16 or bf16 (the interpreter: any);
+  no documents; dK, dV stored, not added; GQA's q and dout heads packed; Sq a multiple of 4.
+- dq, triton's warp specialisation: D = 128 (slower than the portable kernel at D = 64); fp16 or bf16 (the
+  interpreter: any); no documents, no final rows; Sq a multiple of 4.
+The split dK/dV and dQ kernels are Triton-language code, so the interpreter runs them too: the CPU tests ask for
+this backend by name.
+"""
+
+import torch
+import triton
+
+from ..kernels.sm90.attn_bwd import _attn_bwd_dkdv_ws_kernel, _attn_bwd_dq_ws_kernel
+from .calls import BwdCall, FwdCall, Target
+from .launch import LOG2E, KernelLaunch, LaunchConfig, descriptor_aligned, strides
+from .portable import INTERPRETER_CONFIG
+
+TABLE = {
+    # num_warps is the first consumer's warpgroup (the kernel adds the second and a producer warp), num_stages the
+    # depth of its key and value rings (launch/tools/config_sweep.py timed 2 and 3 alike)
+    "fwd": {128: LaunchConfig(128, 128, 4, 2)},
+    # num_warps is the consumers' warpgroup: the partitioner adds a producer one and splits the consumers in two
+    "dkdv": {64: LaunchConfig(64, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
+    "dq": {128: LaunchConfig(128, 64, 4, 2)},
+}
+# the Gluon forward's registers per thread at launch: 12 warps x 32 x 168 fill the SM's 64K registers, which the
+# kernel then moves to 240 for each consumer and 24 for the producer
+GLUON_MAXNREG = 168
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def launch_config(kernel: str, head_dim: int, target: Target) -> LaunchConfig | None:
+    """The config of the Hopper kernel `kernel` ("fwd", "dkdv" or "dq") at a head dim, None where TABLE does not
+    take it; the interpreter's for CPU runs of the split kernels."""
+    config = TABLE[kernel].get(head_dim)
+    return config if config is None or target.gpu else INTERPRETER_CONFIG
+
+
+def _split_kernel_dtype(q: torch.Tensor, target: Target) -> bool:
+    """The split kernels' dtypes: 16-bit on a GPU (fp32 would multiply in tf32 there), any in the interpreter."""
+    return not target.gpu or q.dtype in SIXTEEN_BIT
+
+
+def fwd_supported(call: FwdCall, target: Target) -> bool:
+    """Whether the Gluon forward takes `call`: a GPU, fp16 or bf16 with out in q's dtype or fp32 (merging: the fp32
+    state), no documents, no final rows, a head dim of TABLE, lse's last dim contiguous, q, k, v, out aligned."""
+    q, out = call.q, call.out
+    if not target.gpu or call.q_doc_ids is not None or call.final is not None or q.dtype not in SIXTEEN_BIT:
+        return False
+    if out.dtype != q.dtype and out.dtype != torch.float32 or call.merge_state and out.dtype != torch.float32:
+        return False
+    if q.shape[-1] not in TABLE["fwd"]:
+        return False
+    return call.lse.stride(-1) == 1 and all(descriptor_aligned(t) for t in (q, call.k, call.v, out))
+
+
+def _split_supported(kernel: str, call: BwdCall, tensors: tuple[torch.Tensor, ...], target: Target) -> bool:
+    """What both split kernels need: no documents, a head dim of TABLE[kernel], their dtypes, Sq a multiple of 4
+    (each head's row of stats 16-byte aligned), every tensor of the call aligned."""
+    q = call.q
+    if call.q_doc_ids is not None or q.shape[-1] not in TABLE[kernel] or q.shape[1] % 4:
+        return False
+    return _split_kernel_dtype(q, target) and all(descriptor_aligned(t) for t in tensors)
+
+
+def dkdv_supported(call: BwdCall, target: Target) -> bool:
+    """Whether the split dK/dV kernel takes `call`: dK and dV stored, not added (the ring's shares, or no
+    accumulators), for GQA q's and dout's heads packed (head stride D: its descriptors need it), and what both split
+    kernels need."""
+    q, dout, k = call.q, call.dout, call.k
+    heads_packed = q.stride(2) == q.shape[-1] and dout.stride(2) == dout.shape[-1]
+    if call.add_dkdv or (q.shape[2] != k.shape[2] and not heads_packed):
+        return False
+    tensors = (q, k, call.v, dout, call.lse, call.delta, call.dk, call.dv)
+    return _split_supported("dkdv", call, tensors, target)
+
+
+def dq_supported(call: BwdCall, target: Target) -> bool:
+    """Whether the split dQ kernel takes `call`: no final rows (the ring's last step), and what both split kernels
+    need."""
+    tensors = (call.q, call.k, call.v, call.dout, call.lse, call.delta, call.dq)
+    return call.dq_final is None and _split_supported("dq", call, tensors, target)
+
+
+def fwd_launch(call: FwdCall, cfg: LaunchConfig) -> KernelLaunch:
+    """_attn_fwd_gluon_kernel writing (or, with merge_state, merging into) call.out and call.lse; fwd_supported."""
+    from ..kernels.sm90.attn_fwd import _attn_fwd_gluon_kernel  # Gluon: imported once a call is taken
+
+    q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    return KernelLaunch(
+        "sm90.fwd",
+        _attn_fwd_gluon_kernel,
+        (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
+        (
+            q, k, v, out, lse, *strides(q), *strides(k), *strides(v), *strides(out), lse.stride(0),
+            lse.stride(1), seqlen_q, seqlen_k, call.softmax_scale * LOG2E,
+        ),
+        dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
+            CAUSAL=call.causal, MERGE_STATE=call.merge_state, OUT_FP32=out.dtype == torch.float32,
+            NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps, maxnreg=GLUON_MAXNREG,
+            enable_fp_fusion=True,  # exp2(s * qk_scale - m) as one FMA, as the portable kernels
+        ),
+        scratch=True,
+    )  # fmt: skip
+
+
+def mask_positions(call: BwdCall) -> torch.Tensor:
+    """Row and key positions 0, 1, ..., max(Sq, Sk) - 1 (int32) that the split kernels' causal masks load (their
+    module docstring says why they are loaded); lse (never read) when not causal."""
+    if not call.causal:
+        return call.lse
+    return torch.arange(max(call.q.shape[1], call.k.shape[1]), dtype=torch.int32, device=call.q.device)
+
+
+def dkdv_launch(call: BwdCall, cfg: LaunchConfig, positions: torch.Tensor) -> KernelLaunch:
+    """_attn_bwd_dkdv_ws_kernel storing dK, dV into call.dk, call.dv; dkdv_supported, mask_positions(call)."""
+    q, k, v, dout, dk, dv = call.q, call.k, call.v, call.dout, call.dk, call.dv
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    return KernelLaunch(
+        "sm90.dkdv",
+        _attn_bwd_dkdv_ws_kernel,
+        (triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch),
+        (
+            q, k, v, dout, call.lse, call.delta, dk, dv, positions,
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
+            seqlen_q, seqlen_k, heads_k, call.softmax_scale * LOG2E, call.softmax_scale,
+        ),
+        dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
+            CAUSAL=call.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=True,
+        ),
+        scratch=True,
+    )  # fmt: skip
+
+
+def dq_launch(call: BwdCall, cfg: LaunchConfig, positions: torch.Tensor) -> KernelLaunch:
+    """_attn_bwd_dq_ws_kernel adding dQ into call.dq if call.add_dq, else storing it; dq_supported,
+    mask_positions(call)."""
+    q, k, v, dout, dq = call.q, call.k, call.v, call.dout, call.dq
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    return KernelLaunch(
+        "sm90.dq",
+        _attn_bwd_dq_ws_kernel,
+        (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
+        (
+            q, k, v, dout, call.lse, call.delta, dq, positions,
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
+            seqlen_q, seqlen_k, heads_q, call.softmax_scale * LOG2E, call.softmax_scale,
+        ),
+        dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
+            CAUSAL=call.causal, ACCUMULATE=call.add_dq, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=True,
+        ),
+        scratch=True,
+    )  # fmt: skip

@@ -1,0 +1,213 @@
+"""The dispatch (ops/dispatch.py): capabilities by feature test, the one override, the backends' tables, configs.
+
+Launches are planned from CPU tensors for a Hopper target (Target((9, 0))), as launch/tools/kernel_resources.py
+plans them, so every choice is checked here without a GPU; nothing is run.
+"""
+
+import inspect
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from ringattn.ops import (
+    BwdCall,
+    FinalRows,
+    FwdCall,
+    LaunchConfig,
+    Target,
+    attn_fwd,
+    bwd_launches,
+    dispatch,
+    fwd_launch,
+    launch_config,
+    override_configs,
+    portable,
+    sm90,
+)
+
+HOPPER, AMPERE, BLACKWELL, INTERPRETER = Target((9, 0)), Target((8, 0)), Target((10, 0)), Target(None)
+HOPPER_TRITON = dispatch.capabilities() == dispatch.Capabilities(gluon_hopper=True, split_kernels=True)
+needs_hopper_triton = pytest.mark.skipif(not HOPPER_TRITON, reason=f"triton {triton.__version__} lacks the features")
+
+
+@pytest.fixture
+def no_override(monkeypatch):
+    monkeypatch.delenv(dispatch.OVERRIDE_VARIABLE, raising=False)
+    dispatch.kernel_override.cache_clear()
+    yield
+    dispatch.kernel_override.cache_clear()
+
+
+def _tensors(seqlen_q=64, seqlen_k=64, heads=(2, 2), head_dim=128, dtype=torch.bfloat16):
+    q, dout = (torch.randn(1, seqlen_q, heads[0], head_dim, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(1, seqlen_k, heads[1], head_dim, dtype=dtype) for _ in range(2))
+    return q, k, v, dout
+
+
+def _fwd(q, k, v, out_dtype=None, merge_state=False, causal=False, **kwargs):
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
+    return FwdCall(q, k, v, 0.125, causal, out, lse, merge_state=merge_state, **kwargs)
+
+
+def _bwd(q, k, v, dout, grads_dtype=None, causal=False, **kwargs):
+    grads = [torch.empty(t.shape, dtype=grads_dtype or t.dtype) for t in (q, k, v)]
+    lse, delta = (torch.empty(q.shape[0], q.shape[2], q.shape[1]) for _ in range(2))
+    return BwdCall(dout, q, k, v, lse, delta, *grads, 0.125, causal, **kwargs)
+
+
+def _fwd_name(call, backend="sm90", target=HOPPER):
+    return fwd_launch(call, backend, target).name
+
+
+def _bwd_names(call, backend="sm90", target=HOPPER):
+    return tuple(launch.name for launch in bwd_launches(call, backend, target))
+
+
+def test_capabilities_are_features_not_versions(monkeypatch):
+    """A newer (or any) version number changes nothing; a Gluon whose warp_specialize takes the partitions another
+    way, or a triton without in-kernel descriptors, loses the features."""
+    found = dispatch.detect_capabilities()
+    for version in ("3.10.0", "4.0.0", "3.6.0"):
+        monkeypatch.setattr(triton, "__version__", version)
+        assert dispatch.detect_capabilities() == found
+    from triton.experimental.gluon import language as gl
+
+    def old_style(default_args, default_partition, worker_args, worker_partitions, worker_num_warps, worker_num_regs):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(gl, "warp_specialize", old_style)
+    assert not dispatch.detect_capabilities().gluon_hopper
+    monkeypatch.delattr(tl, "make_tensor_descriptor")
+    assert not dispatch.detect_capabilities().split_kernels
+
+
+@needs_hopper_triton
+def test_the_hopper_backend_needs_compute_capability_9(monkeypatch):
+    assert dispatch.hopper_available(HOPPER) and dispatch.hopper_available(Target((9, 1)))
+    assert not dispatch.hopper_available(AMPERE) and not dispatch.hopper_available(BLACKWELL)
+    assert dispatch.hopper_available(INTERPRETER)  # the split kernels, interpreted
+    monkeypatch.setattr(dispatch, "capabilities", lambda: dispatch.Capabilities(False, True))
+    assert not dispatch.hopper_available(HOPPER) and dispatch.hopper_available(INTERPRETER)
+
+
+@needs_hopper_triton
+def test_backend_resolution(no_override, monkeypatch):
+    assert dispatch.resolve_backend(None, INTERPRETER) == "portable"  # the CPU: portable unless asked
+    assert dispatch.resolve_backend("auto", HOPPER) == "sm90"
+    assert dispatch.resolve_backend(None, AMPERE) == "portable"
+    assert dispatch.resolve_backend("portable", HOPPER) == "portable"
+    assert dispatch.resolve_backend("sm90", INTERPRETER) == "sm90"
+    with pytest.raises(ValueError, match=r"backend 'sm90' needs a Hopper GPU .* not on compute capability \(8, 0\)"):
+        dispatch.resolve_backend("sm90", AMPERE)
+    with pytest.raises(ValueError, match=r"backend must be None, 'auto', 'portable' or 'sm90', got 'hopper'"):
+        dispatch.resolve_backend("hopper", HOPPER)
+    monkeypatch.setenv(dispatch.OVERRIDE_VARIABLE, "portable")
+    dispatch.kernel_override.cache_clear()
+    assert dispatch.resolve_backend(None, HOPPER) == "portable"
+    assert dispatch.resolve_backend("sm90", HOPPER) == "sm90"  # an explicit backend is what the caller asked for
+
+
+def test_a_bad_override_raises_in_every_call(no_override, monkeypatch):
+    """Read once; a bad value is a ValueError naming the variable and what it accepts, from the launchers'
+    device check (so from flash_attn_func, and from the ring before its first collective)."""
+    monkeypatch.setenv(dispatch.OVERRIDE_VARIABLE, "sm90")
+    dispatch.kernel_override.cache_clear()
+    match = r"\$RINGATTN_KERNELS must be one of auto, portable \(or unset\), got 'sm90'"
+    with pytest.raises(ValueError, match=match):
+        dispatch.kernel_override()
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match=match):
+        attn_fwd(q, q, q, 0.25, False)
+
+
+@needs_hopper_triton
+def test_forward_takes_the_gluon_kernel_only_where_its_table_does():
+    q, k, v, _ = _tensors()
+    assert _fwd_name(_fwd(q, k, v)) == "sm90.fwd"
+    assert _fwd_name(_fwd(q, k, v, causal=True)) == "sm90.fwd"
+    launch = fwd_launch(_fwd(q, k, v, out_dtype=torch.float32), "sm90", HOPPER)  # the ring's first step
+    assert launch.name == "sm90.fwd" and launch.kwargs["OUT_FP32"] and not launch.kwargs["MERGE_STATE"]
+    launch = fwd_launch(_fwd(q, k, v, out_dtype=torch.float32, merge_state=True), "sm90", HOPPER)  # later steps
+    assert launch.name == "sm90.fwd" and launch.kwargs["OUT_FP32"] and launch.kwargs["MERGE_STATE"]
+    assert _fwd_name(_fwd(*_tensors(heads=(4, 1))[:3])) == "sm90.fwd"  # MQA
+    ids = torch.zeros(64, dtype=torch.int32)
+    assert _fwd_name(_fwd(q, k, v, q_doc_ids=ids, k_doc_ids=ids)) == "portable.fwd"  # documents
+    assert _fwd_name(_fwd(q, k, v, final=FinalRows(torch.empty_like(q), range(0, 32)))) == "portable.fwd"
+    assert _fwd_name(_fwd(*_tensors(head_dim=64)[:3])) == "portable.fwd"  # D = 64: slower there
+    assert _fwd_name(_fwd(*_tensors(dtype=torch.float32)[:3])) == "portable.fwd"
+    offset = torch.randn(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # base address off 16 bytes
+    assert _fwd_name(_fwd(q, offset, v)) == "portable.fwd"
+    assert _fwd_name(_fwd(q, k, v), backend="portable") == "portable.fwd"
+    assert _fwd_name(_fwd(q, k, v), backend=None, target=AMPERE) == "portable.fwd"
+    assert _fwd_name(_fwd(q, k, v), backend="sm90", target=INTERPRETER) == "portable.fwd"  # Gluon: GPUs only
+
+
+@needs_hopper_triton
+def test_backward_takes_the_split_kernels_only_where_the_table_does():
+    q, k, v, dout = _tensors(head_dim=128)
+    split, fallback = ("sm90.dkdv", "sm90.dq"), ("portable.dkdv", "portable.dq")
+    assert _bwd_names(_bwd(q, k, v, dout)) == split
+    assert _bwd_names(_bwd(q, k, v, dout, causal=True)) == split
+    assert _bwd_names(_bwd(*_tensors(head_dim=64))) == ("sm90.dkdv", "portable.dq")  # dQ: D = 128 only
+    assert _bwd_names(_bwd(*_tensors(head_dim=96))) == fallback
+    ids = torch.zeros(64, dtype=torch.int32)
+    assert _bwd_names(_bwd(q, k, v, dout, q_doc_ids=ids, k_doc_ids=ids)) == fallback  # documents
+    assert _bwd_names(_bwd(*_tensors(seqlen_q=97))) == fallback  # Sq % 4: the stats' rows off 16 bytes
+    assert _bwd_names(_bwd(q, k, v, dout, add_dkdv=True)) == ("portable.dkdv", "sm90.dq")  # dK, dV added
+    gq, gk, gv, gdout = _tensors(heads=(4, 2))
+    assert _bwd_names(_bwd(gq, gk, gv, gdout)) == split  # GQA, heads packed in each row
+    unpacked = gq.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) view of (B, H, S, D)
+    assert _bwd_names(_bwd(unpacked, gk, gv, gdout)) == ("portable.dkdv", "sm90.dq")
+    final = FinalRows(torch.empty_like(q), range(0, 32))
+    assert _bwd_names(_bwd(q, k, v, dout, dq_final=final)) == ("sm90.dkdv", "portable.dq")  # the ring's last step
+    assert _bwd_names(_bwd(*_tensors(dtype=torch.float32))) == fallback  # fp32 on a GPU would be tf32
+    assert _bwd_names(_bwd(*_tensors(dtype=torch.float32)), target=INTERPRETER) == split  # the interpreter: any
+    assert _bwd_names(_bwd(q, k, v, dout, grads_dtype=torch.float32)) == split  # the ring's fp32 shares
+    assert _bwd_names(_bwd(q, k, v, dout), backend="portable") == fallback
+    assert _bwd_names(_bwd(q, k, v, dout), backend=None, target=AMPERE) == fallback
+
+
+def test_configs_come_from_the_tables_and_overrides_restore(no_override):
+    assert launch_config("sm90.fwd", 128, torch.bfloat16, HOPPER) == sm90.TABLE["fwd"][128]
+    assert launch_config("sm90.dq", 64, torch.bfloat16, HOPPER) is None
+    assert launch_config("sm90.dkdv", 64, torch.float32, INTERPRETER) == portable.INTERPRETER_CONFIG
+    assert launch_config("portable.fwd", 40, torch.bfloat16, HOPPER) == portable.CONFIGS_16BIT["fwd"][0][1]
+    assert launch_config("portable.dq", 40, torch.float32, INTERPRETER) == portable.INTERPRETER_CONFIG
+    swept = LaunchConfig(64, 32, 4, 3)
+    with override_configs({"portable.fwd": swept, "sm90.dq": swept}):
+        assert launch_config("portable.fwd", 40, torch.bfloat16, HOPPER) == swept
+        assert launch_config("sm90.dq", 128, torch.bfloat16, HOPPER) == swept
+        assert launch_config("sm90.dq", 64, torch.bfloat16, HOPPER) is None  # still where the table takes it
+    assert launch_config("portable.fwd", 40, torch.bfloat16, HOPPER) == portable.CONFIGS_16BIT["fwd"][0][1]
+    with pytest.raises(ValueError, match="unknown kernels"):
+        with override_configs({"sm90.dkdv_ws": swept}):
+            pass
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        launch_config("portable.bwd", 64, torch.bfloat16, HOPPER)
+
+
+def test_every_kernel_name_is_a_launch_name():
+    """KERNELS names what the planners build (the sweep and the resource report go by these names)."""
+    q, k, v, dout = _tensors()
+    names = {fwd_launch(_fwd(q, k, v), b, HOPPER).name for b in ("portable", "sm90")}
+    names |= {n for b in ("portable", "sm90") for n in _bwd_names(_bwd(q, k, v, dout), b)}
+    if HOPPER_TRITON:
+        assert names == set(dispatch.KERNELS)
+    assert names <= set(dispatch.KERNELS)
+    assert set(inspect.signature(dispatch.launch_config).parameters) == {"kernel", "head_dim", "dtype", "target"}
+
+
+def test_short_backwards_run_on_two_streams_on_gpus_only():
+    """At most 2^32 score entries (halved when causal); CPU tensors never (no streams)."""
+    q, k, v, dout = _tensors(seqlen_q=8, seqlen_k=8)
+    call = _bwd(q, k, v, dout)
+    assert dispatch.short_backward(call) and not dispatch.bwd_on_two_streams(call)
+    big = torch.empty(1, 2**16, 1, 8).expand(2, 2**16, 2, 8)  # B Hq Sq Sk = 2^34: too many, causal or not
+    for causal, short in ((False, False), (True, False)):
+        assert dispatch.short_backward(_bwd(big, big, big, big, causal=causal)) is short
+    half = torch.empty(1, 2**16, 1, 8).expand(1, 2**16, 2, 8)  # 2^33: causal halves it to 2^32
+    assert not dispatch.short_backward(_bwd(half, half, half, half))
+    assert dispatch.short_backward(_bwd(half, half, half, half, causal=True))

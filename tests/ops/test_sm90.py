@@ -1,0 +1,166 @@
+"""The Hopper backend's kernels (kernels/sm90/, ops/sm90.py) against float64 under the tolerance rule.
+
+The split dK/dV and dQ kernels are Triton-language code: the interpreter runs them when a call asks for the
+"sm90" backend, so these tests run them on the CPU as on a Hopper GPU. The Gluon forward runs on a Hopper GPU only
+(the interpreter cannot run Gluon); it compiles offline in tests/launch/tools/test_kernel_resources.py. Which call
+takes which kernel is tests/ops/test_dispatch.py's.
+"""
+
+import contextvars
+
+import pytest
+import torch
+import triton
+
+from ringattn.ops import (
+    BwdCall,
+    FwdCall,
+    Target,
+    attn_bwd,
+    attn_fwd,
+    attn_fwd_merge_,
+    bwd_launches,
+    dispatch,
+    fwd_launch,
+    kernel_ops,
+    launch,
+)
+from ringattn.parallel import LAYOUTS
+from ringattn.testing import RESULTS, check_results, simulate_ring_attn
+from tests.utils import DEVICE, DTYPES, check_against_reference, dtype_id, make_qkv, reference_attention
+
+HOPPER_HERE = dispatch.hopper_available(Target.of(torch.empty(0, device=DEVICE)))
+needs_hopper = pytest.mark.skipif(not HOPPER_HERE, reason="the Hopper backend cannot run here")
+needs_hopper_gpu = pytest.mark.skipif(
+    not (HOPPER_HERE and DEVICE.type == "cuda"), reason="the Gluon forward runs on Hopper GPUs"
+)
+# Sq a multiple of 4 (the split kernels' condition); ragged tiles on both sides, Sq != Sk both ways (Sq > Sk causal:
+# rows that see no key)
+SPLIT_SEQLENS = [(4, 4), (100, 100), (96, 160), (160, 36)]
+HEADS = [(2, 2), (4, 2), (4, 1)]  # MHA, GQA, MQA
+# every length and head layout at D = 64 (dK/dV split, dQ portable); D = 128 (both split) at two lengths, MHA, MQA
+GRID = [(*lengths, 64, heads) for lengths in SPLIT_SEQLENS for heads in HEADS]
+GRID += [(*lengths, 128, heads) for lengths in SPLIT_SEQLENS[1::2] for heads in HEADS[::2]]
+
+
+def _launched(q, k, v, dout, causal, grads_dtype=None, **kwargs):
+    """The names of the (dK/dV, dQ) kernels the backward on the Hopper backend launches."""
+    out, lse = attn_fwd(q, k, v, 0.125, causal)
+    delta = torch.empty_like(lse)
+    grads = [torch.empty_like(t, dtype=grads_dtype) for t in (q, k, v)]
+    call = BwdCall(dout, q, k, v, lse, delta, *grads, 0.125, causal, **kwargs)
+    return tuple(launch.name for launch in bwd_launches(call, "sm90"))
+
+
+def _expected(head_dim, add_dkdv=False):
+    return ("portable.dkdv" if add_dkdv else "sm90.dkdv", "sm90.dq" if head_dim == 128 else "portable.dq")
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,head_dim,heads", GRID, ids=[f"Sq{a}-Sk{b}-D{d}-Hq{h[0]}-Hkv{h[1]}"
+                                                                      for a, b, d, h in GRID])  # fmt: skip
+def test_split_backward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, causal):
+    """dq, dk, dv (and out, lse) against float64, rows that see no key included (lse -inf, out 0, zero
+    gradients)."""
+    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, DTYPES[0], seed=seqlen_q + 7 * seqlen_k)
+    assert _launched(q, k, v, dout, causal) == _expected(head_dim)
+    scale = head_dim**-0.5
+    out, lse = attn_fwd(q, k, v, scale, causal, backend="sm90")
+    grads = attn_bwd(dout, q, k, v, out, lse, scale, causal, backend="sm90")
+    check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads))
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", HEADS[:2], ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS[:2]])
+def test_split_ring_step_forms(heads, causal):
+    """The ring's forms: dK, dV stored (add_dkdv=False) into fp32 buffers that are not read, dQ added into an fp32
+    accumulator: the public call's gradients, in fp32, plus what the accumulator held."""
+    q, k, v, dout = make_qkv(1, 64, 64, *heads, 128, DTYPES[0], seed=5)
+    assert _launched(q, k, v, dout, causal, grads_dtype=torch.float32, add_dq=True) == _expected(128)
+    out, lse = attn_fwd(q, k, v, 0.125, causal)
+    held = torch.randn(q.shape, device=DEVICE)
+    dq = held.clone()
+    dk, dv = (torch.full(t.shape, float("nan"), device=DEVICE) for t in (k, v))  # stored, not read
+    attn_bwd(dout, q, k, v, out, lse, 0.125, causal, dq_acc=dq, dk_acc=dk, dv_acc=dv, add_dkdv=False, backend="sm90")
+    want = attn_bwd(dout, q, k, v, out, lse, 0.125, causal, backend="sm90")
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq - held, dk, dv), want, strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.to(ref.dtype), ref, msg=name)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hopper_backend_in_the_simulated_ring_matches_reference(layout, causal):
+    """Every ring step on the Hopper backend (forward merges, dK/dV shares, dQ additions; S_local = 32 rows per
+    rank, W = 2, GQA 4:2, D = 128): out, lse and the gradients against float64."""
+    q, k, v, dout = make_qkv(1, 64, 64, 4, 2, 128, DTYPES[0], seed=11)
+    ours = simulate_ring_attn(kernel_ops("sm90"), q, k, v, 128**-0.5, causal, 2, layout, dout=dout)
+    check_against_reference(q, k, v, dout, 128**-0.5, causal, ours)
+
+
+# ragged tiles; Sq != Sk both ways (Sq > Sk causal: rows that see no key, and Q tiles with no key tile at all)
+GLUON_SEQLENS = [(4, 4), (300, 300), (1000, 1000), (200, 456), (512, 136)]
+
+
+def _fwd_name(q, k, v, causal, out_dtype=None, merge_state=False):
+    out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    return fwd_launch(FwdCall(q, k, v, 0.125, causal, out, lse, merge_state=merge_state)).name
+
+
+@needs_hopper_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", HEADS, ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", GLUON_SEQLENS, ids=[f"Sq{a}-Sk{b}" for a, b in GLUON_SEQLENS])
+def test_gluon_forward_and_backward_match_reference(seqlen_q, seqlen_k, heads, causal, dtype):
+    """The forward by the Gluon kernel (the same bits twice), and the backward from its lse, against float64."""
+    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, 128, dtype, seed=seqlen_q + heads[1])
+    assert _fwd_name(q, k, v, causal) == "sm90.fwd"
+    scale = 128**-0.5
+    out, lse = attn_fwd(q, k, v, scale, causal)
+    again = attn_fwd(q, k, v, scale, causal)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+    grads = attn_bwd(dout, q, k, v, out, lse, scale, causal)
+    check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads), what="gluon")
+
+
+@needs_hopper_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", HEADS[:2], ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS[:2]])
+def test_gluon_forward_starts_and_merges_into_the_ring_state(heads, causal, dtype):
+    """The ring's steps by the Gluon kernel: keys 0 to 400 (which every row sees) into a fresh fp32 state (the
+    ring's first step), then keys 400 to 1000 merged into it (causal, bottom-right: a block whose last rows see all
+    of it), give the whole call's out and lse against float64, Sq = 300."""
+    q, k, v, dout = make_qkv(1, 300, 1000, *heads, 128, dtype, seed=128 + heads[1])
+    first, rest = slice(0, 400), slice(400, 1000)
+    assert _fwd_name(q, k[:, first], v[:, first], False, torch.float32) == "sm90.fwd"
+    assert _fwd_name(q, k[:, rest], v[:, rest], causal, torch.float32, merge_state=True) == "sm90.fwd"
+    scale = 128**-0.5
+    out, lse = attn_fwd(q, k[:, first], v[:, first], scale, False, out_dtype=torch.float32)
+    attn_fwd_merge_(q, k[:, rest], v[:, rest], scale, causal, out, lse)
+    ref, plain = (dict(zip(RESULTS, reference_attention(q, k, v, dout, scale, causal, t), strict=True))
+                  for t in (torch.float64, q.dtype))  # fmt: skip
+    check_results("gluon steps", {"out": out, "lse": lse}, plain, ref)
+
+
+def test_scratch_allocator_is_set_for_the_launch_only():
+    """run_with_scratch gives the launch PyTorch's allocator and leaves the caller's in place."""
+    from triton.runtime import _allocation
+
+    def caller_allocator(size, alignment, stream):
+        raise AssertionError("the caller's allocator was used")
+
+    seen = []
+
+    def in_caller_context():
+        triton.set_allocator(caller_allocator)
+        launch.run_with_scratch(lambda: seen.append(_allocation._allocator.get()))
+        seen.append(_allocation._allocator.get())
+
+    contextvars.copy_context().run(in_caller_context)  # the test's own context keeps its allocator too
+    assert seen == [launch._torch_scratch, caller_allocator]
