@@ -9,7 +9,7 @@ import torch
 import ringattn
 from ringattn.ops import REFERENCE_OPS
 from ringattn.ops.custom_ops import attn_bwd_op, attn_fwd_op
-from ringattn.parallel.simulate import simulate_ring_attn
+from ringattn.testing import simulate_ring_attn
 from tests.utils import DTYPES, make_qkv
 
 DTYPE = DTYPES[0]

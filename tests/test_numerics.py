@@ -7,8 +7,16 @@ import torch
 import ringattn
 from ringattn.ops import KERNEL_OPS, AttnOps
 from ringattn.parallel import shard_indices
-from ringattn.parallel.simulate import simulate_ring_attn, simulate_ring_backward, simulate_ring_forward
-from ringattn.testing import RESULTS, check_results, magnitude, max_abs_error, tolerance
+from ringattn.testing import (
+    RESULTS,
+    check_results,
+    magnitude,
+    max_abs_error,
+    simulate_ring_attn,
+    simulate_ring_backward,
+    simulate_ring_forward,
+    tolerance,
+)
 from tests.distributed import run_ranks
 from tests.utils import DEVICE, DTYPES, check_against_reference, make_qkv, reference_attention
 

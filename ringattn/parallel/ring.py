@@ -15,11 +15,9 @@ it; `finishing_plan`) writes it rounded, straight from the kernel, instead of in
 
 What one rank computes at one step, given the K/V block in hand, is `own_block_forward` and
 `own_block_backward` at step 0 and `forward_step` and `backward_step` after; the distributed
-loops here and the one-process simulated ring (parallel/simulate.py) both call them, so they
+loops here and the one-process simulated ring (testing/simulate.py) both call them, so they
 compute bitwise the same thing.
 """
-
-from typing import NamedTuple
 
 import torch
 
@@ -91,25 +89,20 @@ def _uncovered(rows: range, covered: list[range]) -> range:
     return pieces[0] if pieces else range(rows.start, rows.start)
 
 
-class StepFinal(NamedTuple):
-    """Where a ring step writes the rows it finishes: `out`, the rank's result (B, S_local, H, D) in its final
-    dtype, and `rows`, the step's entry of finishing_plan (the shard rows each of its tasks finishes)."""
-
-    out: torch.Tensor
-    rows: list[range]
-
-
-def _task_final(final: StepFinal | None, i: int, n_tasks: int, q_rows: range) -> FinalRows | None:
-    """The FinalRows of the i-th of a step's n_tasks tasks (query rows q_rows) for the kernel call: a view of
-    final.out over the task's rows, with the rows it finishes counted from q_rows.start; None if it finishes none."""
-    if final is None:
+def _task_final_rows(
+    finished: torch.Tensor | None, finishing: list[range] | None, i: int, n_tasks: int, q_rows: range
+) -> FinalRows | None:
+    """The FinalRows of the i-th of a step's n_tasks tasks (query rows q_rows) for its kernel call: a view of
+    `finished` (the rank's result in its final dtype, (B, S_local, H, D)) over the task's rows, with the rows it
+    finishes (`finishing`, the step's entry of finishing_plan) counted from q_rows.start; None if it finishes none."""
+    if finished is None:
         return None
-    if len(final.rows) != n_tasks:
-        raise RuntimeError(f"the finishing plan gives {len(final.rows)} tasks for a step of {n_tasks}")
-    finished = final.rows[i]
-    if not len(finished):
+    if len(finishing) != n_tasks:
+        raise RuntimeError(f"the finishing plan gives {len(finishing)} tasks for a step of {n_tasks}")
+    rows = finishing[i]
+    if not len(rows):
         return None
-    return FinalRows(_rows(final.out, q_rows), range(finished.start - q_rows.start, finished.stop - q_rows.start))
+    return FinalRows(_rows(finished, q_rows), range(rows.start - q_rows.start, rows.stop - q_rows.start))
 
 
 def _own_block_task(
@@ -137,13 +130,15 @@ def own_block_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     docs: ShardDocuments | None = None,
-    final: StepFinal | None = None,
+    finished: torch.Tensor | None = None,
+    finishing: list[range] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 0 of the forward on one rank: q's attention to the rank's own K/V block, which starts the running state.
 
     Args:
         q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards.
-        final: where the rows this step finishes go (finishing_plan's step 0), rounded; None: into out.
+        finished, finishing: the rank's result (B, S_local, Hq, D) in its final dtype, and finishing_plan's step 0:
+            the rows this step finishes go there, rounded; None: into out.
     Returns:
         out (B, S_local, Hq, D) and lse (B, Hq, S_local) in state_dtype(q), for forward_step to merge into: the
         same bits as merging the block into the merge's identity (out 0, lse -inf), without filling that
@@ -151,7 +146,7 @@ def own_block_forward(
     """
     task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs)
     return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, state_dtype(q), **doc_ids,
-                   final=_task_final(final, 0, 1, task.q_rows))  # fmt: skip
+                   final=_task_final_rows(finished, finishing, 0, 1, task.q_rows))  # fmt: skip
 
 
 def forward_step(
@@ -168,7 +163,8 @@ def forward_step(
     out: torch.Tensor,
     lse: torch.Tensor,
     docs: ShardDocuments | None = None,
-    final: StepFinal | None = None,
+    finished: torch.Tensor | None = None,
+    finishing: list[range] | None = None,
 ) -> None:
     """One ring step of the forward on one rank: merge q's attention to the K/V block of `kv_rank` into (out, lse).
 
@@ -177,8 +173,8 @@ def forward_step(
         out, lse: the running state (from own_block_forward), updated in place.
         docs: packed documents (ring_attn_varlen_func): sub-blocks whose documents never meet are
             skipped, the others masked by document.
-        final: where the rows this step finishes go, rounded, instead of into out (finishing_plan's entry of
-            this step); None: into out.
+        finished, finishing: where the rows this step finishes go, rounded, instead of into out (finishing_plan's
+            entry of this step), as in own_block_forward.
     """
     tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs))
     for i, (task, doc_ids) in enumerate(tasks):
@@ -192,7 +188,7 @@ def forward_step(
             _rows(out, qs),  # views: the kernel merges into the running state in place
             _rows(lse, qs, 2),
             **doc_ids,
-            final=_task_final(final, i, len(tasks), qs),
+            final=_task_final_rows(finished, finishing, i, len(tasks), qs),
         )
 
 
@@ -211,7 +207,8 @@ def own_block_backward(
     lse: torch.Tensor,
     delta: torch.Tensor,
     docs: ShardDocuments | None = None,
-    dq_final: StepFinal | None = None,
+    dq_finished: torch.Tensor | None = None,
+    finishing: list[range] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 0 of the backward on one rank: the gradients of q's attention to the rank's own block, stored into new
     state_dtype(q) buffers (nothing zeroed, nothing read back): this rank's dq and its own block's dK, dV
@@ -220,9 +217,9 @@ def own_block_backward(
     Args:
         dout, q, out: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards;
         lse, delta: (B, Hq, S_local), the global lse and rowsum(dout * out).
-        dq_final: where the dq rows this step finishes go, rounded, as own_block_forward's final.
+        dq_finished, finishing: where the dq rows this step finishes go, rounded, as own_block_forward's.
     Returns:
-        dq, dk, dv shaped like q, k, v, in state_dtype(q) (dq's rows written to dq_final unspecified).
+        dq, dk, dv shaped like q, k, v, in state_dtype(q) (dq's rows written to dq_finished unspecified).
     """
     task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs)
     dtype = state_dtype(q)
@@ -230,7 +227,7 @@ def own_block_backward(
     return ops.bwd(
         dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, delta=delta,
         dq_acc=dq, dk_acc=dk, dv_acc=dv, **doc_ids, add_dq=False, add_dkdv=False,
-        dq_final=_task_final(dq_final, 0, 1, task.q_rows),
+        dq_final=_task_final_rows(dq_finished, finishing, 0, 1, task.q_rows),
     )  # fmt: skip
 
 
@@ -254,7 +251,8 @@ def backward_step(
     dv_acc: torch.Tensor,
     docs: ShardDocuments | None = None,
     add_dkdv: bool = True,
-    dq_final: StepFinal | None = None,
+    dq_finished: torch.Tensor | None = None,
+    finishing: list[range] | None = None,
 ) -> list[range]:
     """One ring step of the backward on one rank: add the gradients of q's attention to the block of `kv_rank`
     into dq (this rank's) and dk_acc, dv_acc (the accumulators of the block in hand), in place.
@@ -265,7 +263,8 @@ def backward_step(
         docs: packed documents, as in forward_step.
         add_dkdv: False stores the block's dK, dV into the rows of dk_acc, dv_acc it computes instead of adding
             (for a step of at most one task, which block_tasks gives whenever kv_rank != rank).
-        dq_final: where the dq rows this step finishes go, rounded, instead of into dq (as forward_step's final).
+        dq_finished, finishing: where the dq rows this step finishes go, rounded, instead of into dq (as
+            forward_step's).
     Returns:
         the K/V rows whose dK, dV were added or stored, one range per computed task.
     """
@@ -291,7 +290,7 @@ def backward_step(
             dv_acc=_rows(dv_acc, kvs),
             **doc_ids,
             add_dkdv=add_dkdv,
-            dq_final=_task_final(dq_final, i, len(tasks), qs),
+            dq_final=_task_final_rows(dq_finished, finishing, i, len(tasks), qs),
         )
     return rows
 
@@ -367,14 +366,13 @@ def ring_attn_forward(
         if not last:
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit(f"forward step {step} (K/V)")
-        final = StepFinal(finished, plan[step])
         if step == 0:
             out, lse = own_block_forward(ops, layout, comm.rank, comm.world_size, causal, softmax_scale, q, k_cur,
-                                         v_cur, docs, final)  # fmt: skip
+                                         v_cur, docs, finished, plan[step])  # fmt: skip
         else:
             kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
             forward_step(ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale, q, k_cur, v_cur,
-                         out, lse, docs, final)  # fmt: skip
+                         out, lse, docs, finished, plan[step])  # fmt: skip
         if not last:
             comm.wait()
             k_cur, v_cur = k_next, v_next
@@ -424,10 +422,9 @@ def ring_attn_backward(
     comm.commit("backward step 0 (K/V)")
     dk_in = dv_in = None  # accumulators of the block in hand, from the ranks that held it before
     for step in range(world_size):
-        dq_final = StepFinal(dq_finished, plan[step])
         if step == 0:  # dq and the accumulators of this rank's own block
             dq, dk, dv = own_block_backward(ops, layout, comm.rank, world_size, causal, softmax_scale, dout, q, k_cur,
-                                            v_cur, out, lse, delta, docs, dq_final)  # fmt: skip
+                                            v_cur, out, lse, delta, docs, dq_finished, plan[step])  # fmt: skip
         else:
             # From step 1 on the accumulators arrive only after the kernels (they overlap the transfer): the kernels
             # store this rank's share, which is then added to the arrived accumulators, in the rows it covers.
@@ -435,7 +432,7 @@ def ring_attn_backward(
             rows = backward_step(
                 ops, layout, comm.rank, kv_rank, world_size, causal, softmax_scale,
                 dout, q, k_cur, v_cur, out, lse, delta, dq, share_k, share_v, docs, add_dkdv=False,
-                dq_final=dq_final,
+                dq_finished=dq_finished, finishing=plan[step],
             )  # fmt: skip
         comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
         if step > 0:

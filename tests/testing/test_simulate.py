@@ -7,8 +7,7 @@ import torch
 import ringattn
 from ringattn.ops import KERNEL_OPS, REFERENCE_OPS
 from ringattn.parallel import LAYOUTS, shard_indices
-from ringattn.parallel.simulate import simulate_ring_attn, simulate_ring_backward, simulate_ring_forward
-from ringattn.testing import max_abs_error
+from ringattn.testing import max_abs_error, simulate_ring_attn, simulate_ring_backward, simulate_ring_forward
 from tests.distributed import run_ranks
 from tests.utils import DEVICE, make_qkv, reference_attention
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .ops import attn_bwd_ref, attn_fwd_ref
+from ..ops import attn_bwd_ref, attn_fwd_ref
 
 ERROR_RATIO = 2.0
 FLOOR_ULPS = 16.0

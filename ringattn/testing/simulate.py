@@ -1,8 +1,9 @@
-"""A simulated ring: W virtual ranks in one process, no communication (docs/design.md, section 7).
+"""A simulated ring: W virtual ranks in one process, no communication (docs/design.md, section 7): a measuring
+tool for the ring's numerics and for the cost of its decomposition, not a runtime part.
 
 It runs the same schedule (schedule.kv_source_rank, schedule.block_tasks) and the same per-step
 code (ring.own_block_forward, ring.own_block_backward at step 0; ring.forward_step, ring.backward_step,
-ring.add_share_ after) as the distributed loops in ring.py, with the block
+ring.add_share_ after) as the distributed loops in parallel/ring.py, with the block
 that rank r would hold at step t taken from a list instead of received. Steps run in ring order
 and, within a step, ranks in order, so the dK/dV accumulator of every block collects its
 contributions in the order the real ring adds them: the results are bitwise those of the
@@ -13,9 +14,8 @@ and timing what the decomposition itself costs against one fused call, without a
 import torch
 
 from ..ops import AttnOps
-from .layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
-from .ring import (
-    StepFinal,
+from ..parallel.layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
+from ..parallel.ring import (
     add_share_,
     add_share_rounded,
     backward_step,
@@ -25,7 +25,7 @@ from .ring import (
     own_block_forward,
     state_dtype,
 )
-from .schedule import kv_source_rank
+from ..parallel.schedule import kv_source_rank
 
 
 def _check_shards(name: str, shards: list[torch.Tensor], world_size: int) -> None:
@@ -65,7 +65,7 @@ def simulate_ring_forward(
     finished = [torch.empty(q.shape, dtype=out_dtype or state_dtype(q), device=q.device) for q in q_shards]
     states = [
         own_block_forward(ops, layout, rank, world_size, causal, softmax_scale, q, k, v,
-                          final=StepFinal(finished[rank], plans[rank][0]))
+                          finished=finished[rank], finishing=plans[rank][0])
         for rank, (q, k, v) in enumerate(zip(q_shards, k_shards, v_shards, strict=True))
     ]  # fmt: skip
     for step in range(1, world_size):
@@ -75,7 +75,7 @@ def simulate_ring_forward(
             forward_step(
                 ops, layout, rank, kv, world_size, causal, softmax_scale,
                 q_shards[rank], k_shards[kv], v_shards[kv], out, lse,
-                final=StepFinal(finished[rank], plans[rank][step]),
+                finished=finished[rank], finishing=plans[rank][step],
             )  # fmt: skip
     return [(finished[rank], lse) for rank, (_, lse) in enumerate(states)]
 
@@ -118,7 +118,7 @@ def simulate_ring_backward(
     grads = [
         own_block_backward(ops, layout, rank, world_size, causal, softmax_scale, dout_shards[rank], q_shards[rank],
                            k_shards[rank], v_shards[rank], out_shards[rank], lse_shards[rank], deltas[rank],
-                           dq_final=StepFinal(dq_finished[rank], plans[rank][0]))
+                           dq_finished=dq_finished[rank], finishing=plans[rank][0])
         for rank in range(world_size)
     ]  # fmt: skip
     dq = [g[0] for g in grads]
@@ -132,7 +132,7 @@ def simulate_ring_backward(
                 ops, layout, rank, kv, world_size, causal, softmax_scale,
                 dout_shards[rank], q_shards[rank], k_shards[kv], v_shards[kv], out_shards[rank],
                 lse_shards[rank], deltas[rank], dq[rank], share_k, share_v, add_dkdv=False,
-                dq_final=StepFinal(dq_finished[rank], plans[rank][step]),
+                dq_finished=dq_finished[rank], finishing=plans[rank][step],
             )  # fmt: skip
             if step == world_size - 1 and grad_dtype is not None:
                 dk_acc[kv], dv_acc[kv] = add_share_rounded(dk_acc[kv], dv_acc[kv], share_k, share_v, rows, grad_dtype)
