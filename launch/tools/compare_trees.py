@@ -1,0 +1,123 @@
+"""Time ringattn's public flash_attn_func, forward and forward+backward, from two source trees side by side on one
+GPU: the check that a change keeps the kernels' speed.
+
+    git archive main ringattn | tar -x -C /tmp/main   # the tree to compare against
+    python3 launch/tools/compare_trees.py --trees /tmp/main . --labels main change --out /tmp/compare.json
+
+Each tree runs in its own process (a package can be imported once per process), in the order A B A B ... for
+--repeats rounds, so drift of the GPU's clocks falls on both; every process times the same cells (bf16, H = 32,
+B x S = 32768 tokens, the grid of --head-dims, --seqlens, K/V heads 32 and 8, causal or not) with
+triton.testing.do_bench (median), and records the sum of its forward's output, so that trees whose kernels round
+differently show it. Writes JSON (environment, one record per tree, round, cell and mode) and prints per cell the
+median over rounds of each tree and their ratio.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+TOKENS, HEADS = 32768, 32
+
+
+def _cells(head_dims: list[int], seqlens: list[int]) -> list[dict]:
+    return [
+        dict(B=TOKENS // s, S=s, H=HEADS, Hkv=hkv, D=d, causal=causal)
+        for d in head_dims for s in seqlens for hkv in (HEADS, 8) for causal in (False, True)
+    ]  # fmt: skip
+
+
+def _time_cell(cell: dict) -> list[dict]:
+    """In the worker process: one cell's forward and forward+backward median ms (ringattn from sys.path)."""
+    import torch
+    from triton.testing import do_bench
+
+    import ringattn
+
+    gen = torch.Generator(device="cuda").manual_seed(cell["S"] + cell["D"] + cell["Hkv"])
+    shape_q, shape_kv = (cell["B"], cell["S"], cell["H"], cell["D"]), (cell["B"], cell["S"], cell["Hkv"], cell["D"])
+    q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k, v = (torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for _ in range(2))  # fmt: skip
+    dout = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=gen)
+    causal = cell["causal"]
+    digest = float(ringattn.flash_attn_func(q, k, v, causal=causal).float().sum())
+
+    def fwd():
+        with torch.no_grad():
+            ringattn.flash_attn_func(q, k, v, causal=causal)
+
+    def fwd_bwd():
+        ringattn.flash_attn_func(q, k, v, causal=causal).backward(dout)
+
+    return [
+        dict(cell, mode=mode, ms=do_bench(fn, warmup=50, rep=300, return_mode="median"), out_sum=digest)
+        for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd))
+    ]
+
+
+def _time_cells(cells: list[dict]) -> list[dict]:
+    """In the worker process: _time_cell of every cell."""
+    return [record for cell in cells for record in _time_cell(cell)]
+
+
+def _worker(tree: str, cells: list[dict]) -> list[dict]:
+    """Run _time_cells in a fresh process with `tree` first on sys.path."""
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2]);"
+        "from compare_trees import _time_cells; print(json.dumps(_time_cells(json.loads(sys.argv[3]))))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(Path(tree).resolve()), str(Path(__file__).parent), json.dumps(cells)],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the worker on {tree} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _environment() -> dict:
+    import torch
+    import triton
+
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trees", nargs=2, required=True, metavar=("A", "B"), help="two source trees")
+    parser.add_argument("--labels", nargs=2, default=("A", "B"), help="their names in the records")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of A B")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("compare_trees.py times CUDA kernels: no GPU here")
+    cells = _cells(args.head_dims, args.seqlens)
+    records = []
+    for round_ in range(args.repeats):
+        for tree, label in zip(args.trees, args.labels, strict=True):
+            records += [dict(r, tree=label, round=round_) for r in _worker(tree, cells)]
+    args.out.write_text(json.dumps(dict(environment=_environment(), command=sys.argv, records=records), indent=1))
+    a, b = args.labels
+    print(f"| D | S | Hkv | causal | mode | {a} ms | {b} ms | {b} / {a} |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    keys = sorted({(r["D"], r["S"], r["Hkv"], r["causal"], r["mode"]) for r in records}, reverse=True)
+    for key in keys:
+        ms = {label: statistics.median(r["ms"] for r in records if r["tree"] == label
+                                       and (r["D"], r["S"], r["Hkv"], r["causal"], r["mode"]) == key)
+              for label in args.labels}  # fmt: skip
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {key[4]} | {ms[a]:.3f} | {ms[b]:.3f} | "
+              f"{ms[b] / ms[a]:.3f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
