@@ -32,14 +32,14 @@ import shlex
 import sys
 from collections.abc import Callable
 
-import bench_common
 import torch
 import torch.nn.functional as F
-from bench_common import attention_flops, env_record, run_measuring_peak, write_json
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import ringattn
+from ringattn import benchmark
+from ringattn.benchmark import attention_flops, env_record, run_measuring_peak, write_json
 from ringattn.ops import attn_fwd_ref
 
 TOKENS = 32768
@@ -256,7 +256,7 @@ def markdown_table(records: list[dict]) -> str:
         ratios = [f"{row['ringattn'] / row[p]:.2f}" if "ringattn" in row and p in row else "-" for p in others]
         d, hkv, causal, s, mode = key
         rows.append([d, hkv, "yes" if causal else "no", s, mode, *vals, *ratios])
-    return bench_common.markdown_table(head, rows)
+    return benchmark.markdown_table(head, rows)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,10 @@ if not torch.cuda.is_available():
 import longest_sequence as ls  # noqa: E402 (beside this script in launch/)
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_common import (  # noqa: E402 (beside this script in launch/)
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import ringattn  # noqa: E402
+from ringattn.benchmark import (  # noqa: E402
     DTYPES,
     attention_flops,
     env_record,
@@ -99,9 +102,6 @@ from bench_common import (  # noqa: E402 (beside this script in launch/)
     run_measuring_peak,
     write_json,
 )
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-import ringattn  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 from ringattn.parallel import shard_indices, shard_ranges  # noqa: E402
 
@@ -179,7 +179,7 @@ def max_over_ranks(value: float, device: torch.device) -> float:
 
 def median_ms(fn: Callable, device: torch.device, n: int) -> float:
     """Median milliseconds of n back-to-back fn() calls: CUDA events, one synchronisation at the end; on the CPU
-    bench_common.host_median_s."""
+    ringattn.benchmark.host_median_s."""
     if device.type != "cuda":
         return host_median_s(fn, n) * 1e3
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]

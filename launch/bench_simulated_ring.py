@@ -45,7 +45,8 @@ import statistics
 import sys
 
 import torch
-from bench_common import (
+
+from ringattn.benchmark import (
     DTYPES,
     attention_flops,
     env_record,
@@ -56,7 +57,6 @@ from bench_common import (
     time_ms,
     write_json,
 )
-
 from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd
 from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, shard_indices
 from ringattn.parallel.ring import add_share_, backward_step, forward_step

@@ -25,11 +25,11 @@ from functools import partial
 from unittest import mock
 
 import torch
-from bench_common import attention_flops, env_record, write_json
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 import ringattn.ops.attn as attn_ops
+from ringattn.benchmark import attention_flops, env_record, write_json
 
 TOKENS, HEADS = 32768, 32
 CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of each list is the current default

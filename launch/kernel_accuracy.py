@@ -10,9 +10,9 @@ import argparse
 import json
 
 import torch
-from bench_common import env_record
 
 import ringattn
+from ringattn.benchmark import env_record
 from ringattn.ops import attn_fwd_ref
 from ringattn.testing import magnitude, max_abs_error, tolerance
 

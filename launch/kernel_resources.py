@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 import triton
-from bench_common import markdown_table, write_json
 from config_sweep import CANDIDATES
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
+from ringattn.benchmark import markdown_table, write_json
 from ringattn.ops import attn as attn_ops
 
 KERNELS = (

@@ -64,12 +64,12 @@ if not torch.cuda.is_available():
 
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_common import env_record, markdown_table, write_json  # noqa: E402 (beside this script in launch/)
 from torch import nn  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import ringattn  # noqa: E402
 from examples import train_gpt  # noqa: E402
+from ringattn.benchmark import env_record, markdown_table, write_json  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 
 # run in this order: the budget left by one goes to the next, so the quickest first and ours last

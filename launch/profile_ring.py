@@ -45,11 +45,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks: kernels in the interpreter; before ringattn
 
 import torch.distributed as dist  # noqa: E402
-from bench_common import DTYPES, env_record, markdown_table, write_json  # noqa: E402 (beside this script in launch/)
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 import ringattn  # noqa: E402
 import ringattn.functional  # noqa: E402
+from ringattn.benchmark import DTYPES, env_record, markdown_table, write_json  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 from ringattn.kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel  # noqa: E402
 from ringattn.kernels.attn_fwd import _attn_fwd_kernel  # noqa: E402

@@ -27,7 +27,8 @@ import argparse
 import sys
 
 import torch
-from bench_common import (
+
+from ringattn.benchmark import (
     DTYPES,
     attention_inputs,
     env_record,
@@ -36,7 +37,6 @@ from bench_common import (
     script_parser,
     write_json,
 )
-
 from ringattn.ops import KERNEL_OPS
 from ringattn.parallel import LAYOUTS, check_seqlen
 from ringattn.parallel.simulate import simulate_ring_attn

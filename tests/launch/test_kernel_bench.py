@@ -88,7 +88,7 @@ def test_append_reads_the_committed_results():
 
 def test_env_record_keeps_the_committed_keys():
     """--append compares this run's env record with the JSON's, key by key: the record main builds (through
-    bench_common.env_record) must have exactly kernel_h200.json's keys, or appending to it is refused."""
+    ringattn.benchmark.env_record) must have exactly kernel_h200.json's keys, or appending to it is refused."""
     old_env, _ = bench_kernel.read_results(str(ROOT / "docs" / "benchmarks" / "kernel_h200.json"))
     env = bench_kernel.env_record(torch.device("cpu"), dtype="bfloat16", tokens=bench_kernel.TOKENS)
     assert list(env) == [key for key in old_env if key != "runs"]
