@@ -1,9 +1,10 @@
 """One ring forward+backward under torch.profiler: a Chrome trace per rank and how much of the communication
-overlaps compute (issues #4 and #7).
+overlaps compute.
 
-    bash launch/torchrun.sh launch/profile_ring.py                                  # all GPUs, NCCL
-    NPROC=2 bash launch/torchrun.sh launch/profile_ring.py --seqlen-local 32768 --kv-heads 8
-    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/profile_ring.py --out-dir /tmp/prof --summary /tmp/prof/s.json
+    bash launch/torchrun.sh launch/bench/profile_ring.py                                  # all GPUs, NCCL
+    NPROC=2 bash launch/torchrun.sh launch/bench/profile_ring.py --seqlen-local 32768 --kv-heads 8
+    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench/profile_ring.py --out-dir /tmp/prof \
+        --summary /tmp/prof/s.json
 
 Every rank draws its own shard of q, k, v, dout (1, S_local, H or Hkv, D) (defaults on GPUs: S_local = 8192, H =
 Hkv = 32, D = 128, bf16, zigzag, causal; on CPU ranks 32 tokens, 2 heads of 16, fp32), runs --warmup forward+backward

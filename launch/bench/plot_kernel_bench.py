@@ -1,8 +1,8 @@
-"""Plots of launch/bench_kernel.py's results: TFLOP/s against S, one line per provider; prints the
+"""Plots of launch/bench/bench_kernel.py's results: TFLOP/s against S, one line per provider; prints the
 markdown table (bench_kernel.markdown_table) of the same records for docs/performance.md.
 
-    PYTHONPATH=. python3 launch/plot_kernel_bench.py             # the latest run that spans several S
-    PYTHONPATH=. python3 launch/plot_kernel_bench.py --run 3 4   # runs that measured different cells
+    PYTHONPATH=. python3 launch/bench/plot_kernel_bench.py             # the latest run that spans several S
+    PYTHONPATH=. python3 launch/bench/plot_kernel_bench.py --run 3 4   # runs that measured different cells
 
 One PNG per (D, Hkv), named after the JSON (docs/benchmarks/kernel_h200_d128_hkv32.png, ...),
 written beside it unless --out-dir says otherwise; subplots per (causal, mode). A run with a

@@ -1,4 +1,4 @@
-"""launch/bench_kernel.py and launch/plot_kernel_bench.py on the CPU: the output check on a slice of
+"""launch/bench/bench_kernel.py and launch/bench/plot_kernel_bench.py on the CPU: the output check on a slice of
 query rows, appending a run to a results JSON, and the plots and table of synthetic runs."""
 
 import json
@@ -10,9 +10,9 @@ import torch
 
 from ringattn.ops import attn_fwd_ref
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "launch"))
-import bench_kernel  # noqa: E402 (a script beside the package, found through launch/)
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
+import bench_kernel  # noqa: E402 (a script beside the package, found through launch/bench/)
 
 ENV = dict(kind="env", gpu="NVIDIA H200", torch="2.11.0+cu130", triton="3.6.0", cuda="13.0", python="3.12.3",
            dtype="bfloat16", tokens=32768)  # fmt: skip

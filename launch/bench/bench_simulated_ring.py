@@ -1,8 +1,8 @@
-"""What the ring's decomposition costs on one GPU: the simulated ring against one fused call (issue #4).
+"""What the ring's decomposition costs on one GPU: the simulated ring against one fused call.
 
-    PYTHONPATH=. python3 launch/bench_simulated_ring.py
-    PYTHONPATH=. python3 launch/bench_simulated_ring.py --world-sizes 8 --seqlens-local 8192 --out /tmp/s.json
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench_simulated_ring.py --tiny  # CPU dry run, no JSON
+    PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py
+    PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --world-sizes 8 --seqlens-local 8192 --out /tmp/s.json
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --tiny  # CPU dry run, no JSON
 
 Claim measured: at S_local >= 8k, D = 128, the simulated ring's forward+backward is within 5% of one
 fused call over the whole sequence, for contiguous and zigzag causal.

@@ -1,4 +1,4 @@
-"""launch/profile_ring.py: interval unions and intersections on synthetic intervals, the overlap summary of
+"""launch/bench/profile_ring.py: interval unions and intersections on synthetic intervals, the overlap summary of
 synthetic GPU and CPU trace events, and the script through launch/torchrun.sh on 2 gloo ranks."""
 
 import json
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "launch"))
-import profile_ring as pr  # noqa: E402 (a script beside the package, found through launch/)
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
+import profile_ring as pr  # noqa: E402 (a script beside the package, found through launch/bench/)
 
 SUMMARY_KEYS = {"rank", "trace", "comm_ms", "compute_ms", "overlap_ms", "overlap_fraction", "exposed_comm_ms",
                 "span_ms", "comm_events", "compute_events"}  # fmt: skip
@@ -83,7 +83,7 @@ def test_overlap_summary_of_cpu_ranges():
 def test_script_on_cpu_ranks_writes_traces_and_summary(tmp_path):
     summary = tmp_path / "summary.json"
     env = dict(os.environ, NPROC="2", DEVICE="cpu", TIMEOUT="75", RINGATTN_TIMEOUT="30", TMPDIR=str(tmp_path))
-    cmd = ["bash", "launch/torchrun.sh", "launch/profile_ring.py", "--out-dir", str(tmp_path / "traces"),
+    cmd = ["bash", "launch/torchrun.sh", "launch/bench/profile_ring.py", "--out-dir", str(tmp_path / "traces"),
            "--summary", str(summary), "--kv-heads", "1"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,11 +1,11 @@
-"""Weak scaling of ring attention over W GPUs against one GPU and PyTorch's context parallel (issue #7, runs 2, 3).
+"""Weak scaling of ring attention over W GPUs against one GPU and PyTorch's context parallel.
 
-    bash launch/torchrun.sh launch/bench_ring_weak_scaling.py                   # W = all GPUs (8 on an x8 machine)
-    NPROC=4 bash launch/torchrun.sh launch/bench_ring_weak_scaling.py           # W = 4; NPROC=1, 2 likewise
-    bash launch/torchrun.sh launch/bench_ring_weak_scaling.py --longest         # longest causal sequence on W GPUs
-    NPROC=1 bash launch/torchrun.sh launch/bench_ring_weak_scaling.py --longest # ... and on one GPU
-    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench_ring_weak_scaling.py --out /tmp/ws.json  # CPU dry run
-    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench_ring_weak_scaling.py --longest --out /tmp/longest.json
+    bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py                # W = all GPUs (8 on an x8 machine)
+    NPROC=4 bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py        # W = 4; NPROC=1, 2 likewise
+    bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --longest      # longest causal sequence on W GPUs
+    NPROC=1 bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --longest  # ... and on one GPU
+    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --out /tmp/ws.json  # CPU dry run
+    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --longest --out /tmp/longest.json
 
 Sweep (defaults on GPUs; CPU ranks run the same at S_local in (8, 16, 32), H = 2, Hkv in (2, 1), D = 16, fp32):
 for S_local in --seqlens-local (4096 8192 16384 32768 tokens per rank), Hkv in --kv-heads (32, 8: GQA), H = 32,
@@ -58,9 +58,9 @@ and past the budget the remaining blocks are skipped with a printed note (listed
 Measured: the whole default sweep in 104 to 137 s at W = 2 and 183 s at W = 4 (H200s), plus about 20 s of
 start-up. Estimated from those: about 4 to 5 minutes at W = 8, plus start-up and compilation.
 
---longest (issue #7, run 3): the longest global causal sequence whose forward+backward of ring_attn_func runs on
+--longest: the longest global causal sequence whose forward+backward of ring_attn_func runs on
 the W ranks (zigzag, B = 1, H = --heads, Hkv = the first --kv-heads, D = --head-dim), and with W = 1 also of
-flash_attn_func on the one GPU (provider single_gpu): launch/longest_sequence.py's search (doubling from
+flash_attn_func on the one GPU (provider single_gpu): launch/bench/longest_sequence.py's search (doubling from
 --start-seqlen, bisection, every rank catching torch.OutOfMemoryError and the ranks all-reducing the outcome,
 caching allocator capped at --memory-fraction, --budget-s 330 shared by the providers, a trial predicted to end
 past it not started, a memory-bound estimate from the peak memory of the two longest fits; the ranks allocate the
@@ -87,7 +87,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks: kernels in the interpreter; before ringattn
 
-import longest_sequence as ls  # noqa: E402 (beside this script in launch/)
+import longest_sequence as ls  # noqa: E402 (beside this script in launch/bench/)
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402

@@ -1,9 +1,9 @@
 """The longest sequence one training step of examples/train_gpt.py's model runs at: ring attention over the
-W ranks of the job, and on one GPU plain PyTorch attention with the same memory (issue #6).
+W ranks of the job, and on one GPU plain PyTorch attention with the same memory.
 
-    bash launch/torchrun.sh launch/longest_sequence.py                  # all GPUs: ringattn over W ranks
-    NPROC=1 bash launch/torchrun.sh launch/longest_sequence.py          # one GPU: ringattn, sdpa_flash, sdpa_math
-    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/longest_sequence.py --start-seqlen 8 --max-seqlen 32 \
+    bash launch/torchrun.sh launch/bench/longest_sequence.py                  # all GPUs: ringattn over W ranks
+    NPROC=1 bash launch/torchrun.sh launch/bench/longest_sequence.py          # one GPU: ringattn, sdpa_flash, sdpa_math
+    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench/longest_sequence.py --start-seqlen 8 --max-seqlen 32 \
         --out /tmp/longest_sequence.json                                # CPU ranks, tiny: the test
 
 The model is train_gpt's at its defaults (GPUs: vocab 64, dim 512, 4 layers, 8 heads and 2 KV heads of 64,

@@ -1,9 +1,9 @@
 """Side-by-side attention kernel benchmark on one GPU: ringattn vs PyTorch SDPA (flash, cuDNN) and
 compiled FlexAttention, same inputs, same process (protocol: shared/BENCHMARKING.md).
 
-    PYTHONPATH=. python3 launch/bench_kernel.py --append --out docs/benchmarks/kernel_h200.json  # the grid
-    PYTHONPATH=. python3 launch/bench_kernel.py --long --append --out docs/benchmarks/kernel_h200.json
-    PYTHONPATH=. python3 launch/bench_kernel.py --seqlens 4096 --head-dims 128 --out /tmp/k.json  # a subset
+    PYTHONPATH=. python3 launch/bench/bench_kernel.py --append --out docs/benchmarks/kernel_h200.json  # the grid
+    PYTHONPATH=. python3 launch/bench/bench_kernel.py --long --append --out docs/benchmarks/kernel_h200.json
+    PYTHONPATH=. python3 launch/bench/bench_kernel.py --seqlens 4096 --head-dims 128 --out /tmp/k.json  # a subset
 
 bf16, H = 32, B * S = 32768 tokens. --long replaces the grid by one cell, B = 1, S = 131072,
 D = 128, causal: extra memory must stay O(S) (issue #3); a provider that runs out of memory or
@@ -21,7 +21,7 @@ Writes a JSON list: an env record (GPU and versions, and "runs": label -> the co
 arguments) followed by the records, each labelled with its "run" (1, 2, ...). --append adds this
 run as the next label to an existing --out, keeping the earlier runs (refused if the GPU or the
 versions differ); a grid too long for one command runs in parts (--head-dims, --seqlens), each
-appended as its own run. Prints a markdown table with ratios; launch/plot_kernel_bench.py draws the
+appended as its own run. Prints a markdown table with ratios; launch/bench/plot_kernel_bench.py draws the
 plots (of one run, or of parts that measured different cells).
 """
 
@@ -31,6 +31,7 @@ import os
 import shlex
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -167,7 +168,8 @@ def main():
     if args.append and not args.out:
         parser.error("--append needs --out")
     if args.configs:
-        from config_sweep import use_configs  # launch/ is on sys.path when this script runs
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+        from config_sweep import use_configs  # launch/tools/config_sweep.py
 
         with open(args.configs) as f:
             use_configs(next(r for r in json.load(f) if r.get("kind") == "best"))
