@@ -1,13 +1,17 @@
 """launch/bench/profile_ring.py: interval unions and intersections on synthetic intervals, the overlap summary of
 synthetic GPU and CPU trace events, and the script through launch/torchrun.sh on 2 gloo ranks."""
 
+import importlib
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import ringattn.kernels
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "launch" / "bench"))
@@ -62,6 +66,22 @@ def test_overlap_summary_of_gpu_kernels():
     assert s["comm_ms"] == pytest.approx(0.150) and s["compute_ms"] == pytest.approx(0.200)
     assert s["overlap_ms"] == pytest.approx(0.100) and s["overlap_fraction"] == pytest.approx(100 / 150)
     assert s["exposed_comm_ms"] == pytest.approx(0.050) and s["span_ms"] == pytest.approx(0.250)
+
+
+def test_every_kernel_of_the_package_counts_as_compute():
+    """The GPU summary finds ringattn's kernels by name (profile_ring.KERNEL_NAME), not by importing them: every
+    Triton kernel in ringattn/kernels, in every form (warp-specialised, Gluon), must match it, and nothing else."""
+    names = []
+    for module in pkgutil.iter_modules(ringattn.kernels.__path__):
+        names += [name for name in vars(importlib.import_module(f"ringattn.kernels.{module.name}"))
+                  if name.endswith("_kernel")]  # fmt: skip
+    assert {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_preprocess_kernel"} <= set(
+        names
+    )
+    for name in names:
+        assert pr.is_compute(_event(f"{name}_0d1d2d", 0, 1), on_gpu=True), name
+    for other in ("ncclDevKernel_SendRecv", "triton_poi_fused_add_0", "void at::native::elementwise_kernel<4>"):
+        assert not pr.is_compute(_event(other, 0, 1), on_gpu=True), other
 
 
 def test_overlap_summary_of_cpu_ranges():
