@@ -1,5 +1,6 @@
-"""Side-by-side attention kernel benchmark on one GPU: ringattn against cuDNN and FlashAttention-2 (PyTorch SDPA),
-compiled FlexAttention and FlashAttention-4, same inputs, same process.
+"""Attention kernels side by side on one GPU: ringattn, cuDNN, FlashAttention-2, FlexAttention and FlashAttention-4.
+
+Every provider runs in the same process on the same inputs.
 
     PYTHONPATH=. python3 launch/bench/bench_kernel.py --out docs/benchmarks/kernel_h200.json          # the grid
     PYTHONPATH=. python3 launch/bench/bench_kernel.py --long --append --out docs/benchmarks/kernel_h200.json
@@ -226,8 +227,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--heads", type=int, default=32, help="query heads H")
     parser.add_argument("--tokens", type=int, default=32768, help="B * S of every grid cell")
-    parser.add_argument("--providers", "--provider-only", nargs="+", default=None, choices=PROVIDERS,
-                        help="providers to time (default: all, fa4 when flash_attn.cute imports)")  # fmt: skip
+    parser.add_argument("--providers", "--provider-only", nargs="+", default=None, choices=PROVIDERS, metavar="NAME",
+                        help=f"providers to time, of {', '.join(PROVIDERS)} (default: all, fa4 when flash_attn.cute "
+                        "imports)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--no-gqa", action="store_true", help="no Hkv = 8 cells")
     parser.add_argument("--long", action="store_true", help="only the cell B=1, S=131072, D=128, causal")

@@ -1,5 +1,6 @@
-"""Plots of launch/bench/bench_kernel.py's record: TFLOP/s against S, one line per provider; prints the markdown
-table (bench_kernel.markdown_table) of the same records for docs/performance.md.
+"""Plots of launch/bench/bench_kernel.py's record (TFLOP/s against S, a line per provider) and its markdown table.
+
+The table (bench_kernel.markdown_table) is the one docs/performance.md shows.
 
     PYTHONPATH=. python3 launch/bench/plot_kernel_bench.py                                  # kernel_h200.json
     PYTHONPATH=. python3 launch/bench/plot_kernel_bench.py --json /tmp/k.json --out-dir /tmp
