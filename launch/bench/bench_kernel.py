@@ -326,9 +326,11 @@ def merge(records: list[dict], errors: list[dict], new: list[dict]) -> tuple[lis
 
 
 def read_results(path: str) -> tuple[dict, list[dict], list[dict]]:
-    """(environment, records, errors) of a JSON written by main."""
+    """(environment, records, errors) of a JSON written by main; raises ValueError for a JSON of another form."""
     with open(path) as f:
         data = json.load(f)
+    if not isinstance(data, dict) or not {"environment", "records"} <= data.keys():
+        raise ValueError(f"{path} is not a {{environment, records, errors}} record (bench_kernel.py's docstring)")
     return data["environment"], data["records"], data.get("errors", [])
 
 

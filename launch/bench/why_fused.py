@@ -180,6 +180,7 @@ def bench_seqlen(seqlen: int, args, device: torch.device, dtype: torch.dtype, sk
                 rec["ms"], rec["peak_bytes"] = measure(lambda fn=fn: fn(q, k, v, args.block), device, args.cpu_calls)
         except torch.OutOfMemoryError:
             rec["oom"] = True
+        if rec["oom"]:  # after the except clause: its traceback held the failed call's tensors
             skip.add(provider)
             free(device)
             print(f"{provider:20} S={seqlen:>7}: out of memory", flush=True)

@@ -124,6 +124,9 @@ def test_append_keeps_the_record_and_refuses_other_versions(tmp_path):
     with pytest.raises(ValueError, match="other fa4"):
         bench_kernel.start(dict(ENV, fa4="4.0.0"), str(path), "")
     assert bench_kernel.start(dict(ENV, python="3.13.0"), str(path), "")[1] == records  # not a measured quantity
+    path.write_text(json.dumps([dict(ENV, kind="env"), *records]))  # a list: not this schema
+    with pytest.raises(ValueError, match="is not a .environment, records, errors. record"):
+        bench_kernel.start(ENV, str(path), "")
 
 
 def test_environment_has_what_append_compares():
