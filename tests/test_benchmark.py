@@ -25,7 +25,8 @@ def test_attention_flops(batch, heads, seqlen, head_dim):
 
 def test_attention_flops_of_a_known_cell():
     """B = 8, H = 32, S = 4096, D = 128 (32768 tokens), causal forward+backward: 3.5 x 2 x 8 x 32 x 4096^2 x 128."""
-    assert benchmark.attention_flops(8, 32, 4096, 128, True, "fwd+bwd") == 3.5 * 2 * 8 * 32 * 4096**2 * 128 == pytest.approx(3.848e12, rel=1e-3)
+    flops = benchmark.attention_flops(8, 32, 4096, 128, True, "fwd+bwd")
+    assert flops == 3.5 * 2 * 8 * 32 * 4096**2 * 128 == pytest.approx(3.848e12, rel=1e-3)
 
 
 def test_attention_inputs_shapes_dtype_and_seed():
