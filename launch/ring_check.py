@@ -42,9 +42,9 @@ if not torch.cuda.is_available():
 
 import torch.distributed as dist  # noqa: E402
 import triton  # noqa: E402
-from bench_common import DTYPES, attention_flops, attention_inputs  # noqa: E402 (beside this script in launch/)
 
 import ringattn  # noqa: E402
+from ringattn.benchmark import DTYPES, attention_flops, attention_inputs  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 from ringattn.testing import check_close, max_abs_error, reference, tolerance  # noqa: E402
 

@@ -5,10 +5,14 @@
 #   bash launch/torchrun.sh SCRIPT [ARGS...]
 #   NPROC=2 bash launch/torchrun.sh launch/ring_check.py --seqlen 1024
 #   NPROC=2 DEVICE=cpu bash launch/torchrun.sh examples/train_gpt.py --check
+#   bash launch/torchrun.sh launch/ring_check.py --help   # the script's options: run once, no ranks
+#   bash launch/torchrun.sh --help                        # this text
 #
 # N is $NPROC if set, else the number of CUDA GPUs torch sees (one rank per GPU, NCCL),
 # else 4 CPU ranks (gloo, Triton kernels in the interpreter: TRITON_INTERPRET=1 and one
 # OpenMP thread per rank). NVLink multicast stays off in NCCL, PyTorch and NVSHMEM.
+# With -h or --help among the script's arguments, the script runs once in this process
+# instead, as plain python3, to print its options.
 #
 # Environment:
 #   NPROC             ranks to start (on GPUs at most one per GPU)
@@ -22,7 +26,11 @@ set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
-if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  usage
+  exit 0
+fi
+if [[ $# -lt 1 ]]; then
   usage >&2
   exit 2
 fi
@@ -37,6 +45,14 @@ case "${DEVICE:-}" in
   cpu) export CUDA_VISIBLE_DEVICES="" ;;
   *) echo "torchrun.sh: DEVICE must be cpu (or unset), got '$DEVICE'" >&2; exit 2 ;;
 esac
+
+# the script's --help needs no ranks: print it from one plain process
+for arg in "${@:2}"; do
+  if [[ "$arg" == -h || "$arg" == --help ]]; then
+    echo "torchrun.sh: $arg: running $1 once, without ranks" >&2
+    exec python3 "$@"
+  fi
+done
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [[ "$gpus" -eq 0 ]]; then

@@ -1,6 +1,6 @@
 """launch/torchrun.sh and ringattn.distributed on CPU ranks: rank 0's output shown, the others' kept in
 files and shown when the job fails, NVLink multicast off and the process group made in every rank; bad
-arguments refused on every rank, rank 0 saying why."""
+arguments refused on every rank, rank 0 saying why; a script's --help run once, without ranks."""
 
 import argparse
 import os
@@ -102,3 +102,23 @@ def test_nccl_high_priority_setting(monkeypatch):
     monkeypatch.setenv("RINGATTN_NCCL_HIGH_PRIORITY", "yes")
     with pytest.raises(ValueError, match="RINGATTN_NCCL_HIGH_PRIORITY must be '0' or '1', got 'yes'"):
         nccl_high_priority()
+
+
+def test_help_of_the_script_runs_it_once_without_ranks(tmp_path):
+    """`torchrun.sh SCRIPT --help` runs SCRIPT once as plain python3 (no torch.distributed.run, so no WORLD_SIZE),
+    with its arguments as given; `torchrun.sh --help` prints the launcher's usage and exits 0."""
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\nprint('WORLD_SIZE', os.environ.get('WORLD_SIZE'), sys.argv[1:])\n")
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    cmd = ["bash", "launch/torchrun.sh", str(script), "--seqlen", "8", "--help"]
+    env.update(NPROC="4", DEVICE="cpu")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["WORLD_SIZE None ['--seqlen', '8', '--help']"]
+    assert "without ranks" in proc.stderr
+    proc = subprocess.run(
+        ["bash", "launch/torchrun.sh", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "bash launch/torchrun.sh SCRIPT [ARGS...]" in proc.stdout
+    proc = subprocess.run(["bash", "launch/torchrun.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Usage:" in proc.stderr

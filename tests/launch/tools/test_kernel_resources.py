@@ -1,4 +1,4 @@
-"""launch/kernel_resources.py on the CPU: it compiles the launchers' own launches for Hopper, without a GPU,
+"""launch/tools/kernel_resources.py on the CPU: it compiles the launchers' own launches for Hopper, without a GPU,
 and reports what ptxas and the compiler say. Run in a subprocess: the test session interprets the kernels
 (TRITON_INTERPRET=1), and an interpreted kernel cannot be compiled."""
 
@@ -14,15 +14,15 @@ import torch
 import ringattn.ops.attn as attn_ops
 from ringattn.ops import gluon_fwd, warp_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.timeout(600)
 def test_reports_the_dq_kernel_at_its_gpu_config(tmp_path):
     out = tmp_path / "resources.json"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)])
-    cmd = [sys.executable, str(ROOT / "launch/kernel_resources.py"), "--kernels", "dq", "--head-dims", "64"]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch" / "tools"), str(ROOT)])
+    cmd = [sys.executable, str(ROOT / "launch/tools/kernel_resources.py"), "--kernels", "dq", "--head-dims", "64"]
     result = subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-2000:]
     env_record, *records = json.loads(out.read_text())
@@ -45,9 +45,9 @@ def test_split_kernels_partition_without_known_hazards(tmp_path):
     ops the partitioner was seen to split wrong (a tl.arange range, a reshaped shared-memory tile) in a region."""
     out = tmp_path / "resources.json"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch" / "tools"), str(ROOT)])
     kernels = ["fwd_ws", "fwd_ws_merge", "dq_ws", "dkdv_ws"]
-    cmd = [sys.executable, str(ROOT / "launch/kernel_resources.py"), "--kernels", *kernels, "--head-dims", "64",
+    cmd = [sys.executable, str(ROOT / "launch/tools/kernel_resources.py"), "--kernels", *kernels, "--head-dims", "64",
            "--kv-heads", "8", "--out", str(out)]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -67,8 +67,8 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     rounded up to a warpgroup), within a CTA's shared memory, at most a few bytes of spills."""
     out = tmp_path / "resources.json"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)])
-    cmd = [sys.executable, str(ROOT / "launch/kernel_resources.py"), "--kernels", "fwd_gluon", "fwd_gluon_merge",
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch" / "tools"), str(ROOT)])
+    cmd = [sys.executable, str(ROOT / "launch/tools/kernel_resources.py"), "--kernels", "fwd_gluon", "fwd_gluon_merge",
            "--head-dims", "128", "--kv-heads", "8", "--out", str(out)]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-2000:]

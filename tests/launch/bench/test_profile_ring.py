@@ -1,17 +1,21 @@
-"""launch/profile_ring.py: interval unions and intersections on synthetic intervals, the overlap summary of
+"""launch/bench/profile_ring.py: interval unions and intersections on synthetic intervals, the overlap summary of
 synthetic GPU and CPU trace events, and the script through launch/torchrun.sh on 2 gloo ranks."""
 
+import importlib
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "launch"))
-import profile_ring as pr  # noqa: E402 (a script beside the package, found through launch/)
+import ringattn.kernels
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
+import profile_ring as pr  # noqa: E402 (a script beside the package, found through launch/bench/)
 
 SUMMARY_KEYS = {"rank", "trace", "comm_ms", "compute_ms", "overlap_ms", "overlap_fraction", "exposed_comm_ms",
                 "span_ms", "comm_events", "compute_events"}  # fmt: skip
@@ -64,6 +68,22 @@ def test_overlap_summary_of_gpu_kernels():
     assert s["exposed_comm_ms"] == pytest.approx(0.050) and s["span_ms"] == pytest.approx(0.250)
 
 
+def test_every_kernel_of_the_package_counts_as_compute():
+    """The GPU summary finds ringattn's kernels by name (profile_ring.KERNEL_NAME), not by importing them: every
+    Triton kernel in ringattn/kernels, in every form (warp-specialised, Gluon), must match it, and nothing else."""
+    names = []
+    for module in pkgutil.iter_modules(ringattn.kernels.__path__):
+        names += [name for name in vars(importlib.import_module(f"ringattn.kernels.{module.name}"))
+                  if name.endswith("_kernel")]  # fmt: skip
+    assert {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_preprocess_kernel"} <= set(
+        names
+    )
+    for name in names:
+        assert pr.is_compute(_event(f"{name}_0d1d2d", 0, 1), on_gpu=True), name
+    for other in ("ncclDevKernel_SendRecv", "triton_poi_fused_add_0", "void at::native::elementwise_kernel<4>"):
+        assert not pr.is_compute(_event(other, 0, 1), on_gpu=True), other
+
+
 def test_overlap_summary_of_cpu_ranges():
     events = [
         _event("ringattn::fwd_merge_", 0, 10, cat="user_annotation"),
@@ -83,7 +103,7 @@ def test_overlap_summary_of_cpu_ranges():
 def test_script_on_cpu_ranks_writes_traces_and_summary(tmp_path):
     summary = tmp_path / "summary.json"
     env = dict(os.environ, NPROC="2", DEVICE="cpu", TIMEOUT="75", RINGATTN_TIMEOUT="30", TMPDIR=str(tmp_path))
-    cmd = ["bash", "launch/torchrun.sh", "launch/profile_ring.py", "--out-dir", str(tmp_path / "traces"),
+    cmd = ["bash", "launch/torchrun.sh", "launch/bench/profile_ring.py", "--out-dir", str(tmp_path / "traces"),
            "--summary", str(summary), "--kv-heads", "1"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)
     assert proc.returncode == 0, proc.stdout + proc.stderr

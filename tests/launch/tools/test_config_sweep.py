@@ -1,4 +1,4 @@
-"""launch/config_sweep.py on the CPU: its candidate lists against the configs ops/attn.py launches, the
+"""launch/tools/config_sweep.py on the CPU: its candidate lists against the configs ops/attn.py launches, the
 choice of the best config, timing a sweep's choice through use_configs (bench_kernel --configs), and its reference."""
 
 import os
@@ -10,9 +10,9 @@ import torch
 
 import ringattn.ops.attn as attn_ops
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "launch"))
-import config_sweep  # noqa: E402 (a script beside the package, found through launch/)
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "launch" / "tools"))
+import config_sweep  # noqa: E402 (a script beside the package, found through launch/tools/)
 
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it
 

@@ -1,8 +1,8 @@
-"""What the ring's decomposition costs on one GPU: the simulated ring against one fused call (issue #4).
+"""What the ring's decomposition costs on one GPU: the simulated ring against one fused call.
 
-    PYTHONPATH=. python3 launch/bench_simulated_ring.py
-    PYTHONPATH=. python3 launch/bench_simulated_ring.py --world-sizes 8 --seqlens-local 8192 --out /tmp/s.json
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench_simulated_ring.py --tiny  # CPU dry run, no JSON
+    PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py
+    PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --world-sizes 8 --seqlens-local 8192 --out /tmp/s.json
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --tiny  # CPU dry run, no JSON
 
 Claim measured: at S_local >= 8k, D = 128, the simulated ring's forward+backward is within 5% of one
 fused call over the whole sequence, for contiguous and zigzag causal.
@@ -45,7 +45,8 @@ import statistics
 import sys
 
 import torch
-from bench_common import (
+
+from ringattn.benchmark import (
     DTYPES,
     attention_flops,
     env_record,
@@ -56,7 +57,6 @@ from bench_common import (
     time_ms,
     write_json,
 )
-
 from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd
 from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, shard_indices
 from ringattn.parallel.ring import add_share_, backward_step, forward_step

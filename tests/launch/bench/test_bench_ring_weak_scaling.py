@@ -1,5 +1,5 @@
-"""launch/bench_ring_weak_scaling.py on the CPU: the T1 extrapolation and efficiency arithmetic, the reference of a
-rank's rows, torch's head-tail split being the zigzag layout, and the script through launch/torchrun.sh on 2 gloo
+"""launch/bench/bench_ring_weak_scaling.py on the CPU: the T1 extrapolation and efficiency arithmetic, the reference
+of a rank's rows, torch's head-tail split being the zigzag layout, and the script through launch/torchrun.sh on 2 gloo
 ranks (the sweep with torch CP failing on the CPU and recorded as errors, the budget, --longest)."""
 
 import json
@@ -14,9 +14,9 @@ import torch
 from ringattn.ops import attn_fwd_ref
 from ringattn.parallel import shard_indices
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "launch"))
-import bench_ring_weak_scaling as ws  # noqa: E402 (a script beside the package, found through launch/)
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
+import bench_ring_weak_scaling as ws  # noqa: E402 (a script beside the package, found through launch/bench/)
 
 pytestmark = pytest.mark.timeout(90)
 KEYS = {"provider", "W", "S_local", "S", "H", "Hkv", "D", "layout", "causal", "mode", "ms", "efficiency"}
@@ -97,7 +97,7 @@ def test_torch_head_tail_split_is_the_zigzag_layout():
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, NPROC="2", DEVICE="cpu", TIMEOUT="75", RINGATTN_TIMEOUT="30", TMPDIR=str(tmp_path))
-    cmd = ["bash", "launch/torchrun.sh", "launch/bench_ring_weak_scaling.py", *args]
+    cmd = ["bash", "launch/torchrun.sh", "launch/bench/bench_ring_weak_scaling.py", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)
 
 

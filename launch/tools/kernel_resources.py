@@ -2,12 +2,12 @@
 machine (no GPU needed): the resource report to read before guessing why a kernel is slow.
 
     python3 -m venv --system-site-packages /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0  # the GPU image's
-    PYTHONPATH=. /tmp/t36/bin/python launch/kernel_resources.py --out docs/benchmarks/kernel_resources_sm90.json
-    PYTHONPATH=. python3 launch/kernel_resources.py --kernels dkdv --head-dims 128 --configs 64,64,4,2 128,64,8,2
-    PYTHONPATH=. python3 launch/kernel_resources.py --candidates   # every config launch/config_sweep.py times
+    PYTHONPATH=. /tmp/t36/bin/python launch/tools/kernel_resources.py --out docs/benchmarks/kernel_resources_sm90.json
+    PYTHONPATH=. python3 launch/tools/kernel_resources.py --kernels dkdv --head-dims 128 --configs 64,64,4,2 128,64,8,2
+    PYTHONPATH=. python3 launch/tools/kernel_resources.py --candidates   # every config config_sweep.py times
 
 The launches are the launchers' own (ops/attn.py: _fwd_launch, _bwd_launches), built from CPU tensors laid out
-as in launch/bench_kernel.py (bf16, H = 32, strides divisible by 16, so the same specialisation as the
+as in launch/bench/bench_kernel.py (bf16, H = 32, strides divisible by 16, so the same specialisation as the
 benchmark's), then compiled, not run, by the installed triton for --arch. `ptxas -v` on the PTX gives the
 registers per thread and the spill bytes; shared memory is the compiler's. CTAs per SM is the least of what
 registers (65536 per SM), shared memory (228 KiB per SM, 227 KiB at most per CTA) and threads (2048 per SM)
@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 import triton
-from bench_common import markdown_table, write_json
 from config_sweep import CANDIDATES
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
+from ringattn.benchmark import markdown_table, write_json
 from ringattn.ops import attn as attn_ops
 
 KERNELS = (

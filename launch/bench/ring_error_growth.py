@@ -1,8 +1,8 @@
-"""Error of the ring against float64 as it grows from W = 1 to 8 virtual ranks, on the GPU in bf16 (issue #5).
+"""Error of the ring against float64 as it grows from W = 1 to 8 virtual ranks, on the GPU in bf16.
 
-    PYTHONPATH=. python3 launch/ring_error_growth.py
-    PYTHONPATH=. python3 launch/ring_error_growth.py --dtypes bf16 fp16 --out /tmp/ring_error_growth.json
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/ring_error_growth.py --tiny  # CPU dry run (fp32), no JSON
+    PYTHONPATH=. python3 launch/bench/ring_error_growth.py
+    PYTHONPATH=. python3 launch/bench/ring_error_growth.py --dtypes bf16 fp16 --out /tmp/ring_error_growth.json
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench/ring_error_growth.py --tiny  # CPU dry run (fp32), no JSON
 
 Claim measured: on the GPU in bf16, the backward error at W = 8 (simulated ring) is within 2x of W = 1.
 
@@ -27,7 +27,8 @@ import argparse
 import sys
 
 import torch
-from bench_common import (
+
+from ringattn.benchmark import (
     DTYPES,
     attention_inputs,
     env_record,
@@ -36,7 +37,6 @@ from bench_common import (
     script_parser,
     write_json,
 )
-
 from ringattn.ops import KERNEL_OPS
 from ringattn.parallel import LAYOUTS, check_seqlen
 from ringattn.parallel.simulate import simulate_ring_attn

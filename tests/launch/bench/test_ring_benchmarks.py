@@ -1,4 +1,4 @@
-"""launch/bench_simulated_ring.py and launch/ring_error_growth.py end to end on the CPU (Triton interpreter,
+"""launch/bench/bench_simulated_ring.py and launch/bench/ring_error_growth.py end to end on the CPU (Triton interpreter,
 --tiny sizes): exit status, the env record and every expected record with its keys in the JSON they write."""
 
 import json
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "launch"))
-import bench_simulated_ring  # noqa: E402 (scripts beside the package, found through launch/)
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
+import bench_simulated_ring  # noqa: E402 (scripts beside the package, found through launch/bench/)
 import ring_error_growth  # noqa: E402
 
 ENV_KEYS = {"kind", "gpu", "torch", "triton", "cuda", "python"}
@@ -20,7 +20,7 @@ ENV_KEYS = {"kind", "gpu", "torch", "triton", "cuda", "python"}
 def _run(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     out = tmp_path / "out.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, f"launch/{script}", "--tiny", "--out", str(out), *args]
+    cmd = [sys.executable, f"launch/bench/{script}", "--tiny", "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     data = json.loads(out.read_text())

@@ -1,7 +1,7 @@
 """Error of the fused kernels against a float64 reference, beside a plain PyTorch implementation
 in the same dtype (the tolerance rule of ringattn.testing), on the GPU in bf16 and fp16.
 
-    PYTHONPATH=. python3 launch/kernel_accuracy.py --out docs/benchmarks/kernel_accuracy_h200.json
+    PYTHONPATH=. python3 launch/bench/kernel_accuracy.py --out docs/benchmarks/kernel_accuracy_h200.json
 
 Prints a table; writes JSON records (dtype, shape, tensor, ours, pt, allowed) to --out.
 """
@@ -10,9 +10,9 @@ import argparse
 import json
 
 import torch
-from bench_common import env_record
 
 import ringattn
+from ringattn.benchmark import env_record
 from ringattn.ops import attn_fwd_ref
 from ringattn.testing import magnitude, max_abs_error, tolerance
 

@@ -3,9 +3,9 @@
 `_fwd_ws_config`, `_bwd_dkdv_ws_config` and `_bwd_dq_ws_config`, and where ops/gluon_fwd.py takes the Gluon
 forward, `_fwd_gluon_config`: num_stages is its rings' depth) for 16-bit inputs on the GPU at hand.
 
-    PYTHONPATH=. python3 launch/config_sweep.py --out docs/benchmarks/config_sweep_h200.json
+    PYTHONPATH=. python3 launch/tools/config_sweep.py --out docs/benchmarks/config_sweep_h200.json
 
-    PYTHONPATH=. python3 launch/config_sweep.py --kernels dkdv --head-dims 128 --kv-heads 32 8 --configs 64,64,4,2
+    PYTHONPATH=. python3 launch/tools/config_sweep.py --kernels dkdv --head-dims 128 --kv-heads 32 8 --configs 64,64,4,2
 
 bf16, Hq = 32, B x S = 32768 tokens (S = --seqlen), per head dim, K/V head count (--kv-heads; 8 is
 GQA 32:8) and causal setting. A config is (BLOCK_M, BLOCK_N, num_warps, num_stages); --configs replaces
@@ -16,7 +16,7 @@ under test alone, kernel_ms). TFLOP/s: forward 4 B H S^2 D (x 0.5 causal), backw
 Every config's result is checked against the default kernels' (no warp-specialised or Gluon kernel) before timing; a
 config off them is recorded with its error, as one that does not fit. Prints the best config
 per kernel and head dim (least time summed over the K/V head counts and causal settings it runs in) and writes
-all timings as JSON; launch/bench_kernel.py --configs launches with those best configs.
+all timings as JSON; launch/bench/bench_kernel.py --configs launches with those best configs.
 """
 
 import argparse
@@ -25,11 +25,11 @@ from functools import partial
 from unittest import mock
 
 import torch
-from bench_common import attention_flops, env_record, write_json
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 import ringattn.ops.attn as attn_ops
+from ringattn.benchmark import attention_flops, env_record, write_json
 
 TOKENS, HEADS = 32768, 32
 CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of each list is the current default
@@ -45,7 +45,7 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
             (64, 32, 4, 2),
             (128, 64, 8, 2),
             (32, 32, 4, 2),
-            (64, 64, 8, 2),  # these two spill no registers where the default does (launch/kernel_resources.py)
+            (64, 64, 8, 2),  # these two spill no registers where the default does (launch/tools/kernel_resources.py)
             (64, 64, 8, 3),
         ],
     },

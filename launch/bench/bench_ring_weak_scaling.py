@@ -1,11 +1,11 @@
-"""Weak scaling of ring attention over W GPUs against one GPU and PyTorch's context parallel (issue #7, runs 2, 3).
+"""Weak scaling of ring attention over W GPUs against one GPU and PyTorch's context parallel.
 
-    bash launch/torchrun.sh launch/bench_ring_weak_scaling.py                   # W = all GPUs (8 on an x8 machine)
-    NPROC=4 bash launch/torchrun.sh launch/bench_ring_weak_scaling.py           # W = 4; NPROC=1, 2 likewise
-    bash launch/torchrun.sh launch/bench_ring_weak_scaling.py --longest         # longest causal sequence on W GPUs
-    NPROC=1 bash launch/torchrun.sh launch/bench_ring_weak_scaling.py --longest # ... and on one GPU
-    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench_ring_weak_scaling.py --out /tmp/ws.json  # CPU dry run
-    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench_ring_weak_scaling.py --longest --out /tmp/longest.json
+    bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py                # W = all GPUs (8 on an x8 machine)
+    NPROC=4 bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py        # W = 4; NPROC=1, 2 likewise
+    bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --longest      # longest causal sequence on W GPUs
+    NPROC=1 bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --longest  # ... and on one GPU
+    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --out /tmp/ws.json  # CPU dry run
+    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --longest --out /tmp/longest.json
 
 Sweep (defaults on GPUs; CPU ranks run the same at S_local in (8, 16, 32), H = 2, Hkv in (2, 1), D = 16, fp32):
 for S_local in --seqlens-local (4096 8192 16384 32768 tokens per rank), Hkv in --kv-heads (32, 8: GQA), H = 32,
@@ -58,9 +58,9 @@ and past the budget the remaining blocks are skipped with a printed note (listed
 Measured: the whole default sweep in 104 to 137 s at W = 2 and 183 s at W = 4 (H200s), plus about 20 s of
 start-up. Estimated from those: about 4 to 5 minutes at W = 8, plus start-up and compilation.
 
---longest (issue #7, run 3): the longest global causal sequence whose forward+backward of ring_attn_func runs on
+--longest: the longest global causal sequence whose forward+backward of ring_attn_func runs on
 the W ranks (zigzag, B = 1, H = --heads, Hkv = the first --kv-heads, D = --head-dim), and with W = 1 also of
-flash_attn_func on the one GPU (provider single_gpu): launch/longest_sequence.py's search (doubling from
+flash_attn_func on the one GPU (provider single_gpu): launch/bench/longest_sequence.py's search (doubling from
 --start-seqlen, bisection, every rank catching torch.OutOfMemoryError and the ranks all-reducing the outcome,
 caching allocator capped at --memory-fraction, --budget-s 330 shared by the providers, a trial predicted to end
 past it not started, a memory-bound estimate from the peak memory of the two longest fits; the ranks allocate the
@@ -87,10 +87,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks: kernels in the interpreter; before ringattn
 
-import longest_sequence as ls  # noqa: E402 (beside this script in launch/)
+import longest_sequence as ls  # noqa: E402 (beside this script in launch/bench/)
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_common import (  # noqa: E402 (beside this script in launch/)
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import ringattn  # noqa: E402
+from ringattn.benchmark import (  # noqa: E402
     DTYPES,
     attention_flops,
     env_record,
@@ -99,9 +102,6 @@ from bench_common import (  # noqa: E402 (beside this script in launch/)
     run_measuring_peak,
     write_json,
 )
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-import ringattn  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 from ringattn.parallel import shard_indices, shard_ranges  # noqa: E402
 
@@ -179,7 +179,7 @@ def max_over_ranks(value: float, device: torch.device) -> float:
 
 def median_ms(fn: Callable, device: torch.device, n: int) -> float:
     """Median milliseconds of n back-to-back fn() calls: CUDA events, one synchronisation at the end; on the CPU
-    bench_common.host_median_s."""
+    ringattn.benchmark.host_median_s."""
     if device.type != "cuda":
         return host_median_s(fn, n) * 1e3
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Pack a triton wheel from the package registry small enough to carry to the GPU machine, whose image has
-# triton 3.6 and no network (docs/performance.md, "Warp-specialised dK/dV"). Run here, in the repo's root:
+# triton 3.6 and no network (docs/performance.md, "Warp-specialised dK/dV").
 #
-#   bash launch/pack_triton.sh 3.9.0        # writes .triton/triton-3.9.0.tar.xz (about 50 MB; .triton/ is ignored)
+# Usage, here in the repo's root:
+#   bash launch/tools/pack_triton.sh 3.9.0        # writes .triton/triton-3.9.0.tar.xz (about 50 MB; .triton/ is ignored)
 #
 # and on the GPU machine (the device tool's run, with carry [".triton"]):
 #
@@ -13,7 +14,14 @@
 # sm_90 and newer; the AMD backend, profiler libraries and test helpers go, and libtriton.so loses its debug
 # symbols (500 -> 184 MB).
 set -euo pipefail
-version=${1:?usage: bash launch/pack_triton.sh VERSION}
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+case "${1:-}" in
+  -h | --help) usage; exit 0 ;;
+  "" | -*) echo "usage: bash launch/tools/pack_triton.sh VERSION" >&2; exit 2 ;;
+esac
+version=$1
 out=.triton
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -1,9 +1,9 @@
 """The longest sequence one training step of examples/train_gpt.py's model runs at: ring attention over the
-W ranks of the job, and on one GPU plain PyTorch attention with the same memory (issue #6).
+W ranks of the job, and on one GPU plain PyTorch attention with the same memory.
 
-    bash launch/torchrun.sh launch/longest_sequence.py                  # all GPUs: ringattn over W ranks
-    NPROC=1 bash launch/torchrun.sh launch/longest_sequence.py          # one GPU: ringattn, sdpa_flash, sdpa_math
-    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/longest_sequence.py --start-seqlen 8 --max-seqlen 32 \
+    bash launch/torchrun.sh launch/bench/longest_sequence.py                  # all GPUs: ringattn over W ranks
+    NPROC=1 bash launch/torchrun.sh launch/bench/longest_sequence.py          # one GPU: ringattn, sdpa_flash, sdpa_math
+    NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench/longest_sequence.py --start-seqlen 8 --max-seqlen 32 \
         --out /tmp/longest_sequence.json                                # CPU ranks, tiny: the test
 
 The model is train_gpt's at its defaults (GPUs: vocab 64, dim 512, 4 layers, 8 heads and 2 KV heads of 64,
@@ -64,12 +64,12 @@ if not torch.cuda.is_available():
 
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_common import env_record, markdown_table, write_json  # noqa: E402 (beside this script in launch/)
 from torch import nn  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import ringattn  # noqa: E402
 from examples import train_gpt  # noqa: E402
+from ringattn.benchmark import env_record, markdown_table, write_json  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 
 # run in this order: the budget left by one goes to the next, so the quickest first and ours last

@@ -1,4 +1,4 @@
-"""launch/longest_sequence.py on the CPU: the search (doubling, halving, bisection, the --max-seqlen cap, the
+"""launch/bench/longest_sequence.py on the CPU: the search (doubling, halving, bisection, the --max-seqlen cap, the
 time budget) against a fake runner, the memory extrapolation, the SDPA baseline against the reference, the
 ranks agreeing on a step that ran out of memory on one of them, and the script through launch/torchrun.sh."""
 
@@ -18,9 +18,9 @@ from ringattn.ops import attn_fwd_ref
 from ringattn.testing import check_close
 from tests.distributed import run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "launch"))
-import longest_sequence as ls  # noqa: E402 (a script beside the package, found through launch/)
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
+import longest_sequence as ls  # noqa: E402 (a script beside the package, found through launch/bench/)
 
 
 class FakeRunner:
@@ -129,7 +129,7 @@ def test_ranks_agree_when_one_runs_out_of_memory():
 
 def _launch(tmp_path: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, NPROC=str(nproc), DEVICE="cpu", TIMEOUT="60", RINGATTN_TIMEOUT="30", TMPDIR=str(tmp_path))
-    cmd = ["bash", "launch/torchrun.sh", "launch/longest_sequence.py", *args]
+    cmd = ["bash", "launch/torchrun.sh", "launch/bench/longest_sequence.py", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
 
 
