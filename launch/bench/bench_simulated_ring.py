@@ -13,7 +13,7 @@ S_local = 8192 (--full-cells), in the first layout only (without a mask every ri
 block, in both layouts). Providers, each timed "fwd" and "fwd+bwd":
 - fused: ringattn.ops.attn_fwd (out in bf16), then attn_bwd, over the whole sequence, as
   FlashAttnFunction runs them. Timed once per (S, causal); cells with the same S repeat the numbers.
-- simulated_ring: parallel/simulate.py with KERNEL_OPS, on shards split once outside the timed calls
+- simulated_ring: testing/simulate.py with KERNEL_OPS, on shards split once outside the timed calls
   (shard_indices): simulate_ring_forward, then simulate_ring_backward (which takes the bf16 out), both
   returning bf16 as ring_attn_forward and ring_attn_backward do (out and dq rounded by the kernel of the
   step that finishes each row, dK and dV with their last share): what RingAttnFunction does on every
@@ -60,7 +60,7 @@ from ringattn.benchmark import (
 from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd
 from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, shard_indices
 from ringattn.parallel.ring import add_share_, backward_step, forward_step
-from ringattn.parallel.simulate import simulate_ring_backward, simulate_ring_forward
+from ringattn.testing import simulate_ring_backward, simulate_ring_forward
 
 MAX_RELATIVE_ERROR = 1e-2
 NAMES = ("out", "dq", "dk", "dv")  # checked against the fused call

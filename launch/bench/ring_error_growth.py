@@ -8,7 +8,7 @@ Claim measured: on the GPU in bf16, the backward error at W = 8 (simulated ring)
 
 One causal problem, S = 6720 (a multiple of 2 lcm(1 ... 8) = 1680, so both layouts split it for every
 W), H = 8, Hkv = 2, D = 128, inputs drawn in fp32 and rounded to bf16, runs through
-parallel/simulate.py::simulate_ring_attn with KERNEL_OPS for W = 1 ... 8, contiguous and zigzag. W = 1
+testing/simulate.py::simulate_ring_attn with KERNEL_OPS for W = 1 ... 8, contiguous and zigzag. W = 1
 takes the ring's code path too (fp32 running state and merge, fp32 gradient accumulators), so the
 ratios show what more ranks add. For each of out, lse, dq, dk, dv, against a float64 reference
 (ringattn.testing.reference: ringattn.ops.attn_fwd_ref / attn_bwd_ref on float64 copies of the same rounded
@@ -39,8 +39,7 @@ from ringattn.benchmark import (
 )
 from ringattn.ops import KERNEL_OPS
 from ringattn.parallel import LAYOUTS, check_seqlen
-from ringattn.parallel.simulate import simulate_ring_attn
-from ringattn.testing import max_abs_error, reference
+from ringattn.testing import max_abs_error, reference, simulate_ring_attn
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 GATED = ("dq", "dk", "dv")

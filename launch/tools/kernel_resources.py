@@ -3,23 +3,21 @@ machine (no GPU needed): the resource report to read before guessing why a kerne
 
     python3 -m venv --system-site-packages /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0  # the GPU image's
     PYTHONPATH=. /tmp/t36/bin/python launch/tools/kernel_resources.py --out docs/benchmarks/kernel_resources_sm90.json
-    PYTHONPATH=. python3 launch/tools/kernel_resources.py --kernels dkdv --head-dims 128 --configs 64,64,4,2 128,64,8,2
+    PYTHONPATH=. python3 launch/tools/kernel_resources.py --kernels portable.dkdv --head-dims 128 \
+        --configs 64,64,4,2 128,64,8,2
     PYTHONPATH=. python3 launch/tools/kernel_resources.py --candidates   # every config config_sweep.py times
 
-The launches are the launchers' own (ops/attn.py: _fwd_launch, _bwd_launches), built from CPU tensors laid out
-as in launch/bench/bench_kernel.py (bf16, H = 32, strides divisible by 16, so the same specialisation as the
-benchmark's), then compiled, not run, by the installed triton for --arch. `ptxas -v` on the PTX gives the
+The launches are the dispatch's own (ringattn.ops.fwd_launch, bwd_launches, planned for --arch from CPU tensors
+laid out as in launch/bench/bench_kernel.py: bf16, H = 32, strides divisible by 16, so the same specialisation as
+the benchmark's), then compiled, not run, by the installed triton for --arch. `ptxas -v` on the PTX gives the
 registers per thread and the spill bytes; shared memory is the compiler's. CTAs per SM is the least of what
 registers (65536 per SM), shared memory (228 KiB per SM, 227 KiB at most per CTA) and threads (2048 per SM)
-allow, for the Hopper limits. Kernels: "fwd" (the public forward), "fwd_merge" (the ring's step, merging
-into an fp32 state), "dkdv" and "dq" (the backward, as the ring calls it: gradients added to fp32
-accumulators), "fwd_ws" and "fwd_ws_merge" (the warp-specialised forward, public and as the ring's step),
-"dkdv_ws" and "dq_ws" (the warp-specialised backward kernels as the ring calls them: dK, dV stored into fp32
-shares, dQ added to an fp32 accumulator; "ws partitions" counts the warp-specialised
-regions the partitioner made, 0 when it made none, and "ws hazards" the ops in them it is known to split wrong,
-ws_hazards()), "fwd_gluon" and "fwd_gluon_merge" (the Gluon forward, public and as the ring's step: its
-config's fourth number is its rings' depth; "ws partitions" counts its one explicit region). Without --configs
-or --candidates, each at the launch config the launchers pick on a GPU.
+allow, for the Hopper limits. Kernels (--kernels): each of ringattn.ops.KERNELS as the ring calls it (the backward:
+dQ added to an fp32 accumulator, dK, dV stored into fp32 shares), and the forwards also as the ring's step merging
+into an fp32 state ("portable.fwd-merge", "sm90.fwd-merge"); a Hopper kernel at the head dims its table takes.
+"ws partitions" counts the warp-specialised regions (the partitioner's, or the Gluon forward's one explicit
+region), "ws hazards" the ops in them the partitioner is known to split wrong (ws_hazards()); the Gluon forward's
+config's fourth number is its rings' depth. Without --configs or --candidates, each at the tables' config.
 """
 
 import argparse
@@ -27,7 +25,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,63 +36,52 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from ringattn.benchmark import markdown_table, write_json
-from ringattn.ops import attn as attn_ops
+from ringattn.ops import (
+    BwdCall,
+    FwdCall,
+    KernelLaunch,
+    LaunchConfig,
+    Target,
+    bwd_launches,
+    fwd_launch,
+    launch_config,
+    override_configs,
+)
 
-KERNELS = (
-    "fwd", "fwd_merge", "dkdv", "dq", "fwd_ws", "fwd_ws_merge", "dkdv_ws", "dq_ws", "fwd_gluon", "fwd_gluon_merge",
-)  # fmt: skip
+# the forms compiled: each kernel of ringattn.ops.KERNELS as the ring calls it, and the forwards also as the ring's
+# merging step ("...-merge")
+KERNELS = ("portable.fwd", "portable.fwd-merge", "portable.dkdv", "portable.dq", "sm90.fwd", "sm90.fwd-merge",
+           "sm90.dkdv", "sm90.dq")  # fmt: skip
 HEADS, SEQLEN = 32, 64  # strides as the benchmark's; the length is not specialised on
 REGS_PER_SM, SMEM_PER_SM, SMEM_PER_CTA, THREADS_PER_SM = 65536, 228 * 1024, 227 * 1024, 2048
 
 
-def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg) -> attn_ops.KernelLaunch:
-    """The launch the launchers build for `kernel` on CPU tensors, with config `cfg` (None: the GPU's choice)."""
+def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: int = 90) -> KernelLaunch:
+    """The launch the dispatch builds for `kernel` (a form of KERNELS) from CPU tensors for a GPU of compute
+    capability arch / 10, with config `cfg` (None: the tables'). Raises ValueError where the backend's table does
+    not take the form."""
+    name, merge = kernel.removesuffix("-merge"), kernel.endswith("-merge")
+    backend = name.split(".")[0]
+    target = Target(divmod(arch, 10))
     q, dout = (torch.empty(1, SEQLEN, HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.empty(1, SEQLEN, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
     lse, delta = (torch.empty(1, HEADS, SEQLEN) for _ in range(2))
-    block_d = attn_ops._padded_head_dim(head_dim)
-    cuda = torch.device("cuda")
     scale = head_dim**-0.5
-    if kernel.startswith("fwd_gluon"):
-        merge = kernel.endswith("_merge")
-        out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
-        launch = attn_ops._fwd_gluon_launch(q, k, v, scale, causal, out, lse, merge)
-        cfg = cfg or attn_ops._fwd_gluon_config(head_dim, q.dtype, cuda)
-        kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, NUM_BUFFERS=cfg.num_stages)
-        return replace(launch, kwargs=launch.kwargs | kwargs)
-    if kernel.startswith("fwd"):
-        merge = kernel.endswith("_merge")
-        out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
-        if kernel.startswith("fwd_ws"):
-            launch = attn_ops._fwd_ws_launch(q, k, v, scale, causal, out, lse, merge)
-            cfg = cfg or attn_ops._fwd_ws_config(head_dim, q.dtype, cuda)
-            return replace(launch, kwargs=launch.kwargs | _config_kwargs(cfg))
-        cfg = cfg or attn_ops._fwd_config(block_d, q.dtype, cuda)
-        return attn_ops._fwd_launch(q, k, v, scale, causal, out, lse, None, None, merge, None, cfg)
-    acc = [torch.empty(t.shape) for t in (q, k, v)]
-    positions = torch.empty(SEQLEN, dtype=torch.int32)
-    qk_scale = scale * attn_ops.LOG2E
-    if kernel == "dkdv_ws":
-        launch = attn_ops._dkdv_ws_launch(dout, q, k, v, lse, delta, *acc[1:], positions, qk_scale, scale, causal)
-    elif kernel == "dq_ws":
-        launch = attn_ops._dq_ws_launch(dout, q, k, v, lse, delta, acc[0], positions, qk_scale, scale, causal, True)
-    if kernel.endswith("_ws"):  # built for CPU tensors with the interpreter's config; the GPU's, or cfg, instead
-        config_of = attn_ops._bwd_dkdv_ws_config if kernel == "dkdv_ws" else attn_ops._bwd_dq_ws_config
-        return replace(launch, kwargs=launch.kwargs | _config_kwargs(cfg or config_of(head_dim, q.dtype, cuda)))
-    dkdv_cfg, dq_cfg = attn_ops._bwd_configs(block_d, q.dtype, cuda)
-    if cfg is not None:
-        dkdv_cfg, dq_cfg = (cfg, dq_cfg) if kernel == "dkdv" else (dkdv_cfg, cfg)
-    launches = attn_ops._bwd_launches(
-        dout, q, k, v, lse, delta, *acc, scale, causal, None, None, True, True, None, dkdv_cfg, dq_cfg
-    )
-    return launches[0] if kernel == "dkdv" else launches[1]
+    with override_configs({name: cfg} if cfg is not None else {}):
+        if name.endswith(".fwd"):
+            out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
+            launches = [fwd_launch(FwdCall(q, k, v, scale, causal, out, lse, merge_state=merge), backend, target)]
+        else:  # as the ring calls them: dQ added to an fp32 accumulator, dK, dV stored into fp32 shares
+            acc = [torch.empty(t.shape) for t in (q, k, v)]
+            call = BwdCall(dout, q, k, v, lse, delta, *acc, scale, causal, add_dq=True, add_dkdv=False)
+            launches = bwd_launches(call, backend, target)
+    launch = next((launch for launch in launches if launch.name == name), None)
+    if launch is None:
+        raise ValueError(f"{kernel} does not take D = {head_dim} (the launch is {launches[-1].name})")
+    return launch
 
 
-def _config_kwargs(cfg) -> dict:
-    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def compile_launch(launch: attn_ops.KernelLaunch, target: GPUTarget):
+def compile_launch(launch: KernelLaunch, target: GPUTarget):
     """Compile `launch` for `target` as JITFunction.run would on such a GPU, without running it (through
     triton's binder and _pack_args, internals that triton 3.6 to 3.9 share)."""
     backend = make_backend(target)
@@ -111,8 +97,8 @@ def compile_launch(launch: attn_ops.KernelLaunch, target: GPUTarget):
 
 
 def ws_hazards(ttgir: str) -> int:
-    """Ops in a warp-specialised region that triton 3.9's partitioner was seen to get wrong (docs/performance.md,
-    "Eighth session"): a `tl.arange` range (added to the program's tile start, the second consumer's offset counted
+    """Ops in a warp-specialised region that triton 3.9's partitioner was seen to get wrong (kernels/sm90/attn_bwd.py's
+    docstring): a `tl.arange` range (added to the program's tile start, the second consumer's offset counted
     twice) and a reshaped shared-memory tile (its buffer released to the producer before the products read it)."""
     return sum(
         "async_task_id" in line and ("tt.make_range" in line or "ttg.memdesc_reshape" in line)
@@ -146,16 +132,29 @@ def resources(compiled, arch: int) -> dict:
 
 def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: int) -> dict:
     """One record: the kernel's launch config and its resources on `arch`."""
-    launch = _launch(kernel, head_dim, kv_heads, causal, cfg)
+    launch = _launch(kernel, head_dim, kv_heads, causal, cfg, arch)
     kw = launch.kwargs
-    record = dict(kernel=kernel, D=head_dim, H=HEADS, Hkv=kv_heads, causal=causal, dtype="bfloat16",
-                  config=[kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw.get("num_stages", kw.get("NUM_BUFFERS"))],
-                  tma=bool(kw.get("KV_TMA", False)) or launch.scratch)  # fmt: skip (scratch: descriptors in-kernel)
+    record = dict(
+        kernel=kernel,
+        D=head_dim,
+        H=HEADS,
+        Hkv=kv_heads,
+        causal=causal,
+        dtype="bfloat16",
+        config=[kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw.get("num_stages", kw.get("NUM_BUFFERS"))],
+        tma=bool(kw.get("KV_TMA", False)) or launch.scratch,
+    )  # fmt: skip (scratch: descriptors in-kernel)
     try:
         compiled = compile_launch(launch, GPUTarget("cuda", arch, 32))
     except Exception as err:  # noqa: BLE001 - a config the compiler refuses is a result, recorded
         return dict(record, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
     return dict(record, **resources(compiled, arch))
+
+
+def _taken(kernel: str, head_dim: int) -> bool:
+    """Whether the form's backend takes the head dim (the Hopper table does not take every one)."""
+    name = kernel.removesuffix("-merge")
+    return name.startswith("portable.") or launch_config(name, head_dim, torch.bfloat16, Target((9, 0))) is not None
 
 
 def main() -> None:
@@ -168,12 +167,12 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
-    given = None if args.configs is None else [attn_ops.LaunchConfig(*map(int, c.split(","))) for c in args.configs]
+    given = None if args.configs is None else [LaunchConfig(*map(int, c.split(","))) for c in args.configs]
     records = []
     for kernel in args.kernels:
-        for head_dim in args.head_dims:
+        for head_dim in (d for d in args.head_dims if _taken(kernel, d)):
             if args.candidates:
-                configs = [attn_ops.LaunchConfig(*c) for c in CANDIDATES[kernel.removesuffix("_merge")][head_dim]]
+                configs = [LaunchConfig(*c) for c in CANDIDATES[kernel.removesuffix("-merge")][head_dim]]
             else:
                 configs = given or [None]
             for kv_heads in args.kv_heads:

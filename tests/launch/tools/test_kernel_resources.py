@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import ringattn.ops.attn as attn_ops
-from ringattn.ops import gluon_fwd, warp_spec
+from ringattn.ops import Target, capabilities, launch_config
+
+HOPPER_TRITON = capabilities().gluon_hopper and capabilities().split_kernels
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -22,32 +23,39 @@ def test_reports_the_dq_kernel_at_its_gpu_config(tmp_path):
     out = tmp_path / "resources.json"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch" / "tools"), str(ROOT)])
-    cmd = [sys.executable, str(ROOT / "launch/tools/kernel_resources.py"), "--kernels", "dq", "--head-dims", "64"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "launch/tools/kernel_resources.py"),
+        "--kernels",
+        "portable.dq",
+        "--head-dims",
+        "64",
+    ]
     result = subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-2000:]
     env_record, *records = json.loads(out.read_text())
     assert env_record["arch"] == "sm_90a"
     assert [r["causal"] for r in records] == [False, True]
-    gpu_config = list(attn_ops._bwd_dq_config(64, torch.bfloat16, torch.device("cuda")).__dict__.values())
+    gpu_config = list(launch_config("portable.dq", 64, torch.bfloat16, Target((9, 0))).__dict__.values())
     for r in records:
         assert "error" not in r, r
         assert r["config"] == gpu_config
         assert 0 < r["regs"] <= 255 and r["smem_bytes"] > 0 and r["ctas_per_sm"] >= 1
         assert r["spill_store_bytes"] >= 0 and r["spill_load_bytes"] >= 0
-    assert "| dq | 64 | 32 | yes |" in result.stdout
+    assert "| portable.dq | 64 | 32 | yes |" in result.stdout
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(warp_spec._triton_version() != warp_spec.WS_TRITON, reason="the partitioner of triton 3.9")
+@pytest.mark.skipif(not HOPPER_TRITON, reason="this triton lacks the Hopper kernels' features")
 def test_split_kernels_partition_without_known_hazards(tmp_path):
-    """Every split kernel, causal or not, GQA (the dK/dV kernel's grouped loop), public and the ring's forms:
+    """Every split kernel, causal or not, GQA (the dK/dV kernel's grouped loop), in the ring's forms:
     split into a producer and two consumers (12 warps), no spills, within a CTA's shared memory, and none of the
     ops the partitioner was seen to split wrong (a tl.arange range, a reshaped shared-memory tile) in a region."""
     out = tmp_path / "resources.json"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch" / "tools"), str(ROOT)])
-    kernels = ["fwd_ws", "fwd_ws_merge", "dq_ws", "dkdv_ws"]
-    cmd = [sys.executable, str(ROOT / "launch/tools/kernel_resources.py"), "--kernels", *kernels, "--head-dims", "64",
+    kernels = ["sm90.dq", "sm90.dkdv"]
+    cmd = [sys.executable, str(ROOT / "launch/tools/kernel_resources.py"), "--kernels", *kernels, "--head-dims", "128",
            "--kv-heads", "8", "--out", str(out)]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -60,7 +68,7 @@ def test_split_kernels_partition_without_known_hazards(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(warp_spec._triton_version() != gluon_fwd.GLUON_TRITON, reason="Gluon of triton 3.9")
+@pytest.mark.skipif(not HOPPER_TRITON, reason="this triton lacks the Hopper kernels' features")
 def test_gluon_forward_compiles_for_hopper(tmp_path):
     """The Gluon forward, public and the ring's step, at D = 128 (the default's head dim) and GQA, causal or not (four
     compiles: each takes seconds): one warp-specialised region of 12 warps (two consumer warpgroups, a producer warp
@@ -68,12 +76,12 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     out = tmp_path / "resources.json"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch" / "tools"), str(ROOT)])
-    cmd = [sys.executable, str(ROOT / "launch/tools/kernel_resources.py"), "--kernels", "fwd_gluon", "fwd_gluon_merge",
+    cmd = [sys.executable, str(ROOT / "launch/tools/kernel_resources.py"), "--kernels", "sm90.fwd", "sm90.fwd-merge",
            "--head-dims", "128", "--kv-heads", "8", "--out", str(out)]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-2000:]
     _, *records = json.loads(out.read_text())
-    kernels = ("fwd_gluon", "fwd_gluon_merge")
+    kernels = ("sm90.fwd", "sm90.fwd-merge")
     assert [(r["kernel"], r["causal"]) for r in records] == [(k, c) for k in kernels for c in (False, True)]
     for r in records:
         assert "error" not in r, r
