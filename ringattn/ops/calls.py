@@ -2,6 +2,7 @@
 and its flags. Layout: q, out, dout, dq (B, Sq, Hq, D); k, v, dk, dv (B, Sk, Hkv, D); lse, delta (B, Hq, Sq) fp32.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -56,8 +57,14 @@ class Target(NamedTuple):
     @staticmethod
     def of(t: torch.Tensor) -> "Target":
         """The target of a tensor's device: its GPU, or the interpreter for CPU tensors."""
-        return Target(torch.cuda.get_device_capability(t.device) if t.is_cuda else None)
+        return Target(_capability(t.device.index) if t.is_cuda else None)  # a CUDA tensor's device has its index
 
     @property
     def gpu(self) -> bool:
         return self.capability is not None
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """GPU `index`'s compute capability, asked once: every launch is planned for its device."""
+    return torch.cuda.get_device_capability(index)

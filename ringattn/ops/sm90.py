@@ -54,7 +54,7 @@ def fwd_supported(call: FwdCall, target: Target) -> bool:
     q, out = call.q, call.out
     if not target.gpu or call.q_doc_ids is not None or call.final is not None or q.dtype not in SIXTEEN_BIT:
         return False
-    if out.dtype != q.dtype and out.dtype != torch.float32 or call.merge_state and out.dtype != torch.float32:
+    if out.dtype not in ((torch.float32,) if call.merge_state else (q.dtype, torch.float32)):
         return False
     if q.shape[-1] not in TABLE["fwd"]:
         return False
