@@ -1,4 +1,4 @@
-"""Run a function on W spawned ranks under a hard timeout (gloo on CPU, NCCL on GPUs).
+"""Run a function on W ranks under a hard timeout (gloo on CPU, forked; NCCL on GPUs, spawned).
 
 Rendezvous goes through a file:// store in a fresh temp dir. A rank that raises reports its
 traceback at once and the others are killed, so a failure shows up in seconds, not at the
@@ -86,7 +86,9 @@ def run_ranks(
     finish within `timeout` seconds.
     """
     expect_exit = dict(expect_exit or {})
-    ctx = mp.get_context("spawn")
+    # gloo ranks fork from this process (no second import of torch: a rank starts in milliseconds, not seconds);
+    # NCCL ranks spawn (CUDA does not survive a fork)
+    ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
