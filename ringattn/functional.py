@@ -8,7 +8,7 @@ passing fewer K/V heads; lse is (batch, nheads, seqlen) fp32 in natural log.
 import torch
 import torch.distributed as dist
 
-from .ops import KERNEL_OPS
+from .ops import KERNEL_OPS, kernel_ops
 from .ops.custom_ops import attn_bwd_op, attn_fwd_op
 from .ops.validation import check_attn_inputs, check_runnable_device, default_softmax_scale
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
@@ -22,18 +22,18 @@ class FlashAttnFunction(torch.autograd.Function):
     their custom ops (ringattn::attn_fwd, ringattn::attn_bwd), so torch.compile traces it whole."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal):
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic=False):
         out, lse = attn_fwd_op(q, k, v, softmax_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.causal = softmax_scale, causal
+        ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-        return dq, dk, dv, None, None
+        dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+        return dq, dk, dv, None, None, None
 
 
 def flash_attn_func(
@@ -43,6 +43,8 @@ def flash_attn_func(
     softmax_scale: float | None = None,
     causal: bool = False,
     return_lse: bool = False,
+    *,
+    deterministic: bool = False,
 ):
     """Exact attention with a fused Triton kernel on one device.
 
@@ -54,6 +56,9 @@ def flash_attn_func(
         causal: bottom-right aligned causal mask (row i sees keys j <= i + seqlen_k - seqlen_q);
             rows that see no key give zeros.
         return_lse: also return the log-sum-exp of each row.
+        deterministic: gradients with the same bits in every run. The Hopper GPU's fastest backward adds dQ
+            atomically, in no fixed order; deterministic takes kernels with one writer per gradient row instead
+            (docs/performance.md says what it costs). Other GPUs and the CPU always are.
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype; with return_lse also
         lse (batch, nheads, seqlen_q) fp32, natural log (-inf for rows that see no key).
@@ -63,7 +68,7 @@ def flash_attn_func(
     """
     check_attn_inputs(q, k, v)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = FlashAttnFunction.apply(q, k, v, scale, bool(causal))
+    out, lse = FlashAttnFunction.apply(q, k, v, scale, bool(causal), bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -71,21 +76,22 @@ class RingAttnFunction(torch.autograd.Function):
     """Ring attention over the ranks of a process group; forward and backward each go round the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, docs=None):
+    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, docs=None, deterministic=False):
         out, lse = ring_attn_forward(RingComm(group), KERNEL_OPS, q, k, v, softmax_scale, causal, layout, docs)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.group, ctx.layout, ctx.docs = softmax_scale, causal, group, layout, docs
+        ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        ops = kernel_ops(deterministic=True) if ctx.deterministic else KERNEL_OPS
         dq, dk, dv = ring_attn_backward(
-            RingComm(ctx.group), KERNEL_OPS, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout,
-            ctx.docs,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None
+            RingComm(ctx.group), ops, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout, ctx.docs
+        )
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def check_ring_inputs(
@@ -153,6 +159,8 @@ def ring_attn_func(
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
     return_lse: bool = False,
+    *,
+    deterministic: bool = False,
 ):
     """Exact attention over one global sequence split across the ranks of `group`.
 
@@ -172,6 +180,8 @@ def ring_attn_func(
             tensors, gloo for CPU tensors (with TRITON_INTERPRET=1).
         layout: "contiguous" or "zigzag" (S_local must then be even); all ranks pass the same.
         return_lse: also return this shard's lse.
+        deterministic: gradients with the same bits in every run, as in flash_attn_func (the ring's own order of
+            accumulation is always fixed).
     Returns:
         out (batch, S_local, nheads, headdim) in q's dtype, this rank's shard of the global
         attention output; with return_lse also lse (batch, nheads, S_local) fp32, natural log.
@@ -186,7 +196,7 @@ def ring_attn_func(
             timeout and watchdog apply instead.
     """
     scale = check_ring_inputs(q, k, v, group, layout, softmax_scale, causal)
-    out, lse = RingAttnFunction.apply(q, k, v, scale, bool(causal), group, layout)
+    out, lse = RingAttnFunction.apply(q, k, v, scale, bool(causal), group, layout, None, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -200,6 +210,8 @@ def ring_attn_varlen_func(
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
     return_lse: bool = False,
+    *,
+    deterministic: bool = False,
 ):
     """Exact attention over one packed sequence of documents split across the ranks of `group`.
 
@@ -216,6 +228,7 @@ def ring_attn_varlen_func(
         softmax_scale, group, layout: as in ring_attn_func (default layout "zigzag").
         causal: causal inside each document (default True).
         return_lse: also return lse (nheads, S_local) fp32.
+        deterministic: as in ring_attn_func.
     Returns:
         out (S_local, nheads, headdim) in q's dtype, and lse with return_lse.
     Raises:
@@ -231,7 +244,8 @@ def ring_attn_varlen_func(
     check_cu_seqlens(cu_seqlens, seqlen_local * world_size)
     scale = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, causal, fingerprint(cu_seqlens))
     docs = shard_documents(cu_seqlens, seqlen_local, world_size, layout, q.device)
-    out, lse = RingAttnFunction.apply(q[None], k[None], v[None], scale, bool(causal), group, layout, docs)
+    out, lse = RingAttnFunction.apply(q[None], k[None], v[None], scale, bool(causal), group, layout, docs,
+                                      bool(deterministic))  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
 
 

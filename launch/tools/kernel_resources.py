@@ -17,7 +17,8 @@ dQ added to an fp32 accumulator, dK, dV stored into fp32 shares), and the forwar
 into an fp32 state ("portable.fwd-merge", "sm90.fwd-merge"); a Hopper kernel at the head dims its table takes.
 "ws partitions" counts the warp-specialised regions (the partitioner's, or the Gluon forward's one explicit
 region), "ws hazards" the ops in them the partitioner is known to split wrong (ws_hazards()); the Gluon forward's
-config's fourth number is its rings' depth. Without --configs or --candidates, each at the tables' config.
+config's fourth number is its rings' depth. Without --configs or --candidates, each at the tables' config. Forms the
+dispatch does not run (a head dim outside a table, a causal setting the Gluon backward takes) are left out.
 """
 
 import argparse
@@ -51,7 +52,7 @@ from ringattn.ops import (
 # the forms compiled: each kernel of ringattn.ops.KERNELS as the ring calls it, and the forwards also as the ring's
 # merging step ("...-merge")
 KERNELS = ("portable.fwd", "portable.fwd-merge", "portable.dkdv", "portable.dq", "sm90.fwd", "sm90.fwd-merge",
-           "sm90.dkdv", "sm90.dq")  # fmt: skip
+           "sm90.bwd", "sm90.dkdv", "sm90.dq")  # fmt: skip
 HEADS, SEQLEN = 32, 64  # strides as the benchmark's; the length is not specialised on
 REGS_PER_SM, SMEM_PER_SM, SMEM_PER_CTA, THREADS_PER_SM = 65536, 228 * 1024, 227 * 1024, 2048
 
@@ -151,10 +152,17 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
     return dict(record, **resources(compiled, arch))
 
 
-def _taken(kernel: str, head_dim: int) -> bool:
-    """Whether the form's backend takes the head dim (the Hopper table does not take every one)."""
+def _taken(kernel: str, head_dim: int, kv_heads: int, causal: bool, arch: int) -> bool:
+    """Whether the dispatch runs the form at the head dim and causal setting (the Hopper table does not take every
+    one, and the Gluon backward takes some backwards from the split kernels)."""
     name = kernel.removesuffix("-merge")
-    return name.startswith("portable.") or launch_config(name, head_dim, torch.bfloat16, Target((9, 0))) is not None
+    if not name.startswith("portable.") and launch_config(name, head_dim, torch.bfloat16, Target((9, 0))) is None:
+        return False
+    try:
+        _launch(kernel, head_dim, kv_heads, causal, None, arch)
+    except ValueError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -170,13 +178,13 @@ def main() -> None:
     given = None if args.configs is None else [LaunchConfig(*map(int, c.split(","))) for c in args.configs]
     records = []
     for kernel in args.kernels:
-        for head_dim in (d for d in args.head_dims if _taken(kernel, d)):
+        for head_dim in args.head_dims:
             if args.candidates:
-                configs = [LaunchConfig(*c) for c in CANDIDATES[kernel.removesuffix("-merge")][head_dim]]
+                configs = [LaunchConfig(*c) for c in CANDIDATES[kernel.removesuffix("-merge")].get(head_dim, [])]
             else:
                 configs = given or [None]
             for kv_heads in args.kv_heads:
-                for causal in (False, True):
+                for causal in (c for c in (False, True) if _taken(kernel, head_dim, kv_heads, c, args.arch)):
                     for cfg in configs:
                         records.append(measure(kernel, head_dim, kv_heads, causal, cfg, args.arch))
                         print(records[-1], file=sys.stderr, flush=True)

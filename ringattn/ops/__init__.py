@@ -37,13 +37,14 @@ class AttnOps(NamedTuple):
     fwd_merge_: Callable
 
 
-def kernel_ops(backend: str | None = None) -> AttnOps:
-    """The launchers as an AttnOps, every call on `backend` (None or "auto", "portable", "sm90": ops/dispatch.py)."""
-    if backend is None:
+def kernel_ops(backend: str | None = None, deterministic: bool = False) -> AttnOps:
+    """The launchers as an AttnOps, every call on `backend` (None or "auto", "portable", "sm90": ops/dispatch.py),
+    every backward with `deterministic` (attn_bwd)."""
+    if backend is None and not deterministic:
         return KERNEL_OPS
     return AttnOps(
-        partial(attn_fwd, backend=backend), partial(attn_bwd, backend=backend), attn_bwd_preprocess,
-        partial(attn_fwd_merge_, backend=backend),
+        partial(attn_fwd, backend=backend), partial(attn_bwd, backend=backend, deterministic=deterministic),
+        attn_bwd_preprocess, partial(attn_fwd_merge_, backend=backend),
     )  # fmt: skip
 
 

@@ -132,6 +132,7 @@ def attn_bwd(
     add_dq: bool = True,
     add_dkdv: bool = True,
     dq_final: FinalRows | None = None,
+    deterministic: bool = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused attention backward: gradients of out = softmax(q k^T * scale) v.
@@ -151,6 +152,8 @@ def attn_bwd(
         dq_final: with accumulators, rows of dq (the sum, after add_dq) to write, rounded, into dq_final.out
             instead of dq_acc, whose rows there are then unspecified (ops/final_rows.py): the ring's last
             step of those rows.
+        deterministic: the same bits every run. The portable and split kernels always give them (every gradient row
+            has one writer); the Gluon backward adds dQ atomically, so deterministic calls skip it.
         backend: as in attn_fwd.
     Returns:
         (dq, dk, dv), new tensors in q's dtype unless accumulators were given.
@@ -179,13 +182,13 @@ def attn_bwd(
 
     call = BwdCall(
         dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, bool(causal), q_doc_ids, k_doc_ids,
-        accumulate and add_dq, accumulate and add_dkdv, dq_final,
+        accumulate and add_dq, accumulate and add_dkdv, dq_final, bool(deterministic),
     )  # fmt: skip
-    dkdv_launch, dq_launch = dispatch.bwd_launches(call, backend)
+    launches = dispatch.bwd_launches(call, backend)
     with device_guard(q):
-        if dispatch.bwd_on_two_streams(call):  # dK/dV on a side stream, dQ on the current one
-            run_side_by_side(dkdv_launch, dq_launch, q.device)
+        if len(launches) == 2 and dispatch.bwd_on_two_streams(call):  # dK/dV on a side stream, dQ on the current
+            run_side_by_side(*launches, q.device)
         else:
-            dkdv_launch()
-            dq_launch()
+            for launch in launches:
+                launch()
     return dq, dk, dv

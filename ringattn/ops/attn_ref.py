@@ -119,11 +119,12 @@ def attn_bwd_ref(
     add_dq: bool = True,
     add_dkdv: bool = True,
     dq_final: FinalRows | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of attn_bwd: P = exp(s - lse); dV = P^T dO; dS = P (dO V^T - delta);
     dQ = scale dS K; dK = scale dS^T Q. Accumulators, when given, are added to in place (dQ stored
     instead with add_dq False, dK and dV with add_dkdv False); then dq_final's rows of dq_acc go to
-    dq_final.out."""
+    dq_final.out. deterministic is taken for attn_bwd's signature: the reference always is."""
     check_dq_final(dq_final, q, dq_acc)
     heads_q, heads_k = q.shape[2], k.shape[2]
     stat_dtype = torch.promote_types(q.dtype, torch.float32)

@@ -29,7 +29,8 @@ class FwdCall(NamedTuple):
 
 class BwdCall(NamedTuple):
     """A backward into dq, dk, dv (add_dq, add_dkdv: added into what they hold, else stored), lse and delta
-    contiguous; dq_final: dQ's rows written, rounded, into dq_final.out instead of dq."""
+    contiguous; dq_final: dQ's rows written, rounded, into dq_final.out instead of dq; deterministic: the same bits
+    every run (no kernel that adds dQ atomically)."""
 
     dout: torch.Tensor
     q: torch.Tensor
@@ -47,6 +48,7 @@ class BwdCall(NamedTuple):
     add_dq: bool = False
     add_dkdv: bool = False
     dq_final: FinalRows | None = None
+    deterministic: bool = False
 
 
 class Target(NamedTuple):

@@ -2,7 +2,7 @@
 through flash_attn_func without looking inside Triton (docs/design.md, section 7).
 
 - ringattn::attn_fwd(q, k, v, softmax_scale, causal) -> (out, lse)
-- ringattn::attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal) -> (dq, dk, dv)
+- ringattn::attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic) -> (dq, dk, dv)
 
 Both return fresh tensors. The ring keeps calling the plain Python launchers (attn_fwd with an fp32
 out_dtype, attn_bwd accumulating into fp32 buffers in place): its loop is not traced.
@@ -39,12 +39,13 @@ def attn_bwd_op(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """attn_bwd as a custom op: (dq, dk, dv) shaped like q, k, v, contiguous, in q's dtype."""
-    grads = attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal)
+    grads = attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=deterministic)
     return tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
 
 
 @attn_bwd_op.register_fake
-def _attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal):
+def _attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
     return tuple(torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v))

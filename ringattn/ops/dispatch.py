@@ -27,7 +27,7 @@ from .calls import BwdCall, FwdCall, Target
 from .launch import KernelLaunch, LaunchConfig
 
 BACKENDS = ("portable", "sm90")
-KERNELS = ("portable.fwd", "portable.dkdv", "portable.dq", "sm90.fwd", "sm90.dkdv", "sm90.dq")
+KERNELS = ("portable.fwd", "portable.dkdv", "portable.dq", "sm90.fwd", "sm90.bwd", "sm90.dkdv", "sm90.dq")
 OVERRIDE_VARIABLE = "RINGATTN_KERNELS"
 OVERRIDES = ("auto", "portable")
 # A backward of at most this many score entries (B * Hq * Sq * Sk, halved when causal) runs its dK/dV and dQ
@@ -167,13 +167,14 @@ def fwd_launch(call: FwdCall, backend: str | None = None, target: Target | None 
     return portable.fwd_launch(call, launch_config("portable.fwd", head_dim, dtype, target), target)
 
 
-def bwd_launches(
-    call: BwdCall, backend: str | None = None, target: Target | None = None
-) -> tuple[KernelLaunch, KernelLaunch]:
-    """The backward's (dK/dV, dQ) launches of `call` on `backend`, for `target`, as fwd_launch."""
+def bwd_launches(call: BwdCall, backend: str | None = None, target: Target | None = None) -> tuple[KernelLaunch, ...]:
+    """The backward's launches of `call` on `backend`, for `target`, as fwd_launch, to run in order: the Hopper
+    backward alone, or the (dK/dV, dQ) pair."""
     target = target or Target.of(call.q)
     head_dim, dtype = call.q.shape[-1], call.q.dtype
     hopper = resolve_backend(backend, target) == "sm90"
+    if hopper and sm90.bwd_supported(call, target):
+        return (sm90.bwd_launch(call, launch_config("sm90.bwd", head_dim, dtype, target)),)
     split_dkdv = hopper and sm90.dkdv_supported(call, target)
     split_dq = hopper and sm90.dq_supported(call, target)
     positions = sm90.mask_positions(call) if split_dkdv or split_dq else None
@@ -202,5 +203,6 @@ def short_backward(call: BwdCall) -> bool:
 
 
 def bwd_on_two_streams(call: BwdCall) -> bool:
-    """Whether the backward of `call` runs its two kernels on two CUDA streams at once: a short one on a GPU."""
+    """Whether the backward of `call`, where it is a (dK/dV, dQ) pair, runs them on two CUDA streams at once: a
+    short one on a GPU."""
     return call.q.is_cuda and short_backward(call)

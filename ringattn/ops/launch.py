@@ -29,8 +29,9 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    """One kernel launch, built but not run: kernel[grid](*args, **kwargs). `name` is the backend's name of the
-    kernel ("portable.fwd", "sm90.dkdv", ...: ringattn.ops.KERNELS); launch/tools/kernel_resources.py compiles the
+    """One kernel launch, built but not run: kernel[grid](*args, **kwargs), between prepare() and finish() where
+    given (tensor work the kernel needs before it, or leaves to after it). `name` is the backend's name of the
+    kernel ("portable.fwd", "sm90.bwd", ...: ringattn.ops.KERNELS); launch/tools/kernel_resources.py compiles the
     same launches for a GPU architecture without running them."""
 
     name: str
@@ -39,12 +40,18 @@ class KernelLaunch:
     args: tuple
     kwargs: dict
     scratch: bool = False  # the kernel makes tensor descriptors, in global scratch memory (run_with_scratch)
+    prepare: Callable[[], None] | None = None
+    finish: Callable[[], None] | None = None
 
     def __call__(self) -> None:
+        if self.prepare is not None:
+            self.prepare()
         if self.scratch:
             run_with_scratch(self._launch)
         else:
             self._launch()
+        if self.finish is not None:
+            self.finish()
 
     def _launch(self) -> None:
         self.kernel[self.grid](*self.args, **self.kwargs)

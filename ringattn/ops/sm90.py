@@ -14,6 +14,8 @@ The split dK/dV and dQ kernels are Triton-language code, so the interpreter runs
 this backend by name.
 """
 
+from collections.abc import Callable
+
 import torch
 import triton
 
@@ -26,6 +28,10 @@ TABLE = {
     # num_warps is the first consumer's warpgroup (the kernel adds the second and a producer warp), num_stages the
     # depth of its key and value rings (launch/tools/config_sweep.py timed 2 and 3 alike)
     "fwd": {128: LaunchConfig(128, 128, 4, 2)},
+    # the Gluon backward: block_m query rows a step, block_n keys a program, num_warps the first consumer's
+    # warpgroup, num_stages the depth of its Q and dO ring (D = 64: 128 rows ran 8 to 11% faster than 64; a ring
+    # of 3 as fast as 2)
+    "bwd": {64: LaunchConfig(128, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
     # num_warps is the consumers' warpgroup: the partitioner adds a producer one and splits the consumers in two
     "dkdv": {64: LaunchConfig(64, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
     "dq": {128: LaunchConfig(128, 64, 4, 2)},
@@ -33,6 +39,9 @@ TABLE = {
 # the Gluon forward's registers per thread at launch: 12 warps x 32 x 168 fill the SM's 64K registers, which the
 # kernel then moves to 240 for each consumer and 24 for the producer
 GLUON_MAXNREG = 168
+# (head dim, causal) of the backwards that stay on the split dK/dV and dQ kernels: they ran faster there than on the
+# Gluon backward on the H200 (docs/performance.md, "The backward")
+BWD_ON_SPLIT_KERNELS = {(128, False)}
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
@@ -41,6 +50,45 @@ def launch_config(kernel: str, head_dim: int, target: Target) -> LaunchConfig | 
     take it; the interpreter's for CPU runs of the split kernels."""
     config = TABLE[kernel].get(head_dim)
     return config if config is None or target.gpu else INTERPRETER_CONFIG
+
+
+def bwd_supported(call: BwdCall, target: Target) -> bool:
+    """Whether the Gluon backward takes `call`: a GPU, fp16 or bf16, not deterministic (its dQ additions come in
+    the programs' order; with them in a fixed order it ran 0.5 to 0.8x the split kernels, whose every gradient row
+    has one writer), no documents, a head dim of TABLE outside BWD_ON_SPLIT_KERNELS, q's and dout's heads packed
+    (head stride D), dQ either the call's own output (stored, no final rows: the kernel adds into an fp32 scratch,
+    copied out after) or an fp32 accumulator with its heads packed (the ring's), and q, k, v, dout, dQ aligned for
+    their descriptors."""
+    q, dout, dq = call.q, call.dout, call.dq
+    head_dim = q.shape[-1]
+    if not target.gpu or call.q_doc_ids is not None or q.dtype not in SIXTEEN_BIT or head_dim not in TABLE["bwd"]:
+        return False
+    if call.deterministic or (head_dim, call.causal) in BWD_ON_SPLIT_KERNELS:
+        return False
+    if q.stride(2) != head_dim or dout.stride(2) != head_dim:
+        return False
+    if dq.dtype == torch.float32:
+        if dq.stride(2) != head_dim or not descriptor_aligned(dq):
+            return False
+    elif call.add_dq or call.dq_final is not None:
+        return False
+    return all(descriptor_aligned(t) for t in (q, call.k, call.v, dout))
+
+
+def _bwd_stats(call: BwdCall, block_m: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+    """lse and delta as the Gluon backward loads them, (B, Hq, Sq') with Sq' the multiple of block_m at or above Sq
+    and zeros past Sq: the call's own where they are so, else copies of them (made by the returned function)."""
+    lse, delta = call.lse, call.delta
+    batch, heads_q, seqlen_q = lse.shape
+    if seqlen_q % block_m == 0 and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (lse, delta)):
+        return lse, delta, None
+    padded = [torch.zeros(batch, heads_q, triton.cdiv(seqlen_q, block_m) * block_m, device=lse.device) for _ in "ld"]
+
+    def copy() -> None:
+        for dst, src in zip(padded, (lse, delta), strict=True):
+            dst[..., :seqlen_q].copy_(src)
+
+    return *padded, copy
 
 
 def _split_kernel_dtype(q: torch.Tensor, target: Target) -> bool:
@@ -111,6 +159,54 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig) -> KernelLaunch:
             enable_fp_fusion=True,  # exp2(s * qk_scale - m) as one FMA, as the portable kernels
         ),
         scratch=True,
+    )  # fmt: skip
+
+
+def bwd_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
+    """_attn_bwd_gluon_kernel: dK, dV stored into (add_dkdv: added into) call.dk, call.dv, and dQ added into
+    call.dq (fp32, zeroed first unless add_dq; dq_final's rows copied out after), or, for a dQ in q's dtype, into an
+    fp32 scratch copied into it after; bwd_supported."""
+    from ..kernels.sm90.attn_bwd_gluon import _attn_bwd_gluon_kernel  # Gluon: imported once a call is taken
+
+    q, k, v, dout, dk, dv = call.q, call.k, call.v, call.dout, call.dk, call.dv
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    accumulator = call.dq.dtype == torch.float32
+    dq = call.dq if accumulator else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    zero_first = not (accumulator and call.add_dq)
+    final = call.dq_final
+    lse, delta, copy_stats = _bwd_stats(call, cfg.block_m)
+
+    def prepare() -> None:
+        if copy_stats is not None:
+            copy_stats()
+        if zero_first:
+            dq.zero_()
+
+    def finish() -> None:
+        if not accumulator:
+            call.dq.copy_(dq)
+        elif final is not None and len(final.rows):
+            final.out[:, final.rows.start : final.rows.stop].copy_(dq[:, final.rows.start : final.rows.stop])
+
+    return KernelLaunch(
+        "sm90.bwd",
+        _attn_bwd_gluon_kernel,
+        (triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch),
+        (
+            q, k, v, dout, lse, delta, dq, dk, dv,
+            q.stride(0), q.stride(1), *strides(k), *strides(v), dout.stride(0), dout.stride(1),
+            dq.stride(0), dq.stride(1), *strides(dk), *strides(dv),
+            lse.shape[-1], seqlen_q, seqlen_k, heads_q, call.softmax_scale * LOG2E, call.softmax_scale,
+        ),
+        dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
+            CAUSAL=call.causal, ADD_DKDV=call.add_dkdv, NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps,
+            maxnreg=GLUON_MAXNREG, enable_fp_fusion=True,
+        ),
+        scratch=True,
+        prepare=prepare,
+        finish=finish,
     )  # fmt: skip
 
 

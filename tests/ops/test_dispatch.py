@@ -146,28 +146,39 @@ def test_forward_takes_the_gluon_kernel_only_where_its_table_does():
 
 
 @needs_hopper_triton
-def test_backward_takes_the_split_kernels_only_where_the_table_does():
+def test_backward_takes_the_gluon_kernel_where_its_table_does():
+    """Causal calls (and D = 64 ones) on the Gluon backward; D = 128 without a mask on the split pair
+    (sm90.BWD_ON_SPLIT_KERNELS); the rest where the Gluon kernel cannot take them on the portable pair."""
     q, k, v, dout = _tensors(head_dim=128)
-    split, fallback = ("sm90.dkdv", "sm90.dq"), ("portable.dkdv", "portable.dq")
-    assert _bwd_names(_bwd(q, k, v, dout)) == split
-    assert _bwd_names(_bwd(q, k, v, dout, causal=True)) == split
-    assert _bwd_names(_bwd(*_tensors(head_dim=64))) == ("sm90.dkdv", "portable.dq")  # dQ: D = 128 only
-    assert _bwd_names(_bwd(*_tensors(head_dim=96))) == fallback
+    gluon, split, fallback = ("sm90.bwd",), ("sm90.dkdv", "sm90.dq"), ("portable.dkdv", "portable.dq")
+
+    def names(*tensors, **kwargs):
+        return _bwd_names(_bwd(*(tensors or (q, k, v, dout)), **dict(dict(causal=True), **kwargs)))
+
+    assert names() == gluon
+    assert names(causal=False) == split
+    assert names(deterministic=True) == split  # one writer per gradient row
+    assert names(*_tensors(head_dim=64)) == names(*_tensors(head_dim=64), causal=False) == gluon
+    assert names(*_tensors(head_dim=96)) == fallback
     ids = torch.zeros(64, dtype=torch.int32)
-    assert _bwd_names(_bwd(q, k, v, dout, q_doc_ids=ids, k_doc_ids=ids)) == fallback  # documents
-    assert _bwd_names(_bwd(*_tensors(seqlen_q=97))) == fallback  # Sq % 4: the stats' rows off 16 bytes
-    assert _bwd_names(_bwd(q, k, v, dout, add_dkdv=True)) == ("portable.dkdv", "sm90.dq")  # dK, dV added
+    assert names(q_doc_ids=ids, k_doc_ids=ids) == fallback  # documents
+    assert names(*_tensors(seqlen_q=97)) == gluon  # any length: the stats are padded to whole tiles
     gq, gk, gv, gdout = _tensors(heads=(4, 2))
-    assert _bwd_names(_bwd(gq, gk, gv, gdout)) == split  # GQA, heads packed in each row
+    assert names(gq, gk, gv, gdout) == gluon  # GQA, heads packed in each row
     unpacked = gq.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) view of (B, H, S, D)
-    assert _bwd_names(_bwd(unpacked, gk, gv, gdout)) == ("portable.dkdv", "sm90.dq")
+    assert names(unpacked, gk, gv, gdout) != gluon
+    # the ring's forms: fp32 accumulators, dQ added or stored, dK and dV stored or added, rows finished
     final = FinalRows(torch.empty_like(q), range(0, 32))
-    assert _bwd_names(_bwd(q, k, v, dout, dq_final=final)) == ("sm90.dkdv", "portable.dq")  # the ring's last step
-    assert _bwd_names(_bwd(*_tensors(dtype=torch.float32))) == fallback  # fp32 on a GPU would be tf32
-    assert _bwd_names(_bwd(*_tensors(dtype=torch.float32)), target=INTERPRETER) == split  # the interpreter: any
-    assert _bwd_names(_bwd(q, k, v, dout, grads_dtype=torch.float32)) == split  # the ring's fp32 shares
-    assert _bwd_names(_bwd(q, k, v, dout), backend="portable") == fallback
-    assert _bwd_names(_bwd(q, k, v, dout), backend=None, target=AMPERE) == fallback
+    for kwargs in (dict(add_dq=True), dict(add_dkdv=True), dict(add_dq=True, dq_final=final)):
+        assert names(grads_dtype=torch.float32, **kwargs) == gluon
+    # dQ added into (or finished from) a 16-bit buffer: not the fp32 accumulator the kernel adds into
+    assert names(add_dq=True) != gluon
+    assert names(dq_final=final) != gluon
+    assert names(*_tensors(dtype=torch.float32)) == fallback  # fp32 on a GPU would be tf32
+    call = _bwd(q, k, v, dout, causal=True)
+    assert _bwd_names(call, target=INTERPRETER) == split  # Gluon: GPUs only
+    assert _bwd_names(call, backend="portable") == fallback
+    assert _bwd_names(call, backend=None, target=AMPERE) == fallback
 
 
 def test_configs_come_from_the_tables_and_overrides_restore(no_override):
@@ -193,7 +204,9 @@ def test_every_kernel_name_is_a_launch_name():
     """KERNELS names what the planners build (the sweep and the resource report go by these names)."""
     q, k, v, dout = _tensors()
     names = {fwd_launch(_fwd(q, k, v), b, HOPPER).name for b in ("portable", "sm90")}
-    names |= {n for b in ("portable", "sm90") for n in _bwd_names(_bwd(q, k, v, dout), b)}
+    names |= {
+        n for b in ("portable", "sm90") for c in (False, True) for n in _bwd_names(_bwd(q, k, v, dout, causal=c), b)
+    }
     if HOPPER_TRITON:
         assert names == set(dispatch.KERNELS)
     assert names <= set(dispatch.KERNELS)

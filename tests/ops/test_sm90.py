@@ -14,6 +14,7 @@ import triton
 
 from ringattn.ops import (
     BwdCall,
+    FinalRows,
     FwdCall,
     Target,
     attn_bwd,
@@ -24,6 +25,7 @@ from ringattn.ops import (
     fwd_launch,
     kernel_ops,
     launch,
+    sm90,
 )
 from ringattn.parallel import LAYOUTS
 from ringattn.testing import RESULTS, check_results, simulate_ring_attn
@@ -32,7 +34,7 @@ from tests.utils import DEVICE, DTYPES, check_against_reference, dtype_id, make_
 HOPPER_HERE = dispatch.hopper_available(Target.of(torch.empty(0, device=DEVICE)))
 needs_hopper = pytest.mark.skipif(not HOPPER_HERE, reason="the Hopper backend cannot run here")
 needs_hopper_gpu = pytest.mark.skipif(
-    not (HOPPER_HERE and DEVICE.type == "cuda"), reason="the Gluon forward runs on Hopper GPUs"
+    not (HOPPER_HERE and DEVICE.type == "cuda"), reason="the Gluon kernels run on Hopper GPUs"
 )
 # Sq a multiple of 4 (the split kernels' condition); ragged tiles on both sides, Sq != Sk both ways (Sq > Sk causal:
 # rows that see no key)
@@ -52,7 +54,9 @@ def _launched(q, k, v, dout, causal, grads_dtype=None, **kwargs):
     return tuple(launch.name for launch in bwd_launches(call, "sm90"))
 
 
-def _expected(head_dim, add_dkdv=False):
+def _expected(head_dim, causal, add_dkdv=False):
+    if DEVICE.type == "cuda" and (head_dim, causal) not in sm90.BWD_ON_SPLIT_KERNELS:  # the Gluon backward
+        return ("sm90.bwd",)
     return ("portable.dkdv" if add_dkdv else "sm90.dkdv", "sm90.dq" if head_dim == 128 else "portable.dq")
 
 
@@ -64,7 +68,7 @@ def test_split_backward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, c
     """dq, dk, dv (and out, lse) against float64, rows that see no key included (lse -inf, out 0, zero
     gradients)."""
     q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, DTYPES[0], seed=seqlen_q + 7 * seqlen_k)
-    assert _launched(q, k, v, dout, causal) == _expected(head_dim)
+    assert _launched(q, k, v, dout, causal) == _expected(head_dim, causal)
     scale = head_dim**-0.5
     out, lse = attn_fwd(q, k, v, scale, causal, backend="sm90")
     grads = attn_bwd(dout, q, k, v, out, lse, scale, causal, backend="sm90")
@@ -78,7 +82,7 @@ def test_split_ring_step_forms(heads, causal):
     """The ring's forms: dK, dV stored (add_dkdv=False) into fp32 buffers that are not read, dQ added into an fp32
     accumulator: the public call's gradients, in fp32, plus what the accumulator held."""
     q, k, v, dout = make_qkv(1, 64, 64, *heads, 128, DTYPES[0], seed=5)
-    assert _launched(q, k, v, dout, causal, grads_dtype=torch.float32, add_dq=True) == _expected(128)
+    assert _launched(q, k, v, dout, causal, grads_dtype=torch.float32, add_dq=True) == _expected(128, causal)
     out, lse = attn_fwd(q, k, v, 0.125, causal)
     held = torch.randn(q.shape, device=DEVICE)
     dq = held.clone()
@@ -164,3 +168,66 @@ def test_scratch_allocator_is_set_for_the_launch_only():
 
     contextvars.copy_context().run(in_caller_context)  # the test's own context keeps its allocator too
     assert seen == [launch._torch_scratch, caller_allocator]
+
+
+# ragged tiles on both sides (BLOCK_M 64, BLOCK_N 128); Sq != Sk both ways (Sq > Sk causal: rows that see no key,
+# and key tiles no row sees)
+GLUON_BWD_SEQLENS = [(4, 4), (300, 300), (1000, 1000), (200, 456), (512, 136), (777, 2049)]
+# (head dim, causal) of the calls the Gluon backward takes
+GLUON_BWD_CASES = [(d, c) for d in (64, 128) for c in (False, True) if (d, c) not in sm90.BWD_ON_SPLIT_KERNELS]
+GLUON_BWD_IDS = [f"D{d}-{'causal' if c else 'full'}" for d, c in GLUON_BWD_CASES]
+
+
+@needs_hopper_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("heads", HEADS, ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS])
+@pytest.mark.parametrize("head_dim,causal", GLUON_BWD_CASES, ids=GLUON_BWD_IDS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", GLUON_BWD_SEQLENS, ids=[f"Sq{a}-Sk{b}" for a, b in GLUON_BWD_SEQLENS])
+def test_gluon_backward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, causal, dtype):
+    """dq, dk, dv by the Gluon backward (dQ through its fp32 scratch) against float64."""
+    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, dtype, seed=seqlen_q + 3 * heads[1])
+    assert _launched(q, k, v, dout, causal) == ("sm90.bwd",)
+    scale = head_dim**-0.5
+    out, lse = attn_fwd(q, k, v, scale, causal)
+    grads = attn_bwd(dout, q, k, v, out, lse, scale, causal)
+    check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads), what="gluon backward")
+
+
+@needs_hopper_gpu
+@pytest.mark.parametrize("heads", HEADS[:2], ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS[:2]])
+@pytest.mark.parametrize("head_dim,causal", GLUON_BWD_CASES, ids=GLUON_BWD_IDS)
+def test_gluon_backward_ring_step_forms(head_dim, heads, causal):
+    """The ring's forms on the Gluon backward: dQ added into an fp32 accumulator, or stored into one (whatever it
+    held ignored), rows of it finished into another buffer; dK, dV stored into fp32 shares that are not read, or
+    added into what they hold. Each against the fp32 gradients added into zeros, and those against the public
+    call's."""
+    q, k, v, dout = make_qkv(1, 300, 200, *heads, head_dim, DTYPES[0], seed=5 + head_dim)
+    assert _launched(q, k, v, dout, causal, grads_dtype=torch.float32, add_dq=True) == ("sm90.bwd",)
+    scale = head_dim**-0.5
+    out, lse = attn_fwd(q, k, v, scale, causal)
+    want = attn_bwd(dout, q, k, v, out, lse, scale, causal)
+    grads = [torch.zeros(t.shape, device=DEVICE) for t in (q, k, v)]
+    attn_bwd(dout, q, k, v, out, lse, scale, causal, dq_acc=grads[0], dk_acc=grads[1], dv_acc=grads[2])
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        torch.testing.assert_close(got.to(ref.dtype), ref, msg=f"added into zeros: {name}")
+    held = [torch.randn(t.shape, device=DEVICE) for t in (q, k, v)]
+    nans = [torch.full(t.shape, float("nan"), device=DEVICE) for t in (q, k, v)]
+
+    def close(form, got, held_by):
+        for name, g, h, ref in zip(("dq", "dk", "dv"), got, held_by, grads, strict=True):
+            assert g.dtype == torch.float32 and not g.isnan().any(), f"{form}: {name}"
+            torch.testing.assert_close(g - h if h is not None else g, ref, msg=f"{form}: {name}")
+
+    dq, dk, dv = held[0].clone(), nans[1].clone(), nans[2].clone()
+    attn_bwd(dout, q, k, v, out, lse, scale, causal, dq_acc=dq, dk_acc=dk, dv_acc=dv, add_dkdv=False)
+    close("dq added, dk dv stored", (dq, dk, dv), (held[0], None, None))
+    dq, dk, dv = nans[0].clone(), held[1].clone(), held[2].clone()
+    attn_bwd(dout, q, k, v, out, lse, scale, causal, dq_acc=dq, dk_acc=dk, dv_acc=dv, add_dq=False)
+    close("dq stored, dk dv added", (dq, dk, dv), (None, held[1], held[2]))
+    rows = range(100, 250)
+    final = FinalRows(torch.full(q.shape, float("nan"), device=DEVICE, dtype=q.dtype), rows)
+    dq = held[0].clone()
+    attn_bwd(dout, q, k, v, out, lse, scale, causal, dq_acc=dq, dk_acc=nans[1].clone(), dv_acc=nans[2].clone(),
+             dq_final=final)  # fmt: skip
+    torch.testing.assert_close(final.out[:, 100:250], (held[0] + grads[0])[:, 100:250].to(q.dtype))
+    assert final.out[:, :100].isnan().all() and final.out[:, 250:].isnan().all()

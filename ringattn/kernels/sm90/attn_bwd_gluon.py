@@ -1,0 +1,269 @@
+"""Backward attention kernel written in Gluon for Hopper: dK, dV and dQ of one key tile in one program.
+
+One program owns one BLOCK_N tile of keys of one (batch, kv head) and loops over the query tiles of every q head of
+its GQA group, in three partitions: a one-warp producer loads K and V once, then each step's Q and dO tiles into a
+ring of NUM_BUFFERS shared-memory slots by TMA; two consumer warpgroups, BLOCK_N // 2 keys each, keep their rows
+of dK and dV in registers across the steps. A step costs five products, the scores and dP computed once:
+
+    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ scale - lse), dV += Pᵀ dO,
+    dSᵀ = Pᵀ (dPᵀ - delta), dK += dSᵀ Q, dQ = dS K.
+
+For dQ the two consumers put their halves of dSᵀ into shared memory and meet at a barrier; each then multiplies the
+whole dS by half of K's columns, so that every element of the step's dQ tile is added once into the fp32
+accumulator, by TMA's reduce-add from shared memory. Only the tiles on the causal diagonal compare positions.
+ops/sm90.py says when it is taken.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _query_tile(i, num_m, start_m, first_hq, BLOCK_M: gl.constexpr):
+    """The q head and first row of loop step i: num_m query tiles from row start_m for each q head from first_hq."""
+    g = i // num_m
+    return first_hq + g, start_m + (i - g * num_m) * BLOCK_M
+
+
+@gluon.jit
+def _load_partition(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr):
+    """The producer: K and V once, then step i's Q and dO tiles into slot i % NUM_BUFFERS once both consumers freed
+    it, with the rows' lse and delta. args: the kernel's descriptors, buffers, barriers and scalars, as
+    _attn_bwd_gluon_kernel packs them."""
+    q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
+    kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
+    lse_desc, delta_desc, lse_bufs, delta_bufs, stats_row = args[19:24]
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
+    num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    tiles_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_load(k_desc, [n0, 0], kv_bar, k_smem)
+    tma.async_load(v_desc, [n0, 0], kv_bar, v_smem)
+    for i in range(num_steps):
+        hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
+        slot = i % num_buffers
+        mbarrier.wait(qdo_bars.index(2 * slot + 1), (i // num_buffers & 1) ^ 1)  # a fresh barrier passes phase 1
+        ready = qdo_bars.index(2 * slot)
+        mbarrier.expect(ready, tiles_bytes)
+        tma.async_load(q_desc, [m0, hq * HEAD_DIM], ready, q_bufs.index(slot))
+        tma.async_load(do_desc, [m0, hq * HEAD_DIM], ready, do_bufs.index(slot))
+        tma.async_load(lse_desc, [hq * stats_row + m0], ready, lse_bufs.index(slot))
+        tma.async_load(delta_desc, [hq * stats_row + m0], ready, delta_bufs.index(slot))
+
+
+@gluon.jit
+def _grad_rows(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr, HALF: gl.constexpr):
+    """A consumer: dK and dV of keys [n0 + HALF * BLOCK_N // 2, + BLOCK_N // 2) over every step, and at each step
+    its half of dQ's columns added into the accumulator; dK, dV stored (ADD_DKDV: added) at the end (keys past
+    seqlen_k are not)."""
+    q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
+    kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
+    lse_desc, delta_desc, lse_bufs, delta_bufs, stats_row = args[19:24]
+    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale, sm_scale = args[24:]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+    num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    KEYS: gl.constexpr = BLOCK_N // 2
+    FIRST: gl.constexpr = HALF * KEYS
+    COLS: gl.constexpr = HEAD_DIM // 2
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, COLS, 16])  # fmt: skip
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    k_rows = k_smem.slice(FIRST, KEYS)
+    v_rows = v_smem.slice(FIRST, KEYS)
+    k_cols = k_smem.slice(HALF * COLS, COLS, dim=1)
+    dq_smem = dq_bufs.index(HALF)
+    offs_n = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    causal_shift = seqlen_k - seqlen_q
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    # step 0's scores; each step then issues the next step's before it waits for its own products
+    mbarrier.wait(qdo_bars.index(0), 0, pred=num_steps > 0)
+    st = warpgroup_mma(k_rows, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    for i in range(num_steps):
+        hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
+        slot = i % num_buffers
+        q_tile = q_bufs.index(slot)
+        do_tile = do_bufs.index(slot)
+        dpt = warpgroup_mma(v_rows, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # rows past seqlen_q load lse 0 and delta 0 (and add nothing: their Q and dO rows are zeros); rows that
+        # see no key (lse -inf) get lse +inf, so that their P is 0
+        lse2 = lse_bufs.index(slot).load(col_layout) * LOG2E
+        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+        x = st * qk_scale - lse2[None, :]  # one FMA a score
+        if CAUSAL:
+            if m0 + causal_shift < n0 + FIRST + KEYS - 1:  # the diagonal: some key here is after some row's last
+                offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+                x = gl.where(offs_n[:, None] <= offs_m[None, :] + causal_shift, x, float("-inf"))
+        pt = gl.exp2(x)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
+        delta = delta_bufs.index(slot).load(col_layout)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
+        ds16 = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
+        # this half of dSᵀ into the step's dS buffer; then the whole dS (both halves) times this half of K's columns
+        ds_slot = i % 2
+        ds_phase = i // 2 & 1
+        mbarrier.wait(ds_bars.index(2 * ds_slot + 1), ds_phase ^ 1)  # both consumers' dQ of two steps ago read it
+        ds_tile = ds_bufs.index(ds_slot)
+        ds_tile.slice(FIRST, KEYS).store(ds16)
+        fence_async_shared()
+        gl.barrier()  # every thread's part stored before the arrival
+        mbarrier.arrive(ds_bars.index(2 * ds_slot), count=1)
+        mbarrier.wait(ds_bars.index(2 * ds_slot), ds_phase)
+        dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+        # the next step's scores (after the last step: of a stale slot, unused), then this step's products
+        next_slot = (i + 1) % num_buffers
+        more = i + 1 < num_steps
+        mbarrier.wait(qdo_bars.index(2 * next_slot), (i + 1) // num_buffers & 1, pred=more)
+        st = warpgroup_mma(k_rows, q_bufs.index(next_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dq, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(dq, dk, dv))
+        mbarrier.arrive(qdo_bars.index(2 * slot + 1), count=1)
+        mbarrier.arrive(ds_bars.index(2 * ds_slot + 1), count=1)
+        tma.store_wait(pendings=0)  # the previous step's reduce-add has read dq_smem
+        gl.barrier()
+        dq_smem.store(dq * sm_scale)
+        fence_async_shared()
+        gl.barrier()
+        tma.async_atomic_add(dq_desc, [m0, hq * HEAD_DIM + HALF * COLS], dq_smem)  # rows past seqlen_q are clipped
+    st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
+    tma.store_wait(pendings=0)
+
+    rows = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    in_keys = (rows < seqlen_k)[:, None]
+    dk_ptrs = DK + rows[:, None].to(gl.int64) * stride_ks + cols[None, :]
+    dv_ptrs = DV + rows[:, None].to(gl.int64) * stride_vs + cols[None, :]
+    dk = dk * sm_scale
+    if ADD_DKDV:
+        dk += gl.load(dk_ptrs, mask=in_keys, other=0.0)
+        dv += gl.load(dv_ptrs, mask=in_keys, other=0.0)
+    gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=in_keys)
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_keys)
+
+
+@gluon.jit
+def _grad_partition_0(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr):
+    _grad_rows(args, CAUSAL, ADD_DKDV, 0)
+
+
+@gluon.jit
+def _grad_partition_1(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr):
+    _grad_rows(args, CAUSAL, ADD_DKDV, 1)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
+def _attn_bwd_gluon_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
+    stride_qb, stride_qs,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos,
+    stride_dqb, stride_dqs,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_stats, seqlen_q, seqlen_k, num_heads_q, qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+):
+    """dK, dV (B, Sk, Hkv, HEAD_DIM) of one BLOCK_N tile of keys of one (batch, kv head), and its share of dQ added
+    into DQ; grid (Sk tiles, Hkv, B), 4 warps (the first consumer; the partitions add 5).
+
+    Q, DOut (B, Sq, Hq, HEAD_DIM) with their heads packed (head stride HEAD_DIM) and K, V (B, Sk, Hkv, HEAD_DIM), all
+    16-bit (bf16 or fp16), HEAD_DIM 64 or 128, base addresses and every stride but the last 16-byte aligned; Lse,
+    Delta (B, Hq, stride_stats) fp32 contiguous, 16-byte aligned, stride_stats >= Sq a multiple of BLOCK_M, the
+    entries past Sq zeros. DQ (B, Sq, Hq, HEAD_DIM) fp32 with its heads packed, aligned alike: dQ is
+    added into it (atomically: every key tile adds its share). DK, DV like K and V, in their dtype or fp32 (the
+    ring's shares), last dim contiguous; stored, or with ADD_DKDV added into. qk_scale = softmax_scale * log2(e).
+    CAUSAL is bottom-right; rows whose lse is -inf (no key) add nothing. The additions into DQ come in the order the
+    programs reach them, so dQ's last bits vary from run to run.
+    """
+    start_n = gl.program_id(0)
+    off_hk = gl.program_id(1)
+    off_b = gl.program_id(2).to(gl.int64)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk.to(gl.int64) * stride_kh, [seqlen_k, HEAD_DIM],
+                                        [stride_ks, 1], [BLOCK_N, HEAD_DIM], tile_layout)  # fmt: skip
+    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk.to(gl.int64) * stride_vh, [seqlen_k, HEAD_DIM],
+                                        [stride_vs, 1], [BLOCK_N, HEAD_DIM], tile_layout)  # fmt: skip
+    # Q, dO and dQ over the batch's (Sq, Hq x HEAD_DIM) rows: a step's head is a column offset
+    q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb, [seqlen_q, num_heads_q * HEAD_DIM], [stride_qs, 1],
+                                        [BLOCK_M, HEAD_DIM], tile_layout)  # fmt: skip
+    do_desc = tma.make_tensor_descriptor(DOut + off_b * stride_dob, [seqlen_q, num_heads_q * HEAD_DIM],
+                                         [stride_dos, 1], [BLOCK_M, HEAD_DIM], tile_layout)  # fmt: skip
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    dq_desc = tma.make_tensor_descriptor(DQ + off_b * stride_dqb, [seqlen_q, num_heads_q * HEAD_DIM],
+                                         [stride_dqs, 1], [BLOCK_M, HEAD_DIM // 2], dq_layout)  # fmt: skip
+    # each step's rows of lse and delta, by TMA: a BLOCK_M block never crosses into the next head's
+    stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    stats = off_b * num_heads_q * stride_stats
+    lse_desc = tma.make_tensor_descriptor(Lse + stats, [num_heads_q * stride_stats], [1], [BLOCK_M], stats_layout)
+    delta_desc = tma.make_tensor_descriptor(Delta + stats, [num_heads_q * stride_stats], [1], [BLOCK_M],
+                                            stats_layout)  # fmt: skip
+    # dSᵀ (keys x rows) as the dQ product's left operand, transposed
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BLOCK_M), element_bitwidth=16,
+                                                   rank=2)  # fmt: skip
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], tile_layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], tile_layout)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_layout)  # one per consumer
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # per slot, two barriers: [2 * slot] its tiles landed (Q, dO, lse, delta; dS: both halves stored), [2 * slot + 1]
+    # both consumers are done with it
+    qdo_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    ds_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(qdo_bars.index(2 * i), count=1)
+        mbarrier.init(qdo_bars.index(2 * i + 1), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bars.index(2 * i), count=2)
+        mbarrier.init(ds_bars.index(2 * i + 1), count=2)
+
+    n0 = start_n * BLOCK_N
+    if CAUSAL:  # rows before start_m see no key of this tile (bottom-right: row i sees keys j <= i + Sk - Sq)
+        start_m = gl.maximum(n0 - (seqlen_k - seqlen_q), 0) // BLOCK_M * BLOCK_M
+    else:
+        start_m = 0
+    num_m = gl.cdiv(gl.maximum(seqlen_q - start_m, 0), BLOCK_M)
+    dk_base = DK + off_b * stride_dkb + off_hk.to(gl.int64) * stride_dkh
+    dv_base = DV + off_b * stride_dvb + off_hk.to(gl.int64) * stride_dvh
+    args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs,
+            kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, off_hk * GROUP_SIZE, GROUP_SIZE * num_m,
+            lse_desc, delta_desc, lse_bufs, delta_bufs, stride_stats, dk_base, dv_base, stride_dks, stride_dvs,
+            seqlen_q, seqlen_k, qk_scale, sm_scale)  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_grad_partition_0, (args, CAUSAL, ADD_DKDV)),
+            (_grad_partition_1, (args, CAUSAL, ADD_DKDV)),
+            (_load_partition, (args, CAUSAL, ADD_DKDV)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
