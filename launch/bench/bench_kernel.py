@@ -9,7 +9,7 @@ Every provider runs in the same process on the same inputs.
     TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench/bench_kernel.py --tiny --providers ringattn flash  # CPU
 
 Providers (--providers, or its alias --provider-only; default: all that import):
-- ringattn: ringattn.flash_attn_func, (B, S, H, D);
+- ringattn: ringattn.flash_attn_func, (B, S, H, D); ringattn-deterministic: the same with deterministic=True;
 - cudnn, flash: F.scaled_dot_product_attention under sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) or
   ([SDPBackend.FLASH_ATTENTION]) (FlashAttention-2 inside PyTorch), (B, H, S, D), GQA by enable_gqa;
 - flex: torch.compile(flex_attention), a causal create_block_mask, (B, H, S, D);
@@ -65,8 +65,10 @@ from ringattn.benchmark import (
 )
 from ringattn.ops import attn_fwd_ref
 
-PROVIDERS = ("ringattn", "cudnn", "flash", "flex", "fa4")
-LAYOUTS = {"ringattn": "bshd", "cudnn": "bhsd", "flash": "bhsd", "flex": "bhsd", "fa4": "bshd"}  # "bshd": (B, S, H, D)
+PROVIDERS = ("ringattn", "ringattn-deterministic", "cudnn", "flash", "flex", "fa4")
+# "bshd": (B, S, H, D), "bhsd": (B, H, S, D)
+LAYOUTS = {"ringattn": "bshd", "ringattn-deterministic": "bshd", "cudnn": "bhsd", "flash": "bhsd", "flex": "bhsd",
+           "fa4": "bshd"}  # fmt: skip
 MODES = ("fwd", "fwd+bwd")
 CELL_KEYS = ("provider", "B", "S", "H", "Hkv", "D", "causal", "mode")  # a record or error of one measurement
 IDENTITY = ("gpu", "torch", "triton", "cuda", "dtype", "fa4")  # what --append requires to be the same
@@ -142,8 +144,11 @@ def _fa4(flash_attn_func: Callable) -> Callable:
     return run
 
 
-def _ringattn(q, k, v, causal):  # (B, S, H, D), (B, S, Hkv, D) -> (B, S, H, D)
-    return ringattn.flash_attn_func(q, k, v, causal=causal)
+def _ringattn(deterministic: bool) -> Callable:
+    def run(q, k, v, causal):  # (B, S, H, D), (B, S, Hkv, D) -> (B, S, H, D)
+        return ringattn.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+
+    return run
 
 
 def provider_functions(names: list[str]) -> dict[str, Callable]:
@@ -151,8 +156,8 @@ def provider_functions(names: list[str]) -> dict[str, Callable]:
     flash_attn.cute does not import."""
     fns: dict[str, Callable] = {}
     for name in names:
-        if name == "ringattn":
-            fns[name] = _ringattn
+        if name in ("ringattn", "ringattn-deterministic"):
+            fns[name] = _ringattn(name == "ringattn-deterministic")
         elif name in ("cudnn", "flash"):
             fns[name] = _sdpa(SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION)
         elif name == "flex":
