@@ -18,7 +18,8 @@ into an fp32 state ("portable.fwd-merge", "sm90.fwd-merge"); a Hopper kernel at 
 "ws partitions" counts the warp-specialised regions (the partitioner's, or the Gluon forward's one explicit
 region), "ws hazards" the ops in them the partitioner is known to split wrong (ws_hazards()); the Gluon forward's
 config's fourth number is its rings' depth. Without --configs or --candidates, each at the tables' config. Forms the
-dispatch does not run (a head dim outside a table, a causal setting the Gluon backward takes) are left out.
+dispatch does not run (a head dim outside a table) are left out; the split backward kernels are compiled as
+deterministic calls run them, at every causal setting.
 """
 
 import argparse
@@ -72,9 +73,12 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
         if name.endswith(".fwd"):
             out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
             launches = [fwd_launch(FwdCall(q, k, v, scale, causal, out, lse, merge_state=merge), backend, target)]
-        else:  # as the ring calls them: dQ added to an fp32 accumulator, dK, dV stored into fp32 shares
+        else:  # as the ring calls them: dQ added to an fp32 accumulator, dK, dV stored into fp32 shares; the split
+            # kernels as deterministic calls take them (where the Gluon backward takes the others)
             acc = [torch.empty(t.shape) for t in (q, k, v)]
-            call = BwdCall(dout, q, k, v, lse, delta, *acc, scale, causal, add_dq=True, add_dkdv=False)
+            split = name in ("sm90.dkdv", "sm90.dq")
+            call = BwdCall(dout, q, k, v, lse, delta, *acc, scale, causal, add_dq=True, add_dkdv=False,
+                           deterministic=split)  # fmt: skip
             launches = bwd_launches(call, backend, target)
     launch = next((launch for launch in launches if launch.name == name), None)
     if launch is None:
@@ -154,7 +158,7 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
 
 def _taken(kernel: str, head_dim: int, kv_heads: int, causal: bool, arch: int) -> bool:
     """Whether the dispatch runs the form at the head dim and causal setting (the Hopper table does not take every
-    one, and the Gluon backward takes some backwards from the split kernels)."""
+    one)."""
     name = kernel.removesuffix("-merge")
     if not name.startswith("portable.") and launch_config(name, head_dim, torch.bfloat16, Target((9, 0))) is None:
         return False
