@@ -3,7 +3,7 @@
 #
 # Usage:
 #   bash launch/setup.sh          # torch (if missing) + ringattn in editable mode
-#   bash launch/setup.sh --test   # the same, plus the test extras (pytest, pytest-timeout) and the
+#   bash launch/setup.sh --test   # the same, plus the test extras (pytest, pytest-timeout, pytest-xdist) and the
 #                                 # Hugging Face extra (transformers), so its integration tests run
 #
 # A machine that already has torch (a CUDA build on a GPU machine, say) keeps it; one that
