@@ -28,22 +28,23 @@ def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, dtype, devic
     return q, k, v, dout
 
 
-def reference_attention(q, k, v, dout, softmax_scale, causal, dtype, **doc_ids):
+def reference_attention(q, k, v, dout, softmax_scale, causal, dtype, **options):
     """Plain PyTorch attention (attn_fwd_ref + autograd) with inputs cast to `dtype`.
 
     Returns out, lse, dq, dk, dv, all computed in `dtype` (float64 for the ground truth,
-    the inputs' own dtype for the plain implementation of the tolerance rule). doc_ids:
-    q_doc_ids and k_doc_ids for packed documents.
+    the inputs' own dtype for the plain implementation of the tolerance rule). options: attn_fwd_ref's
+    keyword arguments (q_doc_ids and k_doc_ids for packed documents, window, softcap).
     """
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    out, lse = attn_fwd_ref(q, k, v, softmax_scale, causal, **doc_ids)
+    out, lse = attn_fwd_ref(q, k, v, softmax_scale, causal, **options)
     out.backward(dout.to(dtype))
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def check_against_reference(q, k, v, dout, softmax_scale, causal, results, what="", **doc_ids):
+def check_against_reference(q, k, v, dout, softmax_scale, causal, results, what="", **options):
     """Check results = (out, lse, dq, dk, dv) of one attention call against reference_attention in float64 under
-    the tolerance rule (ringattn.testing.check_results); `what` names the call in a failure."""
-    ref = reference_attention(q, k, v, dout, softmax_scale, causal, torch.float64, **doc_ids)
-    pt = reference_attention(q, k, v, dout, softmax_scale, causal, q.dtype, **doc_ids)
+    the tolerance rule (ringattn.testing.check_results); `what` names the call in a failure; options as
+    reference_attention's."""
+    ref = reference_attention(q, k, v, dout, softmax_scale, causal, torch.float64, **options)
+    pt = reference_attention(q, k, v, dout, softmax_scale, causal, q.dtype, **options)
     check_results(what, *(dict(zip(RESULTS, r, strict=True)) for r in (results, pt, ref)))

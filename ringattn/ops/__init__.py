@@ -48,6 +48,16 @@ def kernel_ops(backend: str | None = None, deterministic: bool = False) -> AttnO
     )  # fmt: skip
 
 
+def capped_ops(ops: AttnOps, softcap: float) -> AttnOps:
+    """ops with every forward and backward soft-capped at `softcap` (ops/calls.py); ops itself for 0."""
+    if not softcap:
+        return ops
+    return AttnOps(
+        partial(ops.fwd, softcap=softcap), partial(ops.bwd, softcap=softcap), ops.bwd_preprocess,
+        partial(ops.fwd_merge_, softcap=softcap),
+    )  # fmt: skip
+
+
 KERNEL_OPS = AttnOps(attn_fwd, attn_bwd, attn_bwd_preprocess, attn_fwd_merge_)
 REFERENCE_OPS = AttnOps(attn_fwd_ref, attn_bwd_ref, attn_bwd_preprocess_ref, attn_fwd_merge_ref_)
 
@@ -73,6 +83,7 @@ __all__ = [
     "attn_fwd_ref",
     "bwd_launches",
     "capabilities",
+    "capped_ops",
     "fwd_launch",
     "kernel_ops",
     "kernel_override",

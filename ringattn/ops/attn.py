@@ -2,7 +2,8 @@
 
 The pure-PyTorch twins with the same signatures live in ops/attn_ref.py.
 Layout everywhere: q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse, delta (B, Hq, Sq) fp32,
-natural log. Causal masking is aligned bottom-right (row i sees keys j <= i + Sk - Sq).
+natural log. Causal masking is aligned bottom-right (row i sees keys j <= i + Sk - Sq); so are sliding windows
+(ops/calls.py).
 Each launcher takes `backend` (None or "auto", "portable", "sm90": ops/dispatch.py); its reference does not.
 """
 
@@ -12,7 +13,14 @@ from . import dispatch
 from .calls import BwdCall, FwdCall
 from .final_rows import FinalRows, check_dq_final, check_final_rows
 from .launch import device_guard, run_side_by_side
-from .validation import check_attn_inputs, check_attn_state, check_doc_ids, check_runnable_device
+from .validation import (
+    check_attn_inputs,
+    check_attn_state,
+    check_doc_ids,
+    check_runnable_device,
+    check_softcap,
+    check_window,
+)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -35,6 +43,8 @@ def attn_fwd(
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
     final: FinalRows | None = None,
+    window: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward.
@@ -50,6 +60,9 @@ def attn_fwd(
             (and, with causal, j <= i + Sk - Sq). Both or neither.
         final: rows of out to write, rounded, into final.out instead (ops/final_rows.py); out's rows there are
             then unspecified.
+        window: (left, right) sliding window, None for no limit on a side: row i sees keys j with
+            i + Sk - Sq - left <= j <= i + Sk - Sq + right (with causal, right at most 0); any integers.
+        softcap: scores -> softcap * tanh(scores / softcap) after the scale; 0 for none.
         backend: the kernels' backend, None or "auto", "portable" or "sm90" (ops/dispatch.py).
     Returns:
         out (B, Sq, Hq, D) and lse (B, Hq, Sq) fp32 natural log; rows that see no key get out 0, lse -inf.
@@ -62,10 +75,12 @@ def attn_fwd(
     check_runnable_device(q)
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
     check_final_rows(final, q)
+    window, softcap = check_window(window), check_softcap(softcap)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-    _launch_fwd(FwdCall(q, k, v, softmax_scale, bool(causal), out, lse, q_doc_ids, k_doc_ids, False, final), backend)
+    call = FwdCall(q, k, v, softmax_scale, bool(causal), out, lse, q_doc_ids, k_doc_ids, False, final, window, softcap)
+    _launch_fwd(call, backend)
     return out, lse
 
 
@@ -80,14 +95,16 @@ def attn_fwd_merge_(
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
     final: FinalRows | None = None,
+    window: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
     backend: str | None = None,
 ) -> None:
     """Fused attention forward merged into a running state in place: the ring's step, with no merge pass.
 
     (out, lse) becomes the log-sum-exp merge (ops/merge.py) of itself with attn_fwd(q, k, v, ...).
     Args:
-        q, k, v, softmax_scale, causal, q_doc_ids, k_doc_ids, final, backend: as in attn_fwd (final's rows of the merged
-            out go to final.out; lse is updated in every row).
+        q, k, v, softmax_scale, causal, q_doc_ids, k_doc_ids, final, window, softcap, backend: as in attn_fwd
+            (final's rows of the merged out go to final.out; lse is updated in every row).
         out: (B, Sq, Hq, D) fp32 running output, last dim contiguous (views of a larger state are fine).
         lse: (B, Hq, Sq) fp32 running lse, natural log, -inf for rows without keys yet; last dim contiguous.
     Raises:
@@ -98,8 +115,10 @@ def attn_fwd_merge_(
     check_attn_state(out, lse, q)
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
     check_final_rows(final, q)
+    window, softcap = check_window(window), check_softcap(softcap)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    _launch_fwd(FwdCall(q, k, v, softmax_scale, bool(causal), out, lse, q_doc_ids, k_doc_ids, True, final), backend)
+    call = FwdCall(q, k, v, softmax_scale, bool(causal), out, lse, q_doc_ids, k_doc_ids, True, final, window, softcap)
+    _launch_fwd(call, backend)
 
 
 def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
@@ -133,6 +152,8 @@ def attn_bwd(
     add_dkdv: bool = True,
     dq_final: FinalRows | None = None,
     deterministic: bool = False,
+    window: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused attention backward: gradients of out = softmax(q k^T * scale) v.
@@ -154,7 +175,7 @@ def attn_bwd(
             step of those rows.
         deterministic: the same bits every run. The portable and split kernels always give them (every gradient row
             has one writer); the Gluon backward adds dQ atomically, so deterministic calls skip it.
-        backend: as in attn_fwd.
+        window, softcap, backend: as in attn_fwd.
     Returns:
         (dq, dk, dv), new tensors in q's dtype unless accumulators were given.
     Raises:
@@ -165,6 +186,7 @@ def attn_bwd(
     check_attn_inputs(q, k, v)
     check_runnable_device(q)
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
+    window, softcap = check_window(window), check_softcap(softcap)
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     lse = lse.contiguous()
     delta = attn_bwd_preprocess(out, dout) if delta is None else delta.contiguous()
@@ -182,7 +204,7 @@ def attn_bwd(
 
     call = BwdCall(
         dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, bool(causal), q_doc_ids, k_doc_ids,
-        accumulate and add_dq, accumulate and add_dkdv, dq_final, bool(deterministic),
+        accumulate and add_dq, accumulate and add_dkdv, dq_final, bool(deterministic), window, softcap,
     )  # fmt: skip
     launches = dispatch.bwd_launches(call, backend)
     with device_guard(q):

@@ -8,6 +8,7 @@ dtype of their inputs (upcast the inputs for a float64 reference).
 import torch
 from einops import reduce, repeat
 
+from .calls import key_band
 from .final_rows import FinalRows, check_dq_final, check_final_rows
 from .merge import merge_attn_states_
 
@@ -22,21 +23,38 @@ def _reduce_kv(t: torch.Tensor, heads_k: int) -> torch.Tensor:
     return reduce(t, "b s (h g) d -> b s h d", "sum", h=heads_k)
 
 
-def causal_visible(seqlen_q: int, seqlen_k: int, device: torch.device) -> torch.Tensor:
-    """(Sq, Sk) bool: row i sees key j iff j <= i + Sk - Sq (bottom-right aligned)."""
-    rows = torch.arange(seqlen_q, device=device)[:, None]
-    cols = torch.arange(seqlen_k, device=device)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+def band_visible(
+    causal: bool, window: tuple[int | None, int | None], seqlen_q: int, seqlen_k: int, device: torch.device
+) -> torch.Tensor | None:
+    """(Sq, Sk) bool: which keys each row sees under causal and a sliding window (ops/calls.py); None: all."""
+    lower, upper = key_band(causal, window, seqlen_q, seqlen_k)
+    if lower is None and upper is None:
+        return None
+    offset = torch.arange(seqlen_k, device=device)[None, :] - torch.arange(seqlen_q, device=device)[:, None]
+    visible = torch.ones_like(offset, dtype=torch.bool)
+    if lower is not None:
+        visible &= offset >= lower
+    if upper is not None:
+        visible &= offset <= upper
+    return visible
 
 
-def _scores(q, k, softmax_scale, causal, q_doc_ids=None, k_doc_ids=None) -> torch.Tensor:
-    """Scaled scores (B, Hq, Sq, Sk) in q's dtype, -inf where masked (causal, other document)."""
+def _scores(
+    q, k, softmax_scale, causal, q_doc_ids=None, k_doc_ids=None, window=(None, None), softcap=0.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores (B, Hq, Sq, Sk) in q's dtype as the softmax takes them, -inf where masked (causal, window, other
+    document), and with softcap the tanh t they were capped by (scores = softcap * t), else None."""
     s = torch.einsum("bqhd,bkhd->bhqk", q, _expand_kv(k, q.shape[2])) * softmax_scale
-    if causal:
-        s = s.masked_fill(~causal_visible(q.shape[1], k.shape[1], q.device), float("-inf"))
+    t = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    visible = band_visible(causal, window, q.shape[1], k.shape[1], q.device)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
     if q_doc_ids is not None:
         s = s.masked_fill(q_doc_ids[:, None] != k_doc_ids[None, :], float("-inf"))
-    return s
+    return s, t
 
 
 def _write_final(final: FinalRows | None, result: torch.Tensor) -> None:
@@ -62,11 +80,13 @@ def attn_fwd_ref(
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
     final: FinalRows | None = None,
+    window: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of attn_fwd: out (B, Sq, Hq, D) in out_dtype (default q.dtype), lse (B, Hq, Sq) fp32
     (float64 for float64 inputs); final's rows also go to final.out (out keeps them too)."""
     check_final_rows(final, q)
-    s = _scores(q, k, softmax_scale, causal, q_doc_ids, k_doc_ids)
+    s, _ = _scores(q, k, softmax_scale, causal, q_doc_ids, k_doc_ids, window, softcap)
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
     lse = torch.logsumexp(s.to(stat_dtype), dim=-1)  # -inf for rows with no visible key
     p = _probs(s.to(stat_dtype), lse).to(v.dtype)
@@ -86,11 +106,14 @@ def attn_fwd_merge_ref_(
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
     final: FinalRows | None = None,
+    window: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
 ) -> None:
     """Reference of attn_fwd_merge_: attn_fwd_ref in out's dtype, then merge_attn_states_ into (out, lse), then
     final's rows of the merged out to final.out."""
     check_final_rows(final, q)
-    block_out, block_lse = attn_fwd_ref(q, k, v, softmax_scale, causal, out.dtype, q_doc_ids, k_doc_ids)
+    block_out, block_lse = attn_fwd_ref(q, k, v, softmax_scale, causal, out.dtype, q_doc_ids, k_doc_ids,
+                                        window=window, softcap=softcap)  # fmt: skip
     merge_attn_states_(out, lse, block_out, block_lse)
     _write_final(final, out)
 
@@ -120,21 +143,26 @@ def attn_bwd_ref(
     add_dkdv: bool = True,
     dq_final: FinalRows | None = None,
     deterministic: bool = False,
+    window: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference of attn_bwd: P = exp(s - lse); dV = P^T dO; dS = P (dO V^T - delta);
-    dQ = scale dS K; dK = scale dS^T Q. Accumulators, when given, are added to in place (dQ stored
-    instead with add_dq False, dK and dV with add_dkdv False); then dq_final's rows of dq_acc go to
-    dq_final.out. deterministic is taken for attn_bwd's signature: the reference always is."""
+    """Reference of attn_bwd: P = exp(s - lse); dV = P^T dO; dS = P (dO V^T - delta) (with softcap times 1 - t^2, tanh's
+    derivative); dQ = scale dS K; dK = scale dS^T Q. Accumulators, when given, are added to in place (dQ stored instead
+    with add_dq False, dK and dV with add_dkdv False); then dq_final's rows of dq_acc go to dq_final.out. deterministic
+    is taken for attn_bwd's signature: the reference always is."""
     check_dq_final(dq_final, q, dq_acc)
     heads_q, heads_k = q.shape[2], k.shape[2]
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
     if delta is None:
         delta = attn_bwd_preprocess_ref(out, dout)
-    p = _probs(_scores(q, k, softmax_scale, causal, q_doc_ids, k_doc_ids).to(stat_dtype), lse.to(stat_dtype))
+    s, t = _scores(q, k, softmax_scale, causal, q_doc_ids, k_doc_ids, window, softcap)
+    p = _probs(s.to(stat_dtype), lse.to(stat_dtype))
     dout_c = dout.to(stat_dtype)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout_c)
     dp = torch.einsum("bqhd,bkhd->bhqk", dout_c, _expand_kv(v, heads_q).to(stat_dtype))
     ds = p * (dp - delta[..., None].to(stat_dtype)) * softmax_scale
+    if t is not None:
+        ds = ds * (1 - t.to(stat_dtype) ** 2)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, _expand_kv(k, heads_q).to(stat_dtype))
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(stat_dtype))
     grads = (dq, _reduce_kv(dk, heads_k), _reduce_kv(dv, heads_k))

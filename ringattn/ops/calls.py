@@ -1,5 +1,10 @@
 """One attention call as the dispatch and the backends see it: its tensors, checked and allocated by ops/attn.py,
 and its flags. Layout: q, out, dout, dq (B, Sq, Hq, D); k, v, dk, dv (B, Sk, Hkv, D); lse, delta (B, Hq, Sq) fp32.
+
+Every call may carry a sliding window, `window = (left, right)`: row i sees keys j with
+i + Sk - Sq - left <= j <= i + Sk - Sq + right (bottom-right aligned, as flash-attn's window_size; None: no limit
+on that side; any integers, the ring's blocks need negative ones), combined with causal (right at most 0); and
+`softcap`: scores -> softcap * tanh(scores / softcap) after the scale (0: none).
 """
 
 import functools
@@ -25,6 +30,8 @@ class FwdCall(NamedTuple):
     k_doc_ids: torch.Tensor | None = None
     merge_state: bool = False
     final: FinalRows | None = None
+    window: tuple[int | None, int | None] = (None, None)
+    softcap: float = 0.0
 
 
 class BwdCall(NamedTuple):
@@ -49,6 +56,26 @@ class BwdCall(NamedTuple):
     add_dkdv: bool = False
     dq_final: FinalRows | None = None
     deterministic: bool = False
+    window: tuple[int | None, int | None] = (None, None)
+    softcap: float = 0.0
+
+
+def key_band(
+    causal: bool, window: tuple[int | None, int | None], seqlen_q: int, seqlen_k: int
+) -> tuple[int | None, int | None]:
+    """(lower, upper): row i sees keys j with i + lower <= j <= i + upper, None where that side has no limit, for
+    a call's causal flag and window (module docstring) at lengths Sq, Sk."""
+    left, right = window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    shift = seqlen_k - seqlen_q
+    return (None if left is None else shift - left), (None if right is None else shift + right)
+
+
+def plain_scores(call: "FwdCall | BwdCall") -> bool:
+    """Whether a call's scores are the plain scaled q k^T: no window, no soft-capping (what the Hopper kernels
+    take)."""
+    return call.window == (None, None) and not call.softcap
 
 
 class Target(NamedTuple):

@@ -1,8 +1,12 @@
 """The launchers as torch.library custom ops with fake (meta) twins, so torch.compile can trace
 through flash_attn_func without looking inside Triton (docs/design.md, section 7).
 
-- ringattn::attn_fwd(q, k, v, softmax_scale, causal) -> (out, lse)
-- ringattn::attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic) -> (dq, dk, dv)
+- ringattn::attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, q_doc_ids, k_doc_ids)
+  -> (out, lse)
+- ringattn::attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left, window_right,
+  softcap, q_doc_ids, k_doc_ids) -> (dq, dk, dv)
+
+The window's sides and the document ids are optional (None: no limit, no documents), as in ops/attn.py.
 
 Both return fresh tensors. The ring keeps calling the plain Python launchers (attn_fwd with an fp32
 out_dtype, attn_bwd accumulating into fp32 buffers in place): its loop is not traced.
@@ -15,14 +19,25 @@ from .attn import attn_bwd, attn_fwd
 
 @torch.library.custom_op("ringattn::attn_fwd", mutates_args=())
 def attn_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int | None = None,
+    window_right: int | None = None,
+    softcap: float = 0.0,
+    q_doc_ids: torch.Tensor | None = None,
+    k_doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attn_fwd as a custom op: out (B, Sq, Hq, D) contiguous in q's dtype, lse (B, Hq, Sq) fp32."""
-    return attn_fwd(q, k, v, softmax_scale, causal)
+    return attn_fwd(q, k, v, softmax_scale, causal, q_doc_ids=q_doc_ids, k_doc_ids=k_doc_ids,
+                    window=(window_left, window_right), softcap=softcap)  # fmt: skip
 
 
 @attn_fwd_op.register_fake
-def _attn_fwd_fake(q, k, v, softmax_scale, causal):
+def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0, q_doc_ids=None,
+                   k_doc_ids=None):  # fmt: skip
     batch, seqlen_q, heads_q, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
@@ -40,12 +55,19 @@ def attn_bwd_op(
     softmax_scale: float,
     causal: bool,
     deterministic: bool = False,
+    window_left: int | None = None,
+    window_right: int | None = None,
+    softcap: float = 0.0,
+    q_doc_ids: torch.Tensor | None = None,
+    k_doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """attn_bwd as a custom op: (dq, dk, dv) shaped like q, k, v, contiguous, in q's dtype."""
-    grads = attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=deterministic)
+    grads = attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, q_doc_ids=q_doc_ids, k_doc_ids=k_doc_ids,
+                     deterministic=deterministic, window=(window_left, window_right), softcap=softcap)  # fmt: skip
     return tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
 
 
 @attn_bwd_op.register_fake
-def _attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
+def _attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, window_left=None,
+                   window_right=None, softcap=0.0, q_doc_ids=None, k_doc_ids=None):  # fmt: skip
     return tuple(torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v))

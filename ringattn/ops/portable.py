@@ -12,7 +12,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.portable.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from ..kernels.portable.attn_fwd import _attn_fwd_kernel
-from .calls import BwdCall, FwdCall, Target
+from .calls import BwdCall, FwdCall, Target, key_band
 from .final_rows import FinalRows
 from .launch import LOG2E, KernelLaunch, LaunchConfig, descriptor_aligned, padded_head_dim, strides
 
@@ -61,6 +61,16 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, target: Targ
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (k, v))
 
 
+def _band_args(call: FwdCall | BwdCall) -> tuple[tuple, dict]:
+    """The kernels' (lower, upper, qk_scale, cap_scale) arguments and LOWER, UPPER, SOFTCAP constexprs of a call:
+    its key band (calls.key_band) and scale, soft-capped or not."""
+    lower, upper = key_band(call.causal, call.window, call.q.shape[1], call.k.shape[1])
+    scale, cap = call.softmax_scale, call.softcap
+    scales = (cap * LOG2E, scale / cap) if cap else (scale * LOG2E, 1.0)
+    args = (lower or 0, upper or 0, *scales)
+    return args, dict(LOWER=lower is not None, UPPER=upper is not None, SOFTCAP=bool(cap))
+
+
 def _final_args(final: FinalRows | None, out: torch.Tensor) -> tuple:
     """(tensor, its batch, seq and head strides, first row, end row) of a kernel's HAS_FINAL_ROWS arguments; out
     and empty rows when there is none (the kernel then reads none of them)."""
@@ -78,6 +88,7 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig, target: Target) -> KernelLaunch
     has_docs = call.q_doc_ids is not None
     kv_desc = _kv_descriptors(k, v, cfg.block_n, target)
     final_out, *final_strides, final_lo, final_hi = _final_args(call.final, out)
+    band, band_flags = _band_args(call)
     return KernelLaunch(
         "portable.fwd",
         _attn_fwd_kernel,
@@ -85,13 +96,11 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig, target: Target) -> KernelLaunch
         (
             q, *(kv_desc or (k, v)), out, lse, call.q_doc_ids if has_docs else lse,
             call.k_doc_ids if has_docs else lse, final_out, *strides(q), *strides(k), *strides(v), *strides(out),
-            lse.stride(0), lse.stride(1), *final_strides, seqlen_q, seqlen_k, call.softmax_scale * LOG2E, final_lo,
-            final_hi,
+            lse.stride(0), lse.stride(1), *final_strides, seqlen_q, seqlen_k, *band, final_lo, final_hi,
         ),
         dict(
             GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=call.causal, HAS_DOCS=has_docs, MERGE_STATE=call.merge_state,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **band_flags, HAS_DOCS=has_docs, MERGE_STATE=call.merge_state,
             HAS_FINAL_ROWS=call.final is not None, KV_TMA=kv_desc is not None,
             DOT_PRECISION=_dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -120,7 +129,7 @@ def _bwd_common(call: BwdCall) -> dict:
     """The constexprs both backward kernels take."""
     return dict(
         GROUP_SIZE=call.q.shape[2] // call.k.shape[2], HEAD_DIM=call.q.shape[-1],
-        BLOCK_D=padded_head_dim(call.q.shape[-1]), CAUSAL=call.causal, HAS_DOCS=call.q_doc_ids is not None,
+        BLOCK_D=padded_head_dim(call.q.shape[-1]), **_band_args(call)[1], HAS_DOCS=call.q_doc_ids is not None,
         DOT_PRECISION=_dot_precision(call.q.dtype),
         enable_fp_fusion=True,  # as the forward's: triton's default (fused multiply-adds on) will flip
     )  # fmt: skip
@@ -143,7 +152,7 @@ def dkdv_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
         (
             q, k, v, dout, call.lse, call.delta, dk, dv, *_doc_args(call),
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
-            seqlen_q, seqlen_k, heads_k, call.softmax_scale * LOG2E, call.softmax_scale,
+            seqlen_q, seqlen_k, heads_k, *_band_args(call)[0], call.softmax_scale,
         ),
         dict(
             **_bwd_common(call), ACCUMULATE=call.add_dkdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -166,7 +175,7 @@ def dq_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
         (
             q, k, v, dout, call.lse, call.delta, dq, *_doc_args(call), final_dq,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), *final_strides,
-            seqlen_q, seqlen_k, heads_q, call.softmax_scale * LOG2E, call.softmax_scale, final_lo, final_hi,
+            seqlen_q, seqlen_k, heads_q, *_band_args(call)[0], call.softmax_scale, final_lo, final_hi,
         ),
         dict(
             **_bwd_common(call), ACCUMULATE=call.add_dq, HAS_FINAL_ROWS=call.dq_final is not None,

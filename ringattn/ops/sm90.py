@@ -2,7 +2,8 @@
 the portable one on the H200 (docs/performance.md), every other call on the portable backend (ops/portable.py).
 
 What it takes, by kernel (TABLE: head dims and launch configs; the *_supported functions: the rest). All of them
-take causal and not, MHA, GQA and MQA, and need every tensor 16-byte aligned for their TMA descriptors.
+take causal and not, MHA, GQA and MQA, and need every tensor 16-byte aligned for their TMA descriptors; none takes
+a sliding window or soft-capping yet (those calls run on the portable kernels).
 - fwd, the Gluon forward (a TMA producer warp, two consumer warpgroups): D = 128 (at D = 64 it ran 0.92 to 0.99x
   the portable forward); fp16 or bf16, out in q's dtype or the ring's fp32 state; no documents, no final rows; a
   GPU (the interpreter cannot run Gluon).
@@ -20,7 +21,7 @@ import torch
 import triton
 
 from ..kernels.sm90.attn_bwd import _attn_bwd_dkdv_ws_kernel, _attn_bwd_dq_ws_kernel
-from .calls import BwdCall, FwdCall, Target
+from .calls import BwdCall, FwdCall, Target, plain_scores
 from .launch import LOG2E, KernelLaunch, LaunchConfig, descriptor_aligned, strides
 from .portable import INTERPRETER_CONFIG
 
@@ -53,15 +54,17 @@ def launch_config(kernel: str, head_dim: int, target: Target) -> LaunchConfig | 
 
 
 def bwd_supported(call: BwdCall, target: Target) -> bool:
-    """Whether the Gluon backward takes `call`: a GPU, fp16 or bf16, not deterministic (its dQ additions come in
-    the programs' order; with them in a fixed order it ran 0.5 to 0.8x the split kernels, whose every gradient row
-    has one writer), no documents, a head dim of TABLE outside BWD_ON_SPLIT_KERNELS, q's and dout's heads packed
-    (head stride D), dQ either the call's own output (stored, no final rows: the kernel adds into an fp32 scratch,
-    copied out after) or an fp32 accumulator with its heads packed (the ring's), and q, k, v, dout, dQ aligned for
-    their descriptors."""
+    """Whether the Gluon backward takes `call`: a GPU, fp16 or bf16, not deterministic (its dQ additions come in the
+    programs' order; with them in a fixed order it ran 0.5 to 0.8x the split kernels, whose every gradient row has one
+    writer), no documents, no window or soft-capping, a head dim of TABLE outside BWD_ON_SPLIT_KERNELS, q's and dout's
+    heads packed (head stride D), dQ either the call's own output (stored, no final rows: the kernel adds into an fp32
+    scratch, copied out after) or an fp32 accumulator with its heads packed (the ring's), and q, k, v, dout, dQ aligned
+    for their descriptors."""
     q, dout, dq = call.q, call.dout, call.dq
     head_dim = q.shape[-1]
     if not target.gpu or call.q_doc_ids is not None or q.dtype not in SIXTEEN_BIT or head_dim not in TABLE["bwd"]:
+        return False
+    if not plain_scores(call):
         return False
     if call.deterministic or (head_dim, call.causal) in BWD_ON_SPLIT_KERNELS:
         return False
@@ -98,9 +101,12 @@ def _split_kernel_dtype(q: torch.Tensor, target: Target) -> bool:
 
 def fwd_supported(call: FwdCall, target: Target) -> bool:
     """Whether the Gluon forward takes `call`: a GPU, fp16 or bf16 with out in q's dtype or fp32 (merging: the fp32
-    state), no documents, no final rows, a head dim of TABLE, lse's last dim contiguous, q, k, v, out aligned."""
+    state), no documents, no final rows, no window or soft-capping, a head dim of TABLE, lse's last dim contiguous, q,
+    k, v, out aligned."""
     q, out = call.q, call.out
     if not target.gpu or call.q_doc_ids is not None or call.final is not None or q.dtype not in SIXTEEN_BIT:
+        return False
+    if not plain_scores(call):
         return False
     if out.dtype not in ((torch.float32,) if call.merge_state else (q.dtype, torch.float32)):
         return False
@@ -110,10 +116,11 @@ def fwd_supported(call: FwdCall, target: Target) -> bool:
 
 
 def _split_supported(kernel: str, call: BwdCall, tensors: tuple[torch.Tensor, ...], target: Target) -> bool:
-    """What both split kernels need: no documents, a head dim of TABLE[kernel], their dtypes, Sq a multiple of 4
+    """What both split kernels need: no documents, no window or soft-capping, a head dim of TABLE[kernel], their dtypes,
+    Sq a multiple of 4
     (each head's row of stats 16-byte aligned), every tensor of the call aligned."""
     q = call.q
-    if call.q_doc_ids is not None or q.shape[-1] not in TABLE[kernel] or q.shape[1] % 4:
+    if call.q_doc_ids is not None or not plain_scores(call) or q.shape[-1] not in TABLE[kernel] or q.shape[1] % 4:
         return False
     return _split_kernel_dtype(q, target) and all(descriptor_aligned(t) for t in tensors)
 

@@ -96,6 +96,83 @@ def default_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
     return scale
 
 
+def check_window(window) -> tuple[int | None, int | None]:
+    """A kernel call's sliding window (ops/calls.py) as a (left, right) tuple of ints or None.
+
+    Raises:
+        TypeError: not a pair of ints (or None).
+    """
+    if not isinstance(window, tuple | list) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) pair of ints or None, got {window!r}")
+    for side in window:
+        if side is not None and (isinstance(side, bool) or not isinstance(side, int)):
+            raise TypeError(f"window must be a (left, right) pair of ints or None, got {window!r}")
+    return tuple(window)
+
+
+def check_softcap(softcap) -> float:
+    """softcap as a float: 0 (none) or a positive finite number.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: negative, NaN or infinite.
+    """
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
+        raise TypeError(f"softcap must be a number (0 for none), got {type(softcap).__name__}")
+    value = float(softcap)
+    if not (value >= 0.0 and value != float("inf")):
+        raise ValueError(f"softcap must be 0 (none) or a positive finite number, got {softcap}")
+    return value
+
+
+def check_flag(value, name: str) -> bool:
+    """A boolean argument (causal, deterministic, ...) as a bool: True, False, 1, 0 or a numpy bool.
+
+    Raises:
+        TypeError: anything else (a string such as "False" would otherwise read as True, a tensor as ambiguous).
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def check_flash_attn_options(
+    dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+) -> tuple[bool, tuple[int | None, int | None], float, bool]:
+    """flash-attn's options as the kernels take them: (causal, window, softcap, deterministic), window_size's -1
+    (no limit) as None.
+
+    Raises:
+        TypeError: a flag that is not a bool, a window_size that is not a pair of ints, a softcap that is not a
+            number.
+        ValueError: dropout_p other than 0 (ringattn has no dropout), alibi_slopes other than None, a window side
+            below -1, a negative or non-finite softcap, return_attn_probs True (ringattn never forms the
+            probabilities; return_lse=True gives the log-sum-exp).
+    """
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0.0: ringattn has no attention dropout, got {dropout_p}")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes must be None: ringattn has no ALiBi bias")
+    if check_flag(return_attn_probs, "return_attn_probs"):
+        raise ValueError(
+            "return_attn_probs must be False: ringattn never forms the attention probabilities; "
+            "return_lse=True returns the log-sum-exp"
+        )
+    if not isinstance(window_size, tuple | list) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints (-1: no limit), got {window_size!r}")
+    for side in window_size:
+        if isinstance(side, bool) or not isinstance(side, int):
+            raise TypeError(f"window_size must be a (left, right) pair of ints (-1: no limit), got {window_size!r}")
+        if side < -1:
+            raise ValueError(f"window_size's sides must be >= 0, or -1 for no limit, got {tuple(window_size)}")
+    window = tuple(None if side == -1 else side for side in window_size)
+    return check_flag(causal, "causal"), window, check_softcap(softcap), check_flag(deterministic, "deterministic")
+
+
 def check_doc_ids(
     q_doc_ids: torch.Tensor | None, k_doc_ids: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -9,13 +9,23 @@ With ACCUMULATE the gradients are added to what the output buffers hold (the rin
 accumulators); with HAS_FINAL_ROWS the dQ rows the ring finishes go rounded to their own buffer.
 Rows whose lse is -inf (every key masked) get probability 0 everywhere, so they give zero
 gradients. HAS_DOCS masks pairs of different documents and skips tiles whose documents do
-not meet, as in the forward. Derivation in docs/design.md.
+not meet, LOWER and UPPER mask a sliding window's (or causal's) edges and skip tiles outside it, as
+in the forward; with SOFTCAP, dS gains tanh's derivative 1 - t^2. Derivation in docs/design.md.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, _doc_span, _key_range, _key_tile_visible, _load_kv_tile, _q_tile_docs, _store_rows
+from .common import (
+    LOG2E,
+    _capped,
+    _doc_span,
+    _key_range,
+    _key_tile_visible,
+    _load_kv_tile,
+    _q_tile_docs,
+    _store_rows,
+)
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])  # one compile for every length
@@ -54,12 +64,14 @@ def _load_row_stats(lse_base, delta_base, offs_m, seqlen_q):
 @triton.jit
 def _attn_bwd_dkdv_tile(
     dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, QDoc, stride_qm, stride_dom,
-    offs_n, offs_d, mask_d, m0, seqlen_q, causal_shift, qk_scale,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add the Q tile at m0's share to dK (unscaled) and dV of one K/V tile.
 
-    MASKED zeroes P where key offs_n comes after row + causal_shift; DOCS where documents differ.
+    MASKED zeroes P where key offs_n comes before row + lower (LOWER) or after row + upper (UPPER); DOCS where
+    documents differ.
     """
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_mask = (offs_m[:, None] < seqlen_q) & mask_d[None, :]
@@ -67,9 +79,13 @@ def _attn_bwd_dkdv_tile(
     q = tl.load(q_base + rows * stride_qm + offs_d[None, :], mask=row_mask, other=0.0)
     do = tl.load(do_base + rows * stride_dom + offs_d[None, :], mask=row_mask, other=0.0)
     lse2, delta = _load_row_stats(lse_base, delta_base, offs_m, seqlen_q)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+    t = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP)  # (BLOCK_M, BLOCK_N)
+    s = t * qk_scale
     if MASKED:  # mask the scores, not P: exp2 of a masked score past fp32's range would be inf
-        s = tl.where(offs_n[None, :] <= offs_m[:, None] + causal_shift, s, float("-inf"))
+        if LOWER:
+            s = tl.where(offs_n[None, :] >= offs_m[:, None] + lower, s, float("-inf"))
+        if UPPER:
+            s = tl.where(offs_n[None, :] <= offs_m[:, None] + upper, s, float("-inf"))
     if DOCS:
         q_doc = tl.load(QDoc + offs_m, mask=offs_m < seqlen_q, other=-1)
         s = tl.where(q_doc[:, None] == k_doc[None, :], s, float("-inf"))
@@ -77,6 +93,8 @@ def _attn_bwd_dkdv_tile(
     dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
     dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -84,8 +102,9 @@ def _attn_bwd_dkdv_tile(
 @triton.jit
 def _attn_bwd_dkdv_tiles(
     dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, lse_base, delta_base, QDoc,
-    stride_qm, stride_dom, offs_n, offs_d, mask_d, start_m, end_m, seqlen_q, causal_shift, qk_scale,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_qm, stride_dom, offs_n, offs_d, mask_d, start_m, end_m, seqlen_q, lower, upper, qk_scale, cap_scale,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Q tiles [start_m, end_m); DOCS skips tiles whose document span misses [k_doc_first, k_doc_last]."""
     for m0 in range(start_m, end_m, BLOCK_M):
@@ -94,14 +113,14 @@ def _attn_bwd_dkdv_tiles(
             if (q_doc_last >= k_doc_first) & (q_doc_first <= k_doc_last):
                 dk, dv = _attn_bwd_dkdv_tile(
                     dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, QDoc, stride_qm, stride_dom,
-                    offs_n, offs_d, mask_d, m0, seqlen_q, causal_shift, qk_scale,
-                    BLOCK_M, MASKED, DOCS, DOT_PRECISION,
+                    offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
+                    BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, DOT_PRECISION,
                 )
         else:
             dk, dv = _attn_bwd_dkdv_tile(
                 dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, QDoc, stride_qm, stride_dom,
-                offs_n, offs_d, mask_d, m0, seqlen_q, causal_shift, qk_scale,
-                BLOCK_M, MASKED, DOCS, DOT_PRECISION,
+                offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
+                BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, DOT_PRECISION,
             )
     return dk, dv
 
@@ -115,15 +134,17 @@ def _attn_bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    seqlen_q, seqlen_k, num_heads_k, qk_scale, sm_scale,
+    seqlen_q, seqlen_k, num_heads_k, lower, upper, qk_scale, cap_scale, sm_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) for one BLOCK_N tile of keys of one (batch, kv head).
 
     Q, DOut (B, Sq, Hq, HEAD_DIM); Lse, Delta (B, Hq, Sq) fp32. The GROUP_SIZE q heads that
     share this kv head are summed in registers, so no two programs write the same rows.
+    lower, upper, LOWER, UPPER, qk_scale, cap_scale, SOFTCAP: as in the forward kernel.
     """
     start_n = tl.program_id(0)
     off_hk = tl.program_id(1).to(tl.int64)
@@ -143,39 +164,51 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    causal_shift = seqlen_k - seqlen_q
-    if CAUSAL:
-        # rows before start_m see no key of this tile; rows from full_start on see all of it
-        start_m = tl.maximum(n0 - causal_shift, 0) // BLOCK_M * BLOCK_M
-        full_start = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M
-        full_start = tl.maximum(full_start, start_m)
+    # row i sees key j iff i >= j - upper (UPPER) and i <= j - lower (LOWER): rows before start_m and from end_m on
+    # see no key of this tile, the Q tiles of [full_start, full_end) all of it
+    if UPPER:
+        start_m = tl.minimum(tl.maximum(n0 - upper, 0), seqlen_q) // BLOCK_M * BLOCK_M
+        full_start = tl.cdiv(tl.minimum(tl.maximum(n0 + BLOCK_N - 1 - upper, 0), seqlen_q), BLOCK_M) * BLOCK_M
     else:
         start_m = 0
         full_start = 0
-    if HAS_DOCS:
-        full_start = seqlen_q  # any tile may cross a document boundary: all through the masked stage
+    if LOWER:
+        end_m = tl.minimum(tl.maximum(n0 + BLOCK_N - lower, 0), seqlen_q)
+        full_end = tl.minimum(tl.maximum(n0 - lower + 1, 0), seqlen_q) // BLOCK_M * BLOCK_M
+    else:
+        end_m = seqlen_q
+        full_end = seqlen_q
+    if HAS_DOCS:  # any tile may cross a document boundary: all in the last, masked stage
+        full_start = start_m
+        full_end = start_m
         k_doc = tl.load(KDoc + offs_n, mask=offs_n < seqlen_k, other=-2)
         k_doc_first, k_doc_last = _doc_span(KDoc, n0, seqlen_k, BLOCK_N)
     else:
         k_doc = offs_n
         k_doc_first = 0
         k_doc_last = 0
-    masked_end = tl.minimum(full_start, seqlen_q)
 
     for g in range(GROUP_SIZE):
         off_hq = off_hk * GROUP_SIZE + g
         q_base = Q + off_b * stride_qb + off_hq * stride_qh
         do_base = DOut + off_b * stride_dob + off_hq * stride_doh
         row_offset = (off_b * num_heads_q + off_hq) * seqlen_q
+        lse_base, delta_base = Lse + row_offset, Delta + row_offset
+        if UPPER:
+            dk, dv = _attn_bwd_dkdv_tiles(
+                dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, lse_base, delta_base, QDoc,
+                stride_qs, stride_dos, offs_n, offs_d, mask_d, start_m, tl.minimum(full_start, end_m), seqlen_q,
+                lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
+            )
         dk, dv = _attn_bwd_dkdv_tiles(
-            dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, Lse + row_offset, Delta + row_offset,
-            QDoc, stride_qs, stride_dos, offs_n, offs_d, mask_d, start_m, masked_end, seqlen_q, causal_shift,
-            qk_scale, BLOCK_M, CAUSAL, HAS_DOCS, DOT_PRECISION,
+            dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, lse_base, delta_base, QDoc,
+            stride_qs, stride_dos, offs_n, offs_d, mask_d, full_start, full_end, seqlen_q,
+            lower, upper, qk_scale, cap_scale, BLOCK_M, False, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
         )
         dk, dv = _attn_bwd_dkdv_tiles(
-            dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, Lse + row_offset, Delta + row_offset,
-            QDoc, stride_qs, stride_dos, offs_n, offs_d, mask_d, full_start, seqlen_q, seqlen_q, causal_shift,
-            qk_scale, BLOCK_M, False, False, DOT_PRECISION,
+            dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, lse_base, delta_base, QDoc,
+            stride_qs, stride_dos, offs_n, offs_d, mask_d, tl.maximum(full_start, full_end), end_m, seqlen_q,
+            lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, DOT_PRECISION,
         )
 
     dk = dk * sm_scale
@@ -191,29 +224,32 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _attn_bwd_dq_tile(
     dq, q, do, lse2, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn,
-    offs_m, offs_d, mask_d, n0, seqlen_k, causal_shift, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    offs_m, offs_d, mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add the key tile at n0's share to dQ (unscaled) of one Q tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    t = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP)
+    s = t * qk_scale
     if MASKED:  # mask the scores, not P (as in the dK/dV kernel)
-        visible = _key_tile_visible(offs_m, offs_n, seqlen_k, causal_shift, q_doc, KDoc, CAUSAL, DOCS)
+        visible = _key_tile_visible(offs_m, offs_n, seqlen_k, lower, upper, q_doc, KDoc, LOWER, UPPER, DOCS)
         s = tl.where(visible, s, float("-inf"))
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def _attn_bwd_dq_tiles(
     dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_kn, stride_vn,
-    offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, causal_shift, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, lower, upper, qk_scale, cap_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Key tiles [start_n, end_n); DOCS skips tiles whose document span misses [q_doc_first, q_doc_last]."""
     for n0 in range(start_n, end_n, BLOCK_N):
@@ -222,35 +258,32 @@ def _attn_bwd_dq_tiles(
             if (k_doc_last >= q_doc_first) & (k_doc_first <= q_doc_last):
                 dq = _attn_bwd_dq_tile(
                     dq, q, do, lse2, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m, offs_d,
-                    mask_d, n0, seqlen_k, causal_shift, qk_scale, BLOCK_N, MASKED, CAUSAL, DOCS, DOT_PRECISION,
+                    mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, BLOCK_N, MASKED, LOWER, UPPER, DOCS,
+                    SOFTCAP, DOT_PRECISION,
                 )
         else:
             dq = _attn_bwd_dq_tile(
                 dq, q, do, lse2, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m, offs_d,
-                mask_d, n0, seqlen_k, causal_shift, qk_scale, BLOCK_N, MASKED, CAUSAL, DOCS, DOT_PRECISION,
+                mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, BLOCK_N, MASKED, LOWER, UPPER, DOCS,
+                SOFTCAP, DOT_PRECISION,
             )
     return dq
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "final_lo", "final_hi"])  # one compile for every length
 def _attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, QDoc, KDoc, DQFinal,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh,
-    stride_dqb, stride_dqs, stride_dqh,
-    stride_fb, stride_fs, stride_fh,
-    seqlen_q, seqlen_k, num_heads_q, qk_scale, sm_scale, final_lo, final_hi,
-    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    Q, K, V, DOut, Lse, Delta, DQ, QDoc, KDoc, DQFinal, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+    stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
+    stride_fb, stride_fs, stride_fh, seqlen_q, seqlen_k, num_heads_q, lower, upper, qk_scale, cap_scale, sm_scale,
+    final_lo, final_hi, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head).
 
     HAS_FINAL_ROWS: rows [final_lo, final_hi) of dQ (after the ACCUMULATE add) go to DQFinal (shaped like DQ, its own
-    dtype), rounded, and not to DQ, whose rows there are left as they were.
+    dtype), rounded, and not to DQ, whose rows there are left as they were. lower, upper, LOWER, UPPER, qk_scale,
+    cap_scale, SOFTCAP: as in the forward kernel.
     """
     start_m = tl.program_id(0)
     off_hq = tl.program_id(1)
@@ -274,21 +307,27 @@ def _attn_bwd_dq_kernel(
     v_base = V + off_b * stride_vb + off_hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    causal_shift = seqlen_k - seqlen_q
-    full_end, end_n = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    start_n, full_start, full_end, end_n = _key_range(start_m, seqlen_k, lower, upper, BLOCK_M, BLOCK_N, LOWER, UPPER)
     q_doc, q_doc_first, q_doc_last = _q_tile_docs(QDoc, offs_m, start_m, seqlen_q, BLOCK_M, HAS_DOCS)
-    if HAS_DOCS:
-        full_end = 0  # any tile may cross a document boundary
+    if HAS_DOCS:  # any tile may cross a document boundary: all in the last, masked stage
+        full_start = start_n
+        full_end = start_n
 
+    if LOWER:
+        dq = _attn_bwd_dq_tiles(
+            dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
+            offs_m, offs_d, mask_d, start_n, tl.minimum(full_start, end_n), seqlen_k, lower, upper, qk_scale,
+            cap_scale, BLOCK_N, True, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
+        )
     dq = _attn_bwd_dq_tiles(
         dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
-        offs_m, offs_d, mask_d, 0, full_end, seqlen_k, causal_shift, qk_scale,
-        BLOCK_N, False, CAUSAL, False, DOT_PRECISION,
+        offs_m, offs_d, mask_d, full_start, full_end, seqlen_k, lower, upper, qk_scale, cap_scale,
+        BLOCK_N, False, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
     )
     dq = _attn_bwd_dq_tiles(
         dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
-        offs_m, offs_d, mask_d, full_end, end_n, seqlen_k, causal_shift, qk_scale,
-        BLOCK_N, True, CAUSAL, HAS_DOCS, DOT_PRECISION,
+        offs_m, offs_d, mask_d, tl.maximum(full_start, full_end), end_n, seqlen_k, lower, upper, qk_scale,
+        cap_scale, BLOCK_N, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, DOT_PRECISION,
     )
 
     dq = dq * sm_scale

@@ -1,14 +1,14 @@
 """Forward attention kernel: exp2 online softmax over K/V tiles (FlashAttention-2 scheme).
 
-One program computes one (BLOCK_M, HEAD_DIM) tile of the output for one (batch, q head).
-The key loop runs in two stages: tiles that every row of the Q tile may fully see (no
-mask at all), then the tiles that need the causal or the sequence-end mask. Tiles
-wholly above the causal diagonal are never visited. With document ids (HAS_DOCS, packed
-variable-length sequences) a query row sees only keys of its own document: every tile is
-masked, and tiles whose documents do not meet the Q tile's are skipped. With MERGE_STATE
-the tile's result is merged into a running fp32 (out, lse) state in place (the ring's step),
-in the epilogue, so a ring step needs no separate merge pass. With HAS_FINAL_ROWS the rows the ring
-finishes in this call are written rounded to the output dtype, not to the fp32 state. See docs/design.md.
+One program computes one (BLOCK_M, HEAD_DIM) tile of the output for one (batch, q head). The key loop runs in three
+stages: the tiles that need the window's lower-edge mask, the tiles that every row of the Q tile may fully see (no mask
+at all), then the tiles that need the causal (upper-edge) or the sequence-end mask. Tiles wholly outside the band a row
+sees (above the causal diagonal, before a sliding window) are never visited. SOFTCAP caps the scores with tanh. With
+document ids (HAS_DOCS, packed variable-length sequences) a query row sees only keys of its own document: every tile is
+masked, and tiles whose documents do not meet the Q tile's are skipped. With MERGE_STATE the tile's result is merged
+into a running fp32 (out, lse) state in place (the ring's step), in the epilogue, so a ring step needs no separate merge
+pass. With HAS_FINAL_ROWS the rows the ring finishes in this call are written rounded to the output dtype, not to the
+fp32 state. See docs/design.md.
 """
 
 import triton
@@ -17,6 +17,7 @@ import triton.language as tl
 from ..merge import _merge_into_state
 from .common import (
     LN2,
+    _capped,
     _doc_span,
     _key_range,
     _key_tile_visible,
@@ -31,14 +32,14 @@ from .common import (
 @triton.jit
 def _attn_fwd_tile(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords,
-    offs_m, offs_d, mask_d, n0, seqlen_k, causal_shift, qk_scale, q_doc, KDoc,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    offs_m, offs_d, mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, q_doc, KDoc,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
+    SOFTCAP: tl.constexpr, KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) by the key tile starting at n0.
 
-    MASKED tiles mask keys past seqlen_k, (CAUSAL) keys after row + causal_shift and (DOCS) keys
-    of other documents with -inf; rows whose keys are all masked keep m_i = -inf and gain nothing.
+    MASKED tiles mask keys past seqlen_k, (LOWER) keys before row + lower, (UPPER) keys after row + upper and
+    (DOCS) keys of other documents with -inf; rows whose keys are all masked keep m_i = -inf and gain nothing.
     KV_TMA: k_base, v_base are tensor descriptors of K and V and kv_coords their (batch, head).
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -46,9 +47,9 @@ def _attn_fwd_tile(
         k, v = _load_kv_tile_tma(k_base, v_base, kv_coords, n0, BLOCK_N, offs_d.shape[0])
     else:
         k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
+    s = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP)  # (BLOCK_M, BLOCK_N)
     if MASKED:
-        visible = _key_tile_visible(offs_m, offs_n, seqlen_k, causal_shift, q_doc, KDoc, CAUSAL, DOCS)
+        visible = _key_tile_visible(offs_m, offs_n, seqlen_k, lower, upper, q_doc, KDoc, LOWER, UPPER, DOCS)
         s = tl.where(visible, s, float("-inf"))
     return _online_softmax_step(acc, l_i, m_i, s, v, qk_scale, MASKED, DOT_PRECISION)
 
@@ -56,10 +57,10 @@ def _attn_fwd_tile(
 @triton.jit
 def _attn_fwd_tiles(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords,
-    offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, causal_shift, qk_scale,
+    offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, lower, upper, qk_scale, cap_scale,
     q_doc, q_doc_first, q_doc_last, KDoc,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
+    SOFTCAP: tl.constexpr, KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Key tiles [start_n, end_n); DOCS skips tiles whose document span misses [q_doc_first, q_doc_last]."""
     for n0 in range(start_n, end_n, BLOCK_N):
@@ -68,14 +69,14 @@ def _attn_fwd_tiles(
             if (k_doc_last >= q_doc_first) & (k_doc_first <= q_doc_last):
                 acc, l_i, m_i = _attn_fwd_tile(
                     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords, offs_m, offs_d, mask_d, n0,
-                    seqlen_k, causal_shift, qk_scale, q_doc, KDoc, BLOCK_N, MASKED, CAUSAL, DOCS, KV_TMA,
-                    DOT_PRECISION,
+                    seqlen_k, lower, upper, qk_scale, cap_scale, q_doc, KDoc, BLOCK_N, MASKED, LOWER, UPPER, DOCS,
+                    SOFTCAP, KV_TMA, DOT_PRECISION,
                 )
         else:
             acc, l_i, m_i = _attn_fwd_tile(
                 acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords, offs_m, offs_d, mask_d, n0,
-                seqlen_k, causal_shift, qk_scale, q_doc, KDoc, BLOCK_N, MASKED, CAUSAL, DOCS, KV_TMA,
-                DOT_PRECISION,
+                seqlen_k, lower, upper, qk_scale, cap_scale, q_doc, KDoc, BLOCK_N, MASKED, LOWER, UPPER, DOCS,
+                SOFTCAP, KV_TMA, DOT_PRECISION,
             )
     return acc, l_i, m_i
 
@@ -89,21 +90,23 @@ def _attn_fwd_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
     stride_fb, stride_fs, stride_fh,
-    seqlen_q, seqlen_k, qk_scale, final_lo, final_hi,
+    seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, final_lo, final_hi,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, MERGE_STATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr,
-    KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
+    MERGE_STATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr, KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile; Lse[b, h, m] in natural log.
 
     Shapes: Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), Out like Q,
-    Lse (B, Hq, Sq) fp32 with a contiguous last dim. qk_scale = softmax_scale * log2(e).
+    Lse (B, Hq, Sq) fp32 with a contiguous last dim. qk_scale = softmax_scale * log2(e), or with SOFTCAP
+    softcap * log2(e), the scores then being tanh(q k^T * cap_scale), cap_scale = softmax_scale / softcap.
     Grid (Sq tiles, Hq, B).
     MERGE_STATE: Out (fp32) and Lse hold a running state on entry; the tile's result is merged into it.
     HAS_FINAL_ROWS: rows [final_lo, final_hi) of the result go to Final (shaped like Out, its own dtype), rounded,
     and not to Out, whose rows there are left as they were; Lse is written for every row.
-    CAUSAL is aligned bottom-right: row i sees keys j <= i + (Sk - Sq).
+    Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <= i + upper: causal is UPPER with upper =
+    Sk - Sq (bottom-right), a sliding window (left, right) lower = Sk - Sq - left, upper = Sk - Sq + right.
     HAS_DOCS: QDoc (Sq,) and KDoc (Sk,) int32 document ids, non-decreasing; row i sees key j only
     if QDoc[i] == KDoc[j].
     KV_TMA: K and V are tensor descriptors of the (B, Sk, Hkv, HEAD_DIM) tensors with block
@@ -134,21 +137,27 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    causal_shift = seqlen_k - seqlen_q
-    full_end, end_n = _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    start_n, full_start, full_end, end_n = _key_range(start_m, seqlen_k, lower, upper, BLOCK_M, BLOCK_N, LOWER, UPPER)
     q_doc, q_doc_first, q_doc_last = _q_tile_docs(QDoc, offs_m, start_m, seqlen_q, BLOCK_M, HAS_DOCS)
-    if HAS_DOCS:
-        full_end = 0  # any tile may cross a document boundary
+    if HAS_DOCS:  # any tile may cross a document boundary: all in the last, masked stage
+        full_start = start_n
+        full_end = start_n
 
+    if LOWER:
+        acc, l_i, m_i = _attn_fwd_tiles(
+            acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, kv_coords, offs_m, offs_d, mask_d,
+            start_n, tl.minimum(full_start, end_n), seqlen_k, lower, upper, qk_scale, cap_scale,
+            q_doc, q_doc_first, q_doc_last, KDoc, BLOCK_N, True, LOWER, UPPER, False, SOFTCAP, KV_TMA, DOT_PRECISION,
+        )
     acc, l_i, m_i = _attn_fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, kv_coords, offs_m, offs_d, mask_d,
-        0, full_end, seqlen_k, causal_shift, qk_scale, q_doc, q_doc_first, q_doc_last, KDoc,
-        BLOCK_N, False, CAUSAL, False, KV_TMA, DOT_PRECISION,
+        full_start, full_end, seqlen_k, lower, upper, qk_scale, cap_scale, q_doc, q_doc_first, q_doc_last, KDoc,
+        BLOCK_N, False, LOWER, UPPER, False, SOFTCAP, KV_TMA, DOT_PRECISION,
     )
     acc, l_i, m_i = _attn_fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, kv_coords, offs_m, offs_d, mask_d,
-        full_end, end_n, seqlen_k, causal_shift, qk_scale, q_doc, q_doc_first, q_doc_last, KDoc,
-        BLOCK_N, True, CAUSAL, HAS_DOCS, KV_TMA, DOT_PRECISION,
+        tl.maximum(full_start, full_end), end_n, seqlen_k, lower, upper, qk_scale, cap_scale,
+        q_doc, q_doc_first, q_doc_last, KDoc, BLOCK_N, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, KV_TMA, DOT_PRECISION,
     )
 
     empty = l_i == 0.0  # every key masked: output 0, lse -inf

@@ -1,5 +1,6 @@
 """Pieces shared by the forward and backward kernels: log-base constants, key ranges, document spans,
-tile loads and masks, the online-softmax step, and the result's store with the rows the ring finishes split off."""
+tile loads and masks, soft-capping, the online-softmax step, and the result's store with the rows the ring finishes
+split off."""
 
 import triton
 import triton.language as tl
@@ -9,23 +10,34 @@ LOG2E = tl.constexpr(1.4426950408889634)  # natural log -> log2 units
 
 
 @triton.jit
-def _key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Key tiles a Q tile visits: (full_end, end_n).
+def _key_range(
+    start_m, seqlen_k, lower, upper, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOWER: tl.constexpr,
+    UPPER: tl.constexpr,
+):
+    """Key tiles a Q tile visits: (start_n, full_start, full_end, end_n).
 
-    Keys [0, full_end) are visible to every row of the tile (full_end is a multiple of BLOCK_N);
-    keys [full_end, end_n) need the sequence-end or causal mask; keys from end_n on are seen by
-    no row. Causal is aligned bottom-right: row i sees keys j <= i + seqlen_k - seqlen_q.
+    Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <= i + upper. Keys before start_n and from end_n on
+    are seen by no row of the tile; the tiles of [full_start, full_end) are visible to every row (no mask); the
+    tiles of [start_n, min(full_start, end_n)) and [max(full_start, full_end), end_n) need the masks of the window
+    edges and the sequence end. All but end_n are multiples of BLOCK_N.
     """
-    if CAUSAL:
-        causal_shift = seqlen_k - seqlen_q
-        full_end = tl.minimum(start_m * BLOCK_M + causal_shift + 1, seqlen_k)
-        end_n = tl.minimum((start_m + 1) * BLOCK_M + causal_shift, seqlen_k)
+    m_first = start_m * BLOCK_M
+    m_last = m_first + BLOCK_M - 1
+    if UPPER:
+        full_end = tl.minimum(m_first + upper + 1, seqlen_k)
+        end_n = tl.minimum(m_last + upper + 1, seqlen_k)
     else:
         full_end = seqlen_k
         end_n = seqlen_k
     full_end = tl.maximum(full_end, 0) // BLOCK_N * BLOCK_N
     end_n = tl.maximum(end_n, 0)
-    return full_end, end_n
+    if LOWER:
+        start_n = tl.minimum(tl.maximum(m_first + lower, 0), seqlen_k) // BLOCK_N * BLOCK_N
+        full_start = tl.cdiv(tl.minimum(tl.maximum(m_last + lower, 0), seqlen_k), BLOCK_N) * BLOCK_N
+    else:
+        start_n = 0
+        full_start = 0
+    return start_n, full_start, full_end, end_n
 
 
 @triton.jit
@@ -72,17 +84,47 @@ def _load_kv_tile_tma(k_desc, v_desc, kv_coords, n0, BLOCK_N: tl.constexpr, BLOC
 
 @triton.jit
 def _key_tile_visible(
-    offs_m, offs_n, seqlen_k, causal_shift, q_doc, KDoc, CAUSAL: tl.constexpr, DOCS: tl.constexpr
+    offs_m, offs_n, seqlen_k, lower, upper, q_doc, KDoc, LOWER: tl.constexpr, UPPER: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
-    """(BLOCK_M, BLOCK_N) bool: which keys offs_n rows offs_m may see in a masked tile of the row-major
-    loops (forward, dQ): keys before seqlen_k, (CAUSAL) up to row + causal_shift, (DOCS) of the row's document."""
+    """(BLOCK_M, BLOCK_N) bool: which keys offs_n rows offs_m may see in a masked tile of the row-major loops
+    (forward, dQ): keys before seqlen_k, (LOWER) from row + lower, (UPPER) up to row + upper, (DOCS) of the row's
+    document."""
     visible = offs_n[None, :] < seqlen_k
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+    if LOWER:
+        visible = visible & (offs_n[None, :] >= offs_m[:, None] + lower)
+    if UPPER:
+        visible = visible & (offs_n[None, :] <= offs_m[:, None] + upper)
     if DOCS:
         k_doc = tl.load(KDoc + offs_n, mask=offs_n < seqlen_k, other=-2)
         visible = visible & (q_doc[:, None] == k_doc[None, :])
     return visible
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in fp32 to about one ulp, from exp2 alone (the interpreter has no libdevice): an odd polynomial in x
+    below |x| = 0.625, where (1 - e) / (1 + e) with e = exp(-2 |x|) would cancel, that quotient above."""
+    y = x * x
+    poly = 0.00218271 * y - 0.00822017
+    poly = poly * y + 0.02171769
+    poly = poly * y - 0.05394979
+    poly = poly * y + 0.13333229
+    poly = poly * y - 0.33333331
+    small = x + x * (poly * y)
+    e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    large = (1.0 - e) / (1.0 + e)
+    large = tl.where(x < 0, -large, large)
+    return tl.where(tl.abs(x) < 0.625, small, large)
+
+
+@triton.jit
+def _capped(s, cap_scale, SOFTCAP: tl.constexpr):
+    """Scores as the softmax takes them: s (q k^T, unscaled), or with SOFTCAP tanh(s * cap_scale)
+    (cap_scale = softmax_scale / softcap; the kernels' qk_scale then carries softcap * log2(e))."""
+    if SOFTCAP:
+        return _tanh(s * cap_scale)
+    return s
 
 
 @triton.jit
