@@ -1,6 +1,6 @@
 """ringattn: exact ring attention over sequences sharded across ranks, with fused Triton kernels."""
 
-from .functional import flash_attn_func, ring_attn_func, ring_attn_varlen_func
+from .functional import flash_attn_func, flash_attn_varlen_func, ring_attn_func, ring_attn_varlen_func
 from .parallel.documents import cu_seqlens_from_position_ids, pad_cu_seqlens
 from .parallel.layout import LAYOUTS, pad_to_multiple, position_ids, shard, shard_indices, unshard
 
@@ -8,6 +8,7 @@ __all__ = [
     "LAYOUTS",
     "cu_seqlens_from_position_ids",
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "pad_cu_seqlens",
     "pad_to_multiple",
     "position_ids",

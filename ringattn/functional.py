@@ -1,20 +1,22 @@
-"""Autograd Functions and the public functions `flash_attn_func`, `ring_attn_func` and
+"""Autograd Functions and the public functions `flash_attn_func`, `flash_attn_varlen_func`, `ring_attn_func` and
 `ring_attn_varlen_func`.
 
-Signatures follow flash-attn: tensors are (batch, seqlen, nheads, headdim); GQA/MQA by
-passing fewer K/V heads; lse is (batch, nheads, seqlen) fp32 in natural log.
+Signatures follow flash-attn's (2.x), in its argument order: tensors are (batch, seqlen, nheads, headdim); GQA/MQA
+by passing fewer K/V heads; lse is (batch, nheads, seqlen) fp32 in natural log. flash-attn's dropout_p,
+alibi_slopes and return_attn_probs are taken at their no-op values only (anything else is a ValueError, never
+ignored); the ring functions take every argument after q, k, v (and cu_seqlens) by keyword only.
 """
 
 import torch
 import torch.distributed as dist
 
-from .ops import KERNEL_OPS, kernel_ops
+from .ops import KERNEL_OPS, capped_ops, kernel_ops
 from .ops.custom_ops import attn_bwd_op, attn_fwd_op
-from .ops.validation import check_attn_inputs, check_runnable_device, default_softmax_scale
+from .ops.validation import check_attn_inputs, check_flash_attn_options, check_runnable_device, default_softmax_scale
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
 from .parallel.agreement import agreement_mode, check_agreement, ring_signature
 from .parallel.comm import p2p_timeout_s
-from .parallel.documents import check_cu_seqlens, fingerprint, shard_documents
+from .parallel.documents import check_cu_seqlens, document_ids, fingerprint, shard_documents
 
 
 class FlashAttnFunction(torch.autograd.Function):
@@ -22,76 +24,185 @@ class FlashAttnFunction(torch.autograd.Function):
     their custom ops (ringattn::attn_fwd, ringattn::attn_bwd), so torch.compile traces it whole."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic=False):
-        out, lse = attn_fwd_op(q, k, v, softmax_scale, causal)
+    def forward(ctx, q, k, v, softmax_scale, causal, window, softcap, deterministic, q_doc_ids, k_doc_ids):
+        out, lse = attn_fwd_op(q, k, v, softmax_scale, causal, *window, softcap, q_doc_ids, k_doc_ids)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+        ctx.options = softmax_scale, causal, deterministic, *window, softcap, q_doc_ids, k_doc_ids
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    return_lse: bool = False,
-    *,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
 ):
-    """Exact attention with a fused Triton kernel on one device.
+    """Exact attention with a fused Triton kernel on one device (flash-attn's flash_attn_func).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim).
         k, v: (batch, seqlen_k, nheads_k, headdim); nheads % nheads_k == 0 (GQA/MQA).
             headdim a multiple of 8 up to 256; fp16, bf16 or fp32; any strides.
+        dropout_p: 0.0 (ringattn has no attention dropout).
         softmax_scale: defaults to 1 / sqrt(headdim).
         causal: bottom-right aligned causal mask (row i sees keys j <= i + seqlen_k - seqlen_q);
             rows that see no key give zeros.
-        return_lse: also return the log-sum-exp of each row.
+        window_size: (left, right) sliding window, -1 for no limit on a side: row i sees keys j with
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (with causal, right is 0).
+            Key tiles outside every row's window are skipped.
+        softcap: scores -> softcap * tanh(scores / softcap), after the scale (Gemma 2's logit soft-capping);
+            0 for none.
+        alibi_slopes: None (no ALiBi).
         deterministic: gradients with the same bits in every run. The Hopper GPU's fastest backward adds dQ
             atomically, in no fixed order; deterministic takes kernels with one writer per gradient row instead
             (docs/performance.md says what it costs). Other GPUs and the CPU always are.
+        return_attn_probs: False (the probabilities are never formed; see return_lse).
+        return_lse: also return the log-sum-exp of each row.
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype; with return_lse also
         lse (batch, nheads, seqlen_q) fp32, natural log (-inf for rows that see no key).
     Raises:
-        ValueError, TypeError: bad shapes, dtypes, devices or scale.
-        RuntimeError: CPU tensors without TRITON_INTERPRET=1.
+        ValueError, TypeError: bad shapes, dtypes, devices, scale, window or softcap; a causal or deterministic
+            that is not a bool; dropout_p, alibi_slopes or return_attn_probs other than their no-op values.
+        RuntimeError: CPU tensors without TRITON_INTERPRET=1; tensors on the meta device.
     """
+    causal, window, softcap, deterministic = check_flash_attn_options(
+        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
     check_attn_inputs(q, k, v)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = FlashAttnFunction.apply(q, k, v, scale, bool(causal), bool(deterministic))
+    out, lse = FlashAttnFunction.apply(q, k, v, scale, causal, window, softcap, deterministic, None, None)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
+):
+    """Exact attention over packed variable-length sequences on one device (flash-attn's flash_attn_varlen_func).
+
+    Sequence b's queries are rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q, its keys rows
+    cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v; a query sees only keys of its own sequence. Tiles where
+    sequences do not meet are skipped.
+
+    Args:
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); as flash_attn_func's otherwise.
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 or int64 sequence boundaries: 0 first, total_q (total_k)
+            last, strictly increasing, the same number of sequences.
+        max_seqlen_q, max_seqlen_k: the longest sequence of each (ints; checked against the boundaries).
+        causal, window_size: per sequence, as flash_attn_func's; they need cu_seqlens_q equal to cu_seqlens_k
+            (each sequence's queries and keys the same tokens, as in training).
+        dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse: as
+            flash_attn_func's.
+    Returns:
+        out (total_q, nheads, headdim) in q's dtype; with return_lse also lse (nheads, total_q) fp32.
+    Raises:
+        ValueError, TypeError: as flash_attn_func's; q, k, v that are not 3-D; bad boundaries or max_seqlen;
+            causal or a window with cu_seqlens_q != cu_seqlens_k.
+        RuntimeError: as flash_attn_func's.
+    """
+    causal, window, softcap, deterministic = check_flash_attn_options(
+        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
+    _check_3d(q, k, v, "total_tokens")
+    check_attn_inputs(q[None], k[None], v[None])
+    q_doc_ids, k_doc_ids = _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    if (causal or window != (None, None)) and not torch.equal(cu_seqlens_q.cpu(), cu_seqlens_k.cpu()):
+        raise ValueError(
+            "causal and window_size need cu_seqlens_q equal to cu_seqlens_k (per-sequence bottom-right alignment "
+            "of different query and key lengths is not supported)"
+        )
+    scale = default_softmax_scale(softmax_scale, q.shape[-1])
+    out, lse = FlashAttnFunction.apply(q[None], k[None], v[None], scale, causal, window, softcap, deterministic,
+                                       q_doc_ids, k_doc_ids)  # fmt: skip
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _check_3d(q, k, v, rows: str) -> None:
+    """Raise ValueError unless q, k, v are 3-D tensors (rows, nheads, headdim), the packed layout."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor ({rows}, nheads, headdim), got {_shape(t)}")
+
+
+def _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
+    """The (total_q,) and (total_k,) int32 sequence ids of flash_attn_varlen_func's rows, after checking its
+    boundaries and max lengths."""
+    ids = []
+    for name, cu, max_name, max_len, t in (
+        ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q),
+        ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, k),
+    ):
+        check_cu_seqlens(cu, t.shape[0], name=name)
+        if isinstance(max_len, bool) or not isinstance(max_len, int):
+            raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}")
+        longest = int((cu[1:] - cu[:-1]).max())
+        if max_len < longest:
+            raise ValueError(f"{max_name} must be at least the longest sequence of {name}, {longest}; got {max_len}")
+        if cu.device != t.device:
+            raise ValueError(f"{name} must be on {t.device}, got {cu.device}")
+        ids.append(document_ids(cu, t.shape[0]))
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got "
+            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+        )
+    return ids
 
 
 class RingAttnFunction(torch.autograd.Function):
     """Ring attention over the ranks of a process group; forward and backward each go round the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, docs=None, deterministic=False):
-        out, lse = ring_attn_forward(RingComm(group), KERNEL_OPS, q, k, v, softmax_scale, causal, layout, docs)
+    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, docs, window, softcap, deterministic):
+        ops = capped_ops(KERNEL_OPS, softcap)
+        out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout, docs, window)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.group, ctx.layout, ctx.docs = softmax_scale, causal, group, layout, docs
-        ctx.deterministic = deterministic
+        ctx.window, ctx.softcap, ctx.deterministic = window, softcap, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        ops = kernel_ops(deterministic=True) if ctx.deterministic else KERNEL_OPS
+        ops = capped_ops(kernel_ops(deterministic=True) if ctx.deterministic else KERNEL_OPS, ctx.softcap)
         dq, dk, dv = ring_attn_backward(
-            RingComm(ctx.group), ops, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout, ctx.docs
-        )
-        return dq, dk, dv, None, None, None, None, None, None
+            RingComm(ctx.group), ops, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout, ctx.docs,
+            ctx.window,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def check_ring_inputs(
@@ -103,20 +214,22 @@ def check_ring_inputs(
     softmax_scale: float | None = None,
     causal: bool = False,
     documents: int = 0,
+    window: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
 ) -> float:
     """Every check of a ring call, all before the ring's first P2P op; returns the softmax scale to use.
 
-    First the local checks (shapes, dtypes, devices, layout, scale, the group and its backend), then,
+    First the local checks (shapes, dtypes, devices, layout, scale, window, the group and its backend), then,
     on rings of 2 or more ranks, the cross-rank agreement check (parallel/agreement.py): one small
     all_gather on `group`, skipped per $RINGATTN_AGREEMENT, after which every rank raises the same
-    ValueError if the ranks' shapes, dtype, causal, softmax_scale, layout or (`documents`, the
+    ValueError if the ranks' shapes, dtype, causal, softmax_scale, layout, window, softcap or (`documents`, the
     fingerprint of ring_attn_varlen_func's cu_seqlens) document boundaries differ.
 
     Raises:
         ValueError, TypeError: bad local inputs, an unknown layout, an odd local length with "zigzag",
-            a group that is not a ProcessGroup or does not contain this rank, a device the backend
-            cannot carry, a bad $RINGATTN_P2P_TIMEOUT_S, $RINGATTN_AGREEMENT or $RINGATTN_KERNELS; ranks that
-            disagree (the same message on every rank).
+            a window with "zigzag", a group that is not a ProcessGroup or does not contain this rank, a device the
+            backend cannot carry, a bad $RINGATTN_P2P_TIMEOUT_S, $RINGATTN_AGREEMENT or $RINGATTN_KERNELS; ranks
+            that disagree (the same message on every rank).
         RuntimeError: torch.distributed is not initialised; a device the kernels cannot run on;
             a rank that does not arrive for the agreement check within the P2P timeout (gloo).
     """
@@ -128,6 +241,11 @@ def check_ring_inputs(
             f"q, k and v must hold the same local sequence length in a ring, got q {q.shape[1]}, k/v {k.shape[1]}"
         )
     check_local_seqlen(q.shape[1], layout, name="q.shape[1]")
+    if window != (None, None) and layout != "contiguous":
+        raise ValueError(
+            f"window_size needs layout='contiguous', got layout={layout!r}: with a window each rank's queries see "
+            "about as many keys in the contiguous layout, which zigzag exists to balance"
+        )
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
@@ -146,7 +264,8 @@ def check_ring_inputs(
     p2p_timeout_s()  # the environment's settings, checked before the first collective (the kernels' in
     agreement_mode()  # check_runnable_device)
     if dist.get_world_size(group) > 1:
-        check_agreement(ring_signature(q, k, v, scale, causal, layout, documents), group, q.device)
+        signature = ring_signature(q, k, v, scale, causal, layout, documents, window, softcap)
+        check_agreement(signature, group, q.device)
     return scale
 
 
@@ -154,13 +273,18 @@ def ring_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
     return_lse: bool = False,
-    *,
-    deterministic: bool = False,
 ):
     """Exact attention over one global sequence split across the ranks of `group`.
 
@@ -170,33 +294,43 @@ def ring_attn_func(
     of C = S_local / 2 tokens and rank r holds chunk r followed by chunk 2W - 1 - r, which
     balances causal work over the ranks (docs/design.md, section 4). ringattn.shard,
     ringattn.unshard and ringattn.position_ids map between full tensors and shards.
+    Every argument after q, k, v is keyword-only, so that a positional flash-attn call cannot land
+    in the wrong one.
 
     Args:
         q: (batch, S_local, nheads, headdim), this rank's shard of the queries.
         k, v: (batch, S_local, nheads_k, headdim), this rank's shards; nheads % nheads_k == 0.
+        dropout_p, alibi_slopes, return_attn_probs: as flash_attn_func's (their no-op values only).
         softmax_scale: defaults to 1 / sqrt(headdim).
         causal: causal over global positions.
+        window_size: (left, right) sliding window over global positions, -1 for no limit (with causal, right is
+            0); layout "contiguous" only. Steps whose K/V block lies outside every local query's window run no
+            kernel, and the forward's ring stops after the last step any rank needs.
+        softcap: as flash_attn_func's.
+        deterministic: gradients with the same bits in every run, as in flash_attn_func (the ring's own order of
+            accumulation is always fixed).
         group: the process group forming the ring (default: the world). NCCL for CUDA
             tensors, gloo for CPU tensors (with TRITON_INTERPRET=1).
         layout: "contiguous" or "zigzag" (S_local must then be even); all ranks pass the same.
         return_lse: also return this shard's lse.
-        deterministic: gradients with the same bits in every run, as in flash_attn_func (the ring's own order of
-            accumulation is always fixed).
     Returns:
         out (batch, S_local, nheads, headdim) in q's dtype, this rank's shard of the global
         attention output; with return_lse also lse (batch, nheads, S_local) fp32, natural log.
     Raises:
         ValueError, TypeError: bad local inputs, raised before any communication; ranks whose
-            shapes, dtype, softmax_scale, causal or layout differ (the same message on every rank,
-            from one small all_gather before the ring; $RINGATTN_AGREEMENT=once|always|off).
+            shapes, dtype, softmax_scale, causal, window_size, softcap or layout differ (the same message on every
+            rank, from one small all_gather before the ring; $RINGATTN_AGREEMENT=once|always|off).
         RuntimeError: torch.distributed not initialised; tensors on a device the kernels cannot
             run on (CPU tensors need TRITON_INTERPRET=1 before ringattn is imported); on gloo, a
             peer that dies or does not arrive within $RINGATTN_P2P_TIMEOUT_S (default 300 s), in the
             forward or the backward, naming the peer and the ring step. On NCCL the process group's
             timeout and watchdog apply instead.
     """
-    scale = check_ring_inputs(q, k, v, group, layout, softmax_scale, causal)
-    out, lse = RingAttnFunction.apply(q, k, v, scale, bool(causal), group, layout, None, bool(deterministic))
+    causal, window, softcap, deterministic = check_flash_attn_options(
+        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
+    scale = check_ring_inputs(q, k, v, group, layout, softmax_scale, causal, 0, window, softcap)
+    out, lse = RingAttnFunction.apply(q, k, v, scale, causal, group, layout, None, window, softcap, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -205,47 +339,57 @@ def ring_attn_varlen_func(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
     return_lse: bool = False,
-    *,
-    deterministic: bool = False,
 ):
     """Exact attention over one packed sequence of documents split across the ranks of `group`.
 
     Attention stays inside each document (and, causal, does not look ahead). Documents may have
     any length, cross rank and chunk boundaries, and be shorter than the world size. Sub-blocks
-    whose documents never meet are skipped, not computed and masked.
+    whose documents never meet are skipped, not computed and masked. Every argument after
+    cu_seqlens is keyword-only.
 
     Args:
         q: (S_local, nheads, headdim), this rank's shard (in `layout`) of the packed queries.
         k, v: (S_local, nheads_k, headdim); nheads % nheads_k == 0.
-        cu_seqlens: (n_docs + 1,) int32 global document boundaries: 0, ..., S_local * world_size,
+        cu_seqlens: (n_docs + 1,) int32 or int64 global document boundaries: 0, ..., S_local * world_size,
             strictly increasing; the same on every rank. ringattn.cu_seqlens_from_position_ids
             builds it from packed position ids; ringattn.pad_cu_seqlens pads the total length.
-        softmax_scale, group, layout: as in ring_attn_func (default layout "zigzag").
         causal: causal inside each document (default True).
+        window_size: a sliding window inside each document, as ring_attn_func's (layout "contiguous").
+        dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs, group: as in
+            ring_attn_func.
+        layout: as in ring_attn_func (default "zigzag").
         return_lse: also return lse (nheads, S_local) fp32.
-        deterministic: as in ring_attn_func.
     Returns:
         out (S_local, nheads, headdim) in q's dtype, and lse with return_lse.
     Raises:
         ValueError, TypeError: as ring_attn_func, and for q, k, v that are not 3-D or a bad cu_seqlens.
         RuntimeError: as ring_attn_func.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D tensor (total_local_tokens, nheads, headdim), got {_shape(t)}")
+    causal, window, softcap, deterministic = check_flash_attn_options(
+        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
+    _check_3d(q, k, v, "total_local_tokens")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attn_varlen_func needs torch.distributed initialised (dist.init_process_group)")
     seqlen_local, world_size = q.shape[0], dist.get_world_size(group)
     check_cu_seqlens(cu_seqlens, seqlen_local * world_size)
-    scale = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, causal, fingerprint(cu_seqlens))
+    scale = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, causal, fingerprint(cu_seqlens),
+                              window, softcap)  # fmt: skip
     docs = shard_documents(cu_seqlens, seqlen_local, world_size, layout, q.device)
-    out, lse = RingAttnFunction.apply(q[None], k[None], v[None], scale, bool(causal), group, layout, docs,
-                                      bool(deterministic))  # fmt: skip
+    out, lse = RingAttnFunction.apply(q[None], k[None], v[None], scale, causal, group, layout, docs, window, softcap,
+                                      deterministic)  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
 
 

@@ -5,6 +5,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..functional import ring_attn_func
+from ..ops.validation import check_flag
 from ..parallel.layout import check_layout
 
 
@@ -20,8 +21,10 @@ class RingAttention(nn.Module):
         softmax_scale: defaults to 1 / sqrt(headdim).
         layout: "contiguous" (default, as ring_attn_func) or "zigzag".
         group: the process group forming the ring (default: the world).
+        window_size, softcap: a sliding window and logit soft-capping, as ring_attn_func's.
     Raises:
         ValueError: unknown layout.
+        TypeError: a causal that is not a bool.
     """
 
     def __init__(
@@ -30,10 +33,18 @@ class RingAttention(nn.Module):
         softmax_scale: float | None = None,
         layout: str = "contiguous",
         group: dist.ProcessGroup | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
     ):
         super().__init__()
         check_layout(layout)
-        self.causal, self.softmax_scale, self.layout, self.group = bool(causal), softmax_scale, layout, group
+        self.causal, self.softmax_scale, self.layout, self.group = (
+            check_flag(causal, "causal"),
+            softmax_scale,
+            layout,
+            group,
+        )
+        self.window_size, self.softcap = tuple(window_size), softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False):
         """q (batch, S_local, nheads, headdim); k, v (batch, S_local, nheads_k, headdim), nheads % nheads_k == 0.
@@ -42,8 +53,8 @@ class RingAttention(nn.Module):
         lse (batch, nheads, S_local) fp32, natural log. Raises as ring_attn_func.
         """
         return ring_attn_func(
-            q, k, v, softmax_scale=self.softmax_scale, causal=self.causal, group=self.group,
-            layout=self.layout, return_lse=return_lse,
+            q, k, v, softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window_size,
+            softcap=self.softcap, group=self.group, layout=self.layout, return_lse=return_lse,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -53,4 +64,6 @@ class RingAttention(nn.Module):
             group = f"{dist.get_world_size(self.group)} ranks"
         else:
             group = "given"
-        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, layout={self.layout!r}, group={group}"
+        extra = f", window_size={self.window_size}" if self.window_size != (-1, -1) else ""
+        extra += f", softcap={self.softcap}" if self.softcap else ""
+        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, layout={self.layout!r}, group={group}{extra}"

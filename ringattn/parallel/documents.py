@@ -1,7 +1,7 @@
 """Packed variable-length documents in the ring: boundaries, per-token document ids, and which
 (query rows, key rows) blocks can meet at all (docs/design.md, "Packed documents").
 
-A packed sequence of S tokens holds documents back to back; `cu_seqlens` (int32, n_docs + 1
+A packed sequence of S tokens holds documents back to back; `cu_seqlens` (int32 or int64, n_docs + 1
 entries, 0 first, S last, strictly increasing) gives their boundaries. Token t belongs to
 document d when cu_seqlens[d] <= t < cu_seqlens[d + 1]. A query sees only keys of its own
 document. Every rank can compute the document ids of every other rank's shard from the
@@ -18,17 +18,17 @@ _SHARD_DOCUMENTS: dict[tuple, "ShardDocuments"] = {}
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> None:
-    """Raise unless `cu_seqlens` is a 1-D int32 tensor of document boundaries of a `total`-token sequence.
+    """Raise unless `cu_seqlens` is a 1-D int32 or int64 tensor of document boundaries of a `total`-token sequence.
 
     Raises:
-        TypeError: not a tensor, or not int32.
+        TypeError: not a tensor, or not int32 or int64.
         ValueError: not 1-D with at least 2 entries, not starting at 0, not strictly increasing
             (an empty document), or not ending at `total`.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must be 1-D with n_docs + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     bounds = cu_seqlens.cpu()
@@ -48,7 +48,7 @@ def fingerprint(cu_seqlens: torch.Tensor) -> int:
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """(total,) int32 document id of every global token, on cu_seqlens' device."""
-    tokens = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return (torch.searchsorted(cu_seqlens[1:], tokens, right=True)).to(torch.int32)
 
 

@@ -38,7 +38,7 @@ def test_padding_is_a_document_of_its_own():
 @pytest.mark.parametrize(
     "cu,error,match",
     [
-        (_cu(0, 4, 8).long(), TypeError, "must be int32"),
+        (_cu(0, 4, 8).float(), TypeError, "must be int32 or int64, got torch.float32"),
         ([0, 4, 8], TypeError, "must be a torch.Tensor"),
         (_cu(0), ValueError, "n_docs \\+ 1 >= 2"),
         (_cu(1, 4, 8), ValueError, "must start at 0"),
@@ -46,7 +46,7 @@ def test_padding_is_a_document_of_its_own():
         (_cu(0, 5, 3, 8), ValueError, "strictly increasing"),
         (_cu(0, 4, 7), ValueError, "must end at the global length 8"),
     ],
-    ids=["int64", "list", "short", "start", "empty-doc", "decreasing", "end"],
+    ids=["float", "list", "short", "start", "empty-doc", "decreasing", "end"],
 )
 def test_bad_cu_seqlens_raise(cu, error, match):
     with pytest.raises(error, match=match):

@@ -82,8 +82,10 @@ def _bad_cu_seqlens_raise(rank, world_size):
     q = torch.zeros(8, 2, 32)
     with pytest.raises(ValueError, match="must end at the global length 16"):
         ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0, 5, 12], dtype=torch.int32))
-    with pytest.raises(TypeError, match="cu_seqlens must be int32"):
-        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0, 5, 16]))
+    with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64, got torch.float32"):
+        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0.0, 5.0, 16.0]))
+    with pytest.raises(TypeError, match="causal must be a bool, got 'no'"):
+        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0, 5, 16]), causal="no")
     with pytest.raises(ValueError, match="q must be a 3-D tensor"):
         ringattn.ring_attn_varlen_func(q[None], q, q, torch.tensor([0, 16], dtype=torch.int32))
     return True

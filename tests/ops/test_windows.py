@@ -1,0 +1,134 @@
+"""Sliding windows and logit soft-capping through flash_attn_func and the launchers, against a float64 reference
+under the tolerance rule; flash-attn's argument checks."""
+
+import pytest
+import torch
+
+import ringattn
+from ringattn.ops import LaunchConfig, attn_bwd, attn_fwd, override_configs
+from ringattn.ops.calls import key_band
+from tests.utils import DEVICE, DTYPES, check_against_reference, make_qkv
+
+# (seqlen_q, seqlen_k, window_size, causal): windows of 0 and 1, longer than the sequence, left != right, one
+# side unlimited, with Sq != Sk (bottom-right aligned), with causal
+WINDOW_CASES = {
+    "97-w0-0": (97, 97, (0, 0), False),
+    "97-w1-0": (97, 97, (1, 0), False),
+    "97-w5-3": (97, 97, (5, 3), False),
+    "97-w-1-4": (97, 97, (-1, 4), False),
+    "97-w9--1": (97, 97, (9, -1), False),
+    "97-w500-500": (97, 97, (500, 500), False),
+    "97-w7-causal": (97, 97, (7, -1), True),
+    "97-w7-3-causal": (97, 97, (7, 3), True),
+    "17-97-w4-2": (17, 97, (4, 2), False),
+    "97-17-w3-1": (97, 17, (3, 1), False),
+    "129-1-w0-0": (129, 1, (0, 0), False),
+    "33-65-w16-causal": (33, 65, (16, -1), True),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_sliding_window_matches_reference(case):
+    seqlen_q, seqlen_k, window_size, causal = WINDOW_CASES[case]
+    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 40, DTYPES[0], seed=seqlen_q + 7 * seqlen_k)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.flash_attn_func(q, k, v, causal=causal, window_size=window_size, return_lse=True)
+    out.backward(dout)
+    window = tuple(None if side == -1 else side for side in window_size)
+    check_against_reference(q, k, v, dout, 40**-0.5, causal, (out, lse, q.grad, k.grad, v.grad), window=window)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcap_matches_reference(causal, softcap):
+    """Scores of about +-8 (q scaled up), so that tanh saturates at the small caps and is near linear at 50."""
+    q, k, v, dout = make_qkv(2, 77, 77, 4, 1, 32, DTYPES[0], seed=int(softcap * 10))
+    q = (q * 3).requires_grad_()
+    k, v = (t.requires_grad_() for t in (k, v))
+    out, lse = ringattn.flash_attn_func(q, k, v, causal=causal, softcap=softcap, return_lse=True)
+    out.backward(dout)
+    check_against_reference(q, k, v, dout, 32**-0.5, causal, (out, lse, q.grad, k.grad, v.grad), softcap=softcap)
+
+
+def test_softcap_with_window_matches_reference():
+    q, k, v, dout = make_qkv(1, 70, 70, 2, 2, 64, DTYPES[0], seed=11)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.flash_attn_func(q, k, v, causal=True, window_size=(10, 0), softcap=2.0, return_lse=True)
+    out.backward(dout)
+    check_against_reference(q, k, v, dout, 64**-0.5, True, (out, lse, q.grad, k.grad, v.grad), window=(10, None),
+                            softcap=2.0)  # fmt: skip
+
+
+TILES = {  # forward, dK/dV and dQ tiles of unequal sides, so that the window's edges cross tiles every way
+    "16x64": (LaunchConfig(16, 64, 4, 1), LaunchConfig(64, 16, 4, 1), LaunchConfig(16, 64, 4, 1)),
+    "64x16": (LaunchConfig(64, 16, 4, 1), LaunchConfig(16, 64, 4, 1), LaunchConfig(64, 16, 4, 1)),
+}
+
+
+@pytest.mark.parametrize("window", [(3, 2), (40, None), (None, 20), (-30, 50)], ids=str)
+@pytest.mark.parametrize("tiles", list(TILES))
+def test_window_edges_crossing_unequal_tiles(tiles, window):
+    """Windows (ops' own form: None for no limit, any integers: (-30, 50) sees only keys 30 to 50 places ahead)
+    whose edges fall inside tiles, between them and past the sequence's end, on tiles of unequal sides."""
+    fwd, dkdv, dq = TILES[tiles]
+    q, k, v, dout = make_qkv(2, 100, 131, 4, 2, 32, DTYPES[0], seed=5)
+    with override_configs({"portable.fwd": fwd, "portable.dkdv": dkdv, "portable.dq": dq}):
+        out, lse = attn_fwd(q, k, v, 0.2, False, window=window, backend="portable")
+        grads = attn_bwd(dout, q, k, v, out, lse, 0.2, False, window=window, backend="portable")
+    check_against_reference(q, k, v, dout, 0.2, False, (out, lse, *grads), window=window)
+
+
+def test_rows_outside_every_window_give_zeros_not_nan():
+    """Sq > Sk with a window (0, 0): the first Sq - Sk rows' diagonal lies before the keys; they see nothing."""
+    q, k, v, dout = make_qkv(1, 50, 20, 2, 2, 32, DTYPES[0], seed=2)
+    out, lse = attn_fwd(q, k, v, 0.2, False, window=(0, 0))
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, 0.2, False, window=(0, 0))
+    assert torch.all(out[:, :30] == 0) and torch.all(lse[:, :, :30] == float("-inf")) and torch.all(dq[:, :30] == 0)
+    assert all(torch.isfinite(t).all() for t in (out, dq, dk, dv))
+
+
+def test_key_band_combines_causal_and_the_window():
+    assert key_band(False, (None, None), 5, 9) == (None, None)
+    assert key_band(True, (None, None), 5, 9) == (None, 4)
+    assert key_band(True, (3, 2), 5, 9) == (1, 4)  # causal caps the right side at 0
+    assert key_band(False, (3, 2), 9, 5) == (-7, -2)
+
+
+def _q():
+    return torch.zeros(1, 8, 2, 32, device=DEVICE, dtype=DTYPES[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(dropout_p=0.1), ValueError, "dropout_p must be 0.0: ringattn has no attention dropout, got 0.1"),
+        (dict(causal="False"), TypeError, "causal must be a bool, got 'False'"),
+        (dict(causal=torch.tensor([True, False])), TypeError, "causal must be a bool"),
+        (dict(deterministic="yes"), TypeError, "deterministic must be a bool"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size's sides must be >= 0, or -1 for no limit"),
+        (dict(window_size=4), TypeError, r"window_size must be a \(left, right\) pair of ints"),
+        (dict(window_size=(1.5, 0)), TypeError, r"window_size must be a \(left, right\) pair of ints"),
+        (dict(softcap=-1.0), ValueError, "softcap must be 0 .none. or a positive finite number, got -1.0"),
+        (dict(softcap=float("inf")), ValueError, "softcap must be 0 .none. or a positive finite number"),
+        (dict(softcap="30"), TypeError, "softcap must be a number"),
+        (dict(alibi_slopes=torch.ones(2)), ValueError, "alibi_slopes must be None"),
+        (dict(return_attn_probs=True), ValueError, "return_attn_probs must be False.*return_lse=True"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_flash_attn_options_raise_clear_errors(kwargs, error, match):
+    q = _q()
+    with pytest.raises(error, match=match):
+        ringattn.flash_attn_func(q, q, q, **kwargs)
+
+
+def test_positional_flash_attn_call_is_read_as_flash_attn_reads_it():
+    """flash-attn's order (q, k, v, dropout_p, softmax_scale, causal): flash_attn_func(q, k, v, 0.1, None, True)
+    asks for dropout 0.1, and must raise instead of running with softmax_scale 0.1 and no mask; without dropout
+    the positional softmax_scale and causal land where flash-attn puts them."""
+    q, k, v, _ = make_qkv(1, 19, 19, 2, 2, 32, DTYPES[0], seed=4)
+    with pytest.raises(ValueError, match="dropout_p"):
+        ringattn.flash_attn_func(q, k, v, 0.1, None, True)
+    positional = ringattn.flash_attn_func(q, k, v, 0.0, 0.3, True, (4, 0), 2.0)
+    keywords = ringattn.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, window_size=(4, 0), softcap=2.0)
+    assert torch.equal(positional, keywords)

@@ -1,0 +1,82 @@
+"""flash_attn_varlen_func, the single-device packed form, against flash_attn_func's reference run sequence by
+sequence (float64, the tolerance rule), and its argument checks."""
+
+import pytest
+import torch
+
+import ringattn
+from ringattn.testing import RESULTS, check_results
+from tests.utils import DEVICE, DTYPES, make_qkv, reference_attention
+
+DTYPE = DTYPES[0]
+
+
+def _per_sequence_reference(q, k, v, dout, cu_q, cu_k, dtype, causal, **options):
+    """reference_attention of each sequence alone, concatenated: (out, lse, dq, dk, dv) in the packed layout."""
+    parts = []
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        parts.append(reference_attention(q[None, rows], k[None, keys], v[None, keys], dout[None, rows],
+                                         q.shape[-1] ** -0.5, causal, dtype, **options))  # fmt: skip
+    out, lse, dq, dk, dv = (torch.cat([p[i][0] for p in parts], dim=1 if i == 1 else 0) for i in range(5))
+    return out, lse, dq, dk, dv
+
+
+VARLEN_CASES = {  # (query lengths, key lengths, causal, window_size, softcap)
+    "same-causal": ([5, 40, 1, 33], None, True, (-1, -1), 0.0),
+    "same-window": ([37, 64, 9], None, True, (6, 0), 0.0),
+    "same-softcap": ([20, 51], None, False, (-1, -1), 4.0),
+    "cross-lengths": ([7, 30, 12], [19, 4, 45], False, (-1, -1), 0.0),
+}
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+def test_varlen_matches_each_sequence_alone(case, cu_dtype):
+    lengths_q, lengths_k, causal, window_size, softcap = VARLEN_CASES[case]
+    lengths_k = lengths_k or lengths_q
+    cu_q = [0, *torch.tensor(lengths_q).cumsum(0).tolist()]
+    cu_k = [0, *torch.tensor(lengths_k).cumsum(0).tolist()]
+    q, k, v, dout = make_qkv(1, cu_q[-1], cu_k[-1], 4, 2, 32, DTYPE, seed=cu_q[-1])
+    q, k, v, dout = (t[0].requires_grad_() if t is not dout else t[0] for t in (q, k, v, dout))
+    out, lse = ringattn.flash_attn_varlen_func(
+        q, k, v, torch.tensor(cu_q, dtype=cu_dtype, device=DEVICE), torch.tensor(cu_k, dtype=cu_dtype, device=DEVICE),
+        max(lengths_q), max(lengths_k), causal=causal, window_size=window_size, softcap=softcap, return_lse=True,
+    )  # fmt: skip
+    out.backward(dout)
+    window = tuple(None if side == -1 else side for side in window_size)
+    options = dict(window=window, softcap=softcap)
+    ref = _per_sequence_reference(q, k, v, dout, cu_q, cu_k, torch.float64, causal, **options)
+    pt = _per_sequence_reference(q, k, v, dout, cu_q, cu_k, DTYPE, causal, **options)
+    ours = (out, lse, q.grad, k.grad, v.grad)
+    check_results(case, *(dict(zip(RESULTS, r, strict=True)) for r in (ours, pt, ref)))
+
+
+def _packed():
+    q = torch.zeros(10, 2, 32, device=DEVICE, dtype=DTYPE)
+    return q, torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(causal=True, cu_seqlens_k=[0, 6, 10]), ValueError, "causal and window_size need cu_seqlens_q equal"),
+        (dict(window_size=(2, 2), cu_seqlens_k=[0, 6, 10]), ValueError, "need cu_seqlens_q equal to cu_seqlens_k"),
+        (dict(max_seqlen_q=5), ValueError, "max_seqlen_q must be at least the longest sequence of cu_seqlens_q, 6"),
+        (dict(max_seqlen_k=6.0), TypeError, "max_seqlen_k must be an int"),
+        (dict(cu_seqlens_q=[0, 4, 9]), ValueError, "cu_seqlens_q must end at the global length 10"),
+        (dict(cu_seqlens_k=[0, 2, 5, 10]), ValueError, "the same number of sequences, got 2 and 3"),
+        (dict(q=torch.zeros(1, 10, 2, 32)), ValueError, r"q must be a 3-D tensor \(total_tokens, nheads, headdim\)"),
+        (dict(dropout_p=0.5), ValueError, "dropout_p must be 0.0"),
+    ],
+    ids=["causal-cross", "window-cross", "max-short", "max-float", "cu-end", "cu-count", "q-4d", "dropout"],
+)
+def test_varlen_bad_arguments_raise(change, error, match):
+    q, cu = _packed()
+    args = dict(q=q, k=q, v=q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        if isinstance(change.get(name), list):
+            change = dict(change, **{name: torch.tensor(change[name], dtype=torch.int32, device=DEVICE)})
+    args.update(change)
+    with pytest.raises(error, match=match):
+        ringattn.flash_attn_varlen_func(**args)
