@@ -30,7 +30,7 @@ from .layout import LAYOUTS
 AGREEMENT_ENV = "RINGATTN_AGREEMENT"
 AGREEMENT_MODES = ("once", "always", "off")
 MAGIC = 0x52_49_4E_47  # "RING": a vector that does not start with it did not come from encode_signature
-VERSION = 2
+VERSION = 3
 SIGNATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_CACHED_PER_GROUP = 64
 
@@ -49,6 +49,9 @@ class RingSignature(NamedTuple):
     layout: str
     requires_grad: bool  # a rank that records no graph never joins the backward ring
     documents: int = 0  # fingerprint of cu_seqlens (ring_attn_varlen_func); 0 for one dense sequence
+    window_left: int = -1  # the sliding window's sides, -1 for no limit
+    window_right: int = -1
+    softcap: float = 0.0
 
 
 # how each field is named in errors: the argument it comes from
@@ -64,6 +67,9 @@ FIELD_LABELS = {
     "layout": "layout",
     "requires_grad": "whether q, k or v require grad",
     "documents": "cu_seqlens (fingerprint)",
+    "window_left": "window_size[0]",
+    "window_right": "window_size[1]",
+    "softcap": "softcap",
 }
 SIGNATURE_LEN = 2 + len(RingSignature._fields)
 
@@ -76,14 +82,16 @@ def ring_signature(
     causal: bool,
     layout: str,
     documents: int = 0,
+    window: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
 ) -> RingSignature:
     """The signature of one ring call from its (already validated) local arguments; `documents` is
-    parallel.documents.fingerprint(cu_seqlens) for packed documents."""
+    parallel.documents.fingerprint(cu_seqlens) for packed documents, window the sliding window (None: no limit)."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     batch, seqlen_local, heads_q, head_dim = q.shape
     return RingSignature(
         batch, seqlen_local, heads_q, k.shape[2], head_dim, q.dtype, bool(causal), float(softmax_scale), layout,
-        requires_grad, documents,
+        requires_grad, documents, *(-1 if side is None else side for side in window), float(softcap),
     )  # fmt: skip
 
 
@@ -107,6 +115,7 @@ def encode_signature(sig: RingSignature) -> torch.Tensor:
     values += [sig.batch, sig.seqlen_local, sig.heads_q, sig.heads_k, sig.head_dim]
     values += [SIGNATURE_DTYPES.index(sig.dtype), int(sig.causal), _float_bits(sig.softmax_scale)]
     values += [LAYOUTS.index(sig.layout), int(sig.requires_grad), sig.documents]
+    values += [sig.window_left, sig.window_right, _float_bits(sig.softcap)]
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -126,12 +135,13 @@ def decode_signature(encoded: torch.Tensor | list[int]) -> RingSignature:
         )
     if values[1] != VERSION:
         raise ValueError(f"ring signature version {values[1]}, expected {VERSION}: ranks run different ringattn")
-    batch, seqlen, heads_q, heads_k, head_dim, dtype_i, causal, scale_bits, layout_i, grad, documents = values[2:]
+    batch, seqlen, heads_q, heads_k, head_dim, dtype_i, causal, scale_bits, layout_i, grad, documents = values[2:13]
+    window_left, window_right, softcap_bits = values[13:]
     if not (0 <= dtype_i < len(SIGNATURE_DTYPES) and 0 <= layout_i < len(LAYOUTS)):
         raise ValueError(f"ring signature with dtype index {dtype_i} or layout index {layout_i} out of range")
     return RingSignature(
         batch, seqlen, heads_q, heads_k, head_dim, SIGNATURE_DTYPES[dtype_i], bool(causal), _bits_float(scale_bits),
-        LAYOUTS[layout_i], bool(grad), documents,
+        LAYOUTS[layout_i], bool(grad), documents, window_left, window_right, _bits_float(softcap_bits),
     )  # fmt: skip
 
 

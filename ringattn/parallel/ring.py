@@ -38,19 +38,51 @@ def _rows(t: torch.Tensor, rows: range, dim: int = 1) -> torch.Tensor:
 
 
 def _computed_tasks(
-    layout: str, rank: int, kv_rank: int, world_size: int, causal: bool, seqlen_local: int, docs: ShardDocuments | None
+    layout: str,
+    rank: int,
+    kv_rank: int,
+    world_size: int,
+    causal: bool,
+    seqlen_local: int,
+    docs: ShardDocuments | None,
+    window: tuple[int | None, int | None] = (None, None),
 ):
-    """The tasks of block_tasks that run, each with its kernel call's document-id keyword arguments (empty
-    without documents); tasks whose documents never meet are skipped."""
-    for task in block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local):
+    """The tasks of block_tasks that run, each with its kernel call's keyword arguments: document ids (none
+    without documents), a BAND task's window; tasks whose documents never meet are skipped."""
+    for task in block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local, window):
+        kwargs = dict(window=task.window) if task.mode is BlockMode.BAND else {}
         if docs is None:
-            yield task, {}
+            yield task, kwargs
         elif docs.meet(rank, task.q_rows, kv_rank, task.kv_rows):
-            yield task, dict(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
+            yield task, dict(kwargs, q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
+
+
+def last_computing_step(
+    layout: str,
+    world_size: int,
+    causal: bool,
+    seqlen_local: int,
+    docs: ShardDocuments | None = None,
+    window: tuple[int | None, int | None] = (None, None),
+) -> int:
+    """The last ring step at which any rank computes a task (the same on every rank): the forward stops there, and
+    no K/V travels further. W - 1 but for sliding windows shorter than the ring."""
+    return max(
+        (step for rank in range(world_size) for step in range(world_size)
+         if any(True for _ in _computed_tasks(layout, rank, kv_source_rank(rank, step, world_size), world_size,
+                                              causal, seqlen_local, docs, window))),
+        default=0,
+    )  # fmt: skip
 
 
 def finishing_plan(
-    layout: str, rank: int, world_size: int, causal: bool, seqlen_local: int, docs: ShardDocuments | None = None
+    layout: str,
+    rank: int,
+    world_size: int,
+    causal: bool,
+    seqlen_local: int,
+    docs: ShardDocuments | None = None,
+    window: tuple[int | None, int | None] = (None, None),
 ) -> list[list[range]]:
     """plan[step][i]: the rows of `rank`'s shard that the i-th task `rank` computes at `step` (in the order the step
     runs them) finishes: the task's query rows that no later task touches. There the task writes out and dQ
@@ -61,7 +93,7 @@ def finishing_plan(
     """
     touched = [
         [task.q_rows for task, _ in _computed_tasks(layout, rank, kv_source_rank(rank, step, world_size), world_size,
-                                                    causal, seqlen_local, docs)]
+                                                    causal, seqlen_local, docs, window)]
         for step in range(world_size)
     ]  # fmt: skip
     later: list[range] = []
@@ -106,13 +138,19 @@ def _task_final_rows(
 
 
 def _own_block_task(
-    layout: str, rank: int, world_size: int, causal: bool, seqlen_local: int, docs: ShardDocuments | None
+    layout: str,
+    rank: int,
+    world_size: int,
+    causal: bool,
+    seqlen_local: int,
+    docs: ShardDocuments | None,
+    window: tuple[int | None, int | None] = (None, None),
 ):
     """The one task of step 0, where a rank holds its own block, with its document ids: every layout computes
     that block whole (block_tasks with kv_rank == rank; with W = 1 it is the whole sequence), and every row
     shares its own document. So the task covers every row of the shard, and its results can be stored
     into uninitialised state rather than merged or added into an identity."""
-    tasks = list(_computed_tasks(layout, rank, rank, world_size, causal, seqlen_local, docs))
+    tasks = list(_computed_tasks(layout, rank, rank, world_size, causal, seqlen_local, docs, window))
     whole = range(0, seqlen_local)
     if len(tasks) != 1 or tasks[0][0].q_rows != whole or tasks[0][0].kv_rows != whole:
         raise RuntimeError(f"step 0 must compute rank {rank}'s own block whole, the schedule gave {tasks}")
@@ -132,6 +170,7 @@ def own_block_forward(
     docs: ShardDocuments | None = None,
     finished: torch.Tensor | None = None,
     finishing: list[range] | None = None,
+    window: tuple[int | None, int | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 0 of the forward on one rank: q's attention to the rank's own K/V block, which starts the running state.
 
@@ -139,12 +178,13 @@ def own_block_forward(
         q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards.
         finished, finishing: the rank's result (B, S_local, Hq, D) in its final dtype, and finishing_plan's step 0:
             the rows this step finishes go there, rounded; None: into out.
+        window: the sliding window over global positions (block_tasks).
     Returns:
         out (B, S_local, Hq, D) and lse (B, Hq, S_local) in state_dtype(q), for forward_step to merge into: the
         same bits as merging the block into the merge's identity (out 0, lse -inf), without filling that
         identity and reading it back. Rows written to final are unspecified in out.
     """
-    task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs)
+    task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs, window)
     return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, state_dtype(q), **doc_ids,
                    final=_task_final_rows(finished, finishing, 0, 1, task.q_rows))  # fmt: skip
 
@@ -165,6 +205,7 @@ def forward_step(
     docs: ShardDocuments | None = None,
     finished: torch.Tensor | None = None,
     finishing: list[range] | None = None,
+    window: tuple[int | None, int | None] = (None, None),
 ) -> None:
     """One ring step of the forward on one rank: merge q's attention to the K/V block of `kv_rank` into (out, lse).
 
@@ -175,8 +216,9 @@ def forward_step(
             skipped, the others masked by document.
         finished, finishing: where the rows this step finishes go, rounded, instead of into out (finishing_plan's
             entry of this step), as in own_block_forward.
+        window: as in own_block_forward.
     """
-    tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs))
+    tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs, window))
     for i, (task, doc_ids) in enumerate(tasks):
         qs, kvs = task.q_rows, task.kv_rows
         ops.fwd_merge_(
@@ -209,6 +251,7 @@ def own_block_backward(
     docs: ShardDocuments | None = None,
     dq_finished: torch.Tensor | None = None,
     finishing: list[range] | None = None,
+    window: tuple[int | None, int | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 0 of the backward on one rank: the gradients of q's attention to the rank's own block, stored into new
     state_dtype(q) buffers (nothing zeroed, nothing read back): this rank's dq and its own block's dK, dV
@@ -218,10 +261,11 @@ def own_block_backward(
         dout, q, out: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards;
         lse, delta: (B, Hq, S_local), the global lse and rowsum(dout * out).
         dq_finished, finishing: where the dq rows this step finishes go, rounded, as own_block_forward's.
+        window: as in own_block_forward.
     Returns:
         dq, dk, dv shaped like q, k, v, in state_dtype(q) (dq's rows written to dq_finished unspecified).
     """
-    task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs)
+    task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs, window)
     dtype = state_dtype(q)
     dq, dk, dv = (torch.empty(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
     return ops.bwd(
@@ -253,6 +297,7 @@ def backward_step(
     add_dkdv: bool = True,
     dq_finished: torch.Tensor | None = None,
     finishing: list[range] | None = None,
+    window: tuple[int | None, int | None] = (None, None),
 ) -> list[range]:
     """One ring step of the backward on one rank: add the gradients of q's attention to the block of `kv_rank`
     into dq (this rank's) and dk_acc, dv_acc (the accumulators of the block in hand), in place.
@@ -265,10 +310,11 @@ def backward_step(
             (for a step of at most one task, which block_tasks gives whenever kv_rank != rank).
         dq_finished, finishing: where the dq rows this step finishes go, rounded, instead of into dq (as
             forward_step's).
+        window: as in own_block_forward.
     Returns:
         the K/V rows whose dK, dV were added or stored, one range per computed task.
     """
-    tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs))
+    tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs, window))
     if not add_dkdv and len(tasks) > 1:  # a second stored share would overwrite the first's rows
         raise RuntimeError(f"add_dkdv=False needs at most one task; rank {rank}, kv_rank {kv_rank} has {len(tasks)}")
     rows = []
@@ -342,6 +388,7 @@ def ring_attn_forward(
     causal: bool,
     layout: str = "contiguous",
     docs: ShardDocuments | None = None,
+    window: tuple[int | None, int | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's shard of global attention.
 
@@ -349,6 +396,9 @@ def ring_attn_forward(
         q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards in `layout`
             ("contiguous" or "zigzag"; S_local even for "zigzag").
         docs: packed documents (B = 1): attention stays inside each document.
+        window: a sliding window (left, right) over global positions, None for no limit ("contiguous" only):
+            blocks outside every query's window are skipped, and the ring stops after the last step any rank
+            computes (last_computing_step), no K/V travelling further.
     Returns:
         out (B, S_local, Hq, D) in q's dtype (each row rounded from the fp32 state by the step that finishes it;
         with W = 1 one fused call) and lse (B, Hq, S_local) fp32 (float64 for float64 inputs).
@@ -356,23 +406,24 @@ def ring_attn_forward(
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
     if comm.world_size == 1:
-        task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs)
+        task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs, window)
         return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
-    plan = finishing_plan(layout, comm.rank, comm.world_size, causal, q.shape[1], docs)
+    plan = finishing_plan(layout, comm.rank, comm.world_size, causal, q.shape[1], docs, window)
+    steps = last_computing_step(layout, comm.world_size, causal, q.shape[1], docs, window) + 1
     finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # out, each row written once, rounded
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    for step in range(comm.world_size):
-        last = step == comm.world_size - 1
+    for step in range(steps):
+        last = step == steps - 1
         if not last:
             k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
             comm.commit(f"forward step {step} (K/V)")
         if step == 0:
             out, lse = own_block_forward(ops, layout, comm.rank, comm.world_size, causal, softmax_scale, q, k_cur,
-                                         v_cur, docs, finished, plan[step])  # fmt: skip
+                                         v_cur, docs, finished, plan[step], window)  # fmt: skip
         else:
             kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
             forward_step(ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale, q, k_cur, v_cur,
-                         out, lse, docs, finished, plan[step])  # fmt: skip
+                         out, lse, docs, finished, plan[step], window)  # fmt: skip
         if not last:
             comm.wait()
             k_cur, v_cur = k_next, v_next
@@ -392,13 +443,15 @@ def ring_attn_backward(
     causal: bool,
     layout: str = "contiguous",
     docs: ShardDocuments | None = None,
+    window: tuple[int | None, int | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of this rank's q, k, v shards.
 
     Args:
         dout, out: (B, S_local, Hq, D); q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D);
         lse: (B, Hq, S_local) fp32, the global normaliser from the forward.
-        layout, docs: what the forward ran with.
+        layout, docs, window: what the forward ran with (the backward goes the whole ring: the dK, dV accumulators
+            travel home with their blocks; steps without tasks run no kernel).
     Returns:
         dq, dk, dv shaped like q, k, v, in the inputs' dtype: each dq row rounded from its fp32 sum by the step
         that finishes it; dk and dv rounded with their last share, before the last hop, which then carries half
@@ -408,10 +461,10 @@ def ring_attn_backward(
     """
     world_size = comm.world_size
     if world_size == 1:
-        task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs)
+        task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs, window)
         return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
     delta = ops.bwd_preprocess(out, dout)
-    plan = finishing_plan(layout, comm.rank, world_size, causal, q.shape[1], docs)
+    plan = finishing_plan(layout, comm.rank, world_size, causal, q.shape[1], docs, window)
     dq_finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # each row written once, rounded
     # this rank's share of a later step's block
     share_k, share_v = (torch.empty(t.shape, dtype=state_dtype(q), device=t.device) for t in (k, v))
@@ -424,7 +477,7 @@ def ring_attn_backward(
     for step in range(world_size):
         if step == 0:  # dq and the accumulators of this rank's own block
             dq, dk, dv = own_block_backward(ops, layout, comm.rank, world_size, causal, softmax_scale, dout, q, k_cur,
-                                            v_cur, out, lse, delta, docs, dq_finished, plan[step])  # fmt: skip
+                                            v_cur, out, lse, delta, docs, dq_finished, plan[step], window)  # fmt: skip
         else:
             # From step 1 on the accumulators arrive only after the kernels (they overlap the transfer): the kernels
             # store this rank's share, which is then added to the arrived accumulators, in the rows it covers.
@@ -432,7 +485,7 @@ def ring_attn_backward(
             rows = backward_step(
                 ops, layout, comm.rank, kv_rank, world_size, causal, softmax_scale,
                 dout, q, k_cur, v_cur, out, lse, delta, dq, share_k, share_v, docs, add_dkdv=False,
-                dq_finished=dq_finished, finishing=plan[step],
+                dq_finished=dq_finished, finishing=plan[step], window=window,
             )  # fmt: skip
         comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
         if step > 0:

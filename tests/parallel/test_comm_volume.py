@@ -62,3 +62,20 @@ def test_last_dkdv_hop_carries_the_input_dtype():
         kv_hops = 2 * (world_size - 1) * heads_k * kv_block * 2
         accumulator_hops = 2 * (world_size - 1) * heads_k * kv_block * 4 + 2 * heads_k * kv_block * 2
         assert bwd_bytes == kv_hops + accumulator_hops and bwd_tensors == 2 * (world_size - 1) + 2 * world_size
+
+
+def _window_forward_tensors(rank, world_size, window):
+    q, k, v, _ = make_qkv(1, 16, 16, 2, 2, 16, torch.float32, "cpu", seed=rank)
+    comm = ByteCountingComm()
+    ring_attn_forward(comm, REFERENCE_OPS, q, k, v, 0.25, True, "contiguous", window=window)
+    return comm.sent_tensors
+
+
+def test_window_forward_stops_after_the_last_block_any_rank_needs():
+    """A causal window of 10 tokens over shards of 16: every rank needs its own block and its predecessor's
+    (steps 0 and 1), so K and V make one hop instead of W - 1; of 20 tokens, two blocks back, two hops; with no
+    window, W - 1 hops."""
+    world_size = 4
+    assert run_ranks(_window_forward_tensors, world_size, (10, None)) == [2] * world_size
+    assert run_ranks(_window_forward_tensors, world_size, (20, None)) == [4] * world_size
+    assert run_ranks(_window_forward_tensors, world_size, (None, None)) == [2 * (world_size - 1)] * world_size

@@ -273,3 +273,53 @@ def test_finishing_plan_of_zigzag_finishes_the_first_chunk_at_the_last_step_that
 def test_finishing_rows_that_are_not_one_range_raise():
     with pytest.raises(RuntimeError, match="not one range"):
         _uncovered(range(0, 10), [range(3, 5)])
+
+
+def _ring_window_matches_reference(rank, world_size, seqlen_local, window_size, causal, softcap):
+    seqlen = seqlen_local * world_size
+    idx = shard_indices(seqlen, rank, world_size, "contiguous")
+    q, k, v, dout = make_qkv(1, seqlen, seqlen, 4, 2, 32, torch.float32, device="cpu", seed=seqlen + rank * 0)
+    q = q * 2  # scores of a few units, so that soft-capping bends them
+    q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.ring_attn_func(q_l, k_l, v_l, causal=causal, window_size=window_size, softcap=softcap,
+                                       return_lse=True)  # fmt: skip
+    out.backward(dout[:, idx])
+    window = tuple(None if side == -1 else side for side in window_size)
+    options = dict(window=window, softcap=softcap)
+    ref = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float64, **options)
+    pt = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float32, **options)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        sel = (slice(None), slice(None), idx) if i == 1 else (slice(None), idx)
+        check_close(f"rank {rank} {name}", ours[i], pt[i][sel], ref[i][sel], None if i < 2 else grad_scale)
+
+
+RING_WINDOWS = {  # (world size, window_size, causal, softcap), S_local = 21
+    "W2-w0-0": (2, (0, 0), False, 0.0),
+    "W3-w5-causal": (3, (5, -1), True, 0.0),
+    "W3-w30-causal": (3, (30, -1), True, 0.0),
+    "W4-w8-3": (4, (8, 3), False, 0.0),
+    "W3-w-1-25": (3, (-1, 25), False, 0.0),
+    "W3-softcap-causal": (3, (-1, -1), True, 3.0),
+    "W2-w6-softcap": (2, (6, 6), False, 1.5),
+}
+
+
+@pytest.mark.parametrize("case", list(RING_WINDOWS))
+def test_ring_window_and_softcap_match_single_device_reference(case):
+    """Windows shorter than a shard, crossing one or two shard boundaries, one-sided and two-sided, causal and
+    not, and soft-capping: the ring skips the blocks outside every window and stops its forward early."""
+    world_size, window_size, causal, softcap = RING_WINDOWS[case]
+    run_ranks(_ring_window_matches_reference, world_size, 21, window_size, causal, softcap)
+
+
+def _zigzag_window_raises(rank, world_size):
+    q = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="window_size needs layout='contiguous'"):
+        ringattn.ring_attn_func(q, q, q, causal=True, window_size=(4, 0), layout="zigzag")
+    return True
+
+
+def test_ring_window_refuses_the_zigzag_layout_on_every_rank():
+    assert run_ranks(_zigzag_window_raises, 2) == [True, True]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from ringattn.ops.attn_ref import band_visible
 from ringattn.parallel import BlockMode, BlockTask, block_tasks, kv_source_rank, shard_indices
 
 F, C = BlockMode.FULL, BlockMode.CAUSAL
@@ -133,3 +134,42 @@ def test_block_tasks_rejects_bad_arguments():
         block_tasks("zigzag", 0, 1, 2, True, 7)
     with pytest.raises(ValueError, match="kv_rank must be in"):
         block_tasks("zigzag", 0, 2, 2, True, 8)
+
+
+WINDOWS = [(0, 0), (1, None), (5, 2), (None, 3), (7, None), (13, 13), (100, 100)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"W{w}")
+def test_window_tasks_cover_the_band_exactly_once(world_size, window, causal):
+    """A sliding window over global positions (contiguous layout, S_local = 6): mapping every task's local mask to
+    global positions, the tasks of all ranks and steps cover the global band (cut by causal) once and nothing
+    else; windows shorter, as long as and longer than a shard, one-sided ones."""
+    seqlen_local = 6
+    seqlen = seqlen_local * world_size
+    count = torch.zeros(seqlen, seqlen, dtype=torch.int64)
+    for rank in range(world_size):
+        for step in range(world_size):
+            kv_rank = kv_source_rank(rank, step, world_size)
+            for task in block_tasks("contiguous", rank, kv_rank, world_size, causal, seqlen_local, window):
+                visible = band_visible(task.mode is C, task.window, seqlen_local, seqlen_local, torch.device("cpu"))
+                local = torch.ones(seqlen_local, seqlen_local, dtype=torch.int64)
+                if visible is not None:
+                    local = visible.to(torch.int64)
+                rows = slice(rank * seqlen_local, (rank + 1) * seqlen_local)
+                cols = slice(kv_rank * seqlen_local, (kv_rank + 1) * seqlen_local)
+                count[rows, cols] += local
+    left, right = window
+    expected = band_visible(causal, window, seqlen, seqlen, torch.device("cpu"))
+    assert torch.equal(count, torch.ones_like(count) if expected is None else expected.to(torch.int64))
+    if left is not None and right is not None and max(left, right) < seqlen_local:  # only the neighbours' blocks
+        assert all(
+            not block_tasks("contiguous", r, kv, world_size, causal, seqlen_local, window)
+            for r in range(world_size) for kv in range(world_size) if abs(r - kv) > 1
+        )  # fmt: skip
+
+
+def test_window_needs_the_contiguous_layout():
+    with pytest.raises(ValueError, match="a sliding window needs layout 'contiguous'"):
+        block_tasks("zigzag", 0, 1, 2, True, 8, (4, 0))
