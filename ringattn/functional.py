@@ -137,12 +137,8 @@ def flash_attn_varlen_func(
     )
     _check_3d(q, k, v, "total_tokens")
     check_attn_inputs(q[None], k[None], v[None])
-    q_doc_ids, k_doc_ids = _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    if (causal or window != (None, None)) and not torch.equal(cu_seqlens_q.cpu(), cu_seqlens_k.cpu()):
-        raise ValueError(
-            "causal and window_size need cu_seqlens_q equal to cu_seqlens_k (per-sequence bottom-right alignment "
-            "of different query and key lengths is not supported)"
-        )
+    same_bounds = causal or window != (None, None)
+    q_doc_ids, k_doc_ids = _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, same_bounds)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
     out, lse = FlashAttnFunction.apply(q[None], k[None], v[None], scale, causal, window, softcap, deterministic,
                                        q_doc_ids, k_doc_ids)  # fmt: skip
@@ -156,27 +152,33 @@ def _check_3d(q, k, v, rows: str) -> None:
             raise ValueError(f"{name} must be a 3-D tensor ({rows}, nheads, headdim), got {_shape(t)}")
 
 
-def _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
+def _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, same_bounds: bool):
     """The (total_q,) and (total_k,) int32 sequence ids of flash_attn_varlen_func's rows, after checking its
-    boundaries and max lengths."""
-    ids = []
+    boundaries and max lengths; same_bounds (causal or a window) needs cu_seqlens_q equal to cu_seqlens_k."""
+    ids, bounds = [], []
     for name, cu, max_name, max_len, t in (
         ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q),
         ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, k),
     ):
         check_cu_seqlens(cu, t.shape[0], name=name)
-        if isinstance(max_len, bool) or not isinstance(max_len, int):
-            raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}")
-        longest = int((cu[1:] - cu[:-1]).max())
-        if max_len < longest:
-            raise ValueError(f"{max_name} must be at least the longest sequence of {name}, {longest}; got {max_len}")
         if cu.device != t.device:
             raise ValueError(f"{name} must be on {t.device}, got {cu.device}")
+        if isinstance(max_len, bool) or not isinstance(max_len, int):
+            raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}")
+        bounds.append(cu.cpu().to(torch.int64))
+        longest = int((bounds[-1][1:] - bounds[-1][:-1]).max())
+        if max_len < longest:
+            raise ValueError(f"{max_name} must be at least the longest sequence of {name}, {longest}; got {max_len}")
         ids.append(document_ids(cu, t.shape[0]))
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+    if len(bounds[0]) != len(bounds[1]):
         raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got "
-            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+            f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got {len(bounds[0]) - 1} and "
+            f"{len(bounds[1]) - 1}"
+        )
+    if same_bounds and not torch.equal(*bounds):
+        raise ValueError(
+            "causal and window_size need cu_seqlens_q equal to cu_seqlens_k (per-sequence bottom-right alignment "
+            "of different query and key lengths is not supported)"
         )
     return ids
 

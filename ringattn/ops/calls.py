@@ -60,14 +60,20 @@ class BwdCall(NamedTuple):
     softcap: float = 0.0
 
 
+def causal_window(causal: bool, window: tuple[int | None, int | None]) -> tuple[int | None, int | None]:
+    """The window (left, right) that causal and `window` together leave: causal caps the right side at 0."""
+    left, right = window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
 def key_band(
     causal: bool, window: tuple[int | None, int | None], seqlen_q: int, seqlen_k: int
 ) -> tuple[int | None, int | None]:
     """(lower, upper): row i sees keys j with i + lower <= j <= i + upper, None where that side has no limit, for
     a call's causal flag and window (module docstring) at lengths Sq, Sk."""
-    left, right = window
-    if causal:
-        right = 0 if right is None else min(right, 0)
+    left, right = causal_window(causal, window)
     shift = seqlen_k - seqlen_q
     return (None if left is None else shift - left), (None if right is None else shift + right)
 

@@ -125,11 +125,12 @@ def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor
     )  # fmt: skip
 
 
-def _bwd_common(call: BwdCall) -> dict:
-    """The constexprs both backward kernels take."""
-    return dict(
+def _bwd_common(call: BwdCall) -> tuple[tuple, dict]:
+    """The band arguments (_band_args) and the constexprs both backward kernels take."""
+    band, band_flags = _band_args(call)
+    return band, dict(
         GROUP_SIZE=call.q.shape[2] // call.k.shape[2], HEAD_DIM=call.q.shape[-1],
-        BLOCK_D=padded_head_dim(call.q.shape[-1]), **_band_args(call)[1], HAS_DOCS=call.q_doc_ids is not None,
+        BLOCK_D=padded_head_dim(call.q.shape[-1]), **band_flags, HAS_DOCS=call.q_doc_ids is not None,
         DOT_PRECISION=_dot_precision(call.q.dtype),
         enable_fp_fusion=True,  # as the forward's: triton's default (fused multiply-adds on) will flip
     )  # fmt: skip
@@ -145,6 +146,7 @@ def dkdv_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
     q, k, v, dout, dk, dv = call.q, call.k, call.v, call.dout, call.dk, call.dv
     batch, seqlen_q, _, _ = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
+    band, common = _bwd_common(call)
     return KernelLaunch(
         "portable.dkdv",
         _attn_bwd_dkdv_kernel,
@@ -152,10 +154,10 @@ def dkdv_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
         (
             q, k, v, dout, call.lse, call.delta, dk, dv, *_doc_args(call),
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
-            seqlen_q, seqlen_k, heads_k, *_band_args(call)[0], call.softmax_scale,
+            seqlen_q, seqlen_k, heads_k, *band, call.softmax_scale,
         ),
         dict(
-            **_bwd_common(call), ACCUMULATE=call.add_dkdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            **common, ACCUMULATE=call.add_dkdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ),
     )  # fmt: skip
@@ -168,6 +170,7 @@ def dq_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
     final_dq, *final_strides, final_lo, final_hi = _final_args(call.dq_final, dq)
+    band, common = _bwd_common(call)
     return KernelLaunch(
         "portable.dq",
         _attn_bwd_dq_kernel,
@@ -175,10 +178,10 @@ def dq_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
         (
             q, k, v, dout, call.lse, call.delta, dq, *_doc_args(call), final_dq,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), *final_strides,
-            seqlen_q, seqlen_k, heads_q, *_band_args(call)[0], call.softmax_scale, final_lo, final_hi,
+            seqlen_q, seqlen_k, heads_q, *band, call.softmax_scale, final_lo, final_hi,
         ),
         dict(
-            **_bwd_common(call), ACCUMULATE=call.add_dq, HAS_FINAL_ROWS=call.dq_final is not None,
+            **common, ACCUMULATE=call.add_dq, HAS_FINAL_ROWS=call.dq_final is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ),
     )  # fmt: skip

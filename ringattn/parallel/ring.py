@@ -24,7 +24,7 @@ import torch
 from ..ops import AttnOps, FinalRows
 from .comm import RingComm
 from .documents import ShardDocuments
-from .schedule import BlockMode, block_tasks, kv_source_rank
+from .schedule import BlockMode, block_tasks, kv_source_rank, last_computing_step
 
 
 def state_dtype(q: torch.Tensor) -> torch.dtype:
@@ -55,24 +55,6 @@ def _computed_tasks(
             yield task, kwargs
         elif docs.meet(rank, task.q_rows, kv_rank, task.kv_rows):
             yield task, dict(kwargs, q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
-
-
-def last_computing_step(
-    layout: str,
-    world_size: int,
-    causal: bool,
-    seqlen_local: int,
-    docs: ShardDocuments | None = None,
-    window: tuple[int | None, int | None] = (None, None),
-) -> int:
-    """The last ring step at which any rank computes a task (the same on every rank): the forward stops there, and
-    no K/V travels further. W - 1 but for sliding windows shorter than the ring."""
-    return max(
-        (step for rank in range(world_size) for step in range(world_size)
-         if any(True for _ in _computed_tasks(layout, rank, kv_source_rank(rank, step, world_size), world_size,
-                                              causal, seqlen_local, docs, window))),
-        default=0,
-    )  # fmt: skip
 
 
 def finishing_plan(
@@ -398,7 +380,7 @@ def ring_attn_forward(
         docs: packed documents (B = 1): attention stays inside each document.
         window: a sliding window (left, right) over global positions, None for no limit ("contiguous" only):
             blocks outside every query's window are skipped, and the ring stops after the last step any rank
-            computes (last_computing_step), no K/V travelling further.
+            computes (schedule.last_computing_step), no K/V travelling further.
     Returns:
         out (B, S_local, Hq, D) in q's dtype (each row rounded from the fp32 state by the step that finishes it;
         with W = 1 one fused call) and lse (B, Hq, S_local) fp32 (float64 for float64 inputs).
@@ -409,7 +391,7 @@ def ring_attn_forward(
         task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs, window)
         return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
     plan = finishing_plan(layout, comm.rank, comm.world_size, causal, q.shape[1], docs, window)
-    steps = last_computing_step(layout, comm.world_size, causal, q.shape[1], docs, window) + 1
+    steps = last_computing_step(layout, comm.world_size, causal, q.shape[1], window) + 1
     finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # out, each row written once, rounded
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(steps):

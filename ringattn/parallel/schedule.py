@@ -6,6 +6,7 @@ No communication; unit-tested directly.
 from enum import Enum
 from typing import NamedTuple
 
+from ..ops.calls import causal_window
 from .layout import check_layout, check_local_seqlen, check_rank
 
 
@@ -40,9 +41,7 @@ def _band_task(
     p - left <= p' <= p + right. In local rows, with d = (rank - kv_rank) * S_local, local query i sees local key
     j when d - left <= j - i <= d + right; a side that every pair of the block satisfies is dropped, and a block
     no pair of which is visible is skipped."""
-    left, right = window
-    if causal:
-        right = 0 if right is None else min(right, 0)
+    left, right = causal_window(causal, window)
     d = (rank - kv_rank) * seqlen_local
     lo = None if left is None else d - left
     hi = None if right is None else d + right
@@ -107,3 +106,23 @@ def block_tasks(
     if kv_rank < rank:
         return [BlockTask(whole, range(0, chunk), BlockMode.FULL)]
     return [BlockTask(range(chunk, seqlen_local), whole, BlockMode.FULL)]
+
+
+def last_computing_step(
+    layout: str, world_size: int, causal: bool, seqlen_local: int, window: tuple[int | None, int | None] = (None, None)
+) -> int:
+    """The last ring step at which any rank has a task (block_tasks), the same on every rank: the forward stops
+    there, and no K/V travels further. W - 1 but for sliding windows shorter than the ring.
+
+    At step t a rank r >= t holds the block t shards before its own, a rank r < t the block W - t shards after it,
+    and a window's tasks depend on that distance only (_band_task); so ranks W - 1 and 0 answer for all of them.
+    """
+    if window == (None, None):
+        return world_size - 1
+    last = world_size - 1
+    return max(
+        (t for t in range(world_size)
+         if block_tasks(layout, last, last - t, world_size, causal, seqlen_local, window)
+         or (t > 0 and block_tasks(layout, 0, world_size - t, world_size, causal, seqlen_local, window))),
+        default=0,
+    )  # fmt: skip

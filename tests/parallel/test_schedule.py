@@ -5,6 +5,7 @@ import torch
 
 from ringattn.ops.attn_ref import band_visible
 from ringattn.parallel import BlockMode, BlockTask, block_tasks, kv_source_rank, shard_indices
+from ringattn.parallel.schedule import last_computing_step
 
 F, C = BlockMode.FULL, BlockMode.CAUSAL
 WORLD_SIZES = [1, 2, 3, 4, 5]
@@ -173,3 +174,15 @@ def test_window_tasks_cover_the_band_exactly_once(world_size, window, causal):
 def test_window_needs_the_contiguous_layout():
     with pytest.raises(ValueError, match="a sliding window needs layout 'contiguous'"):
         block_tasks("zigzag", 0, 1, 2, True, 8, (4, 0))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", [(None, None), *WINDOWS], ids=str)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5], ids=lambda w: f"W{w}")
+def test_last_computing_step_is_the_last_step_with_a_task(world_size, window, causal):
+    """Against every rank's tasks at every step (shards of 6)."""
+    busy = [
+        step for step in range(world_size) for rank in range(world_size)
+        if block_tasks("contiguous", rank, kv_source_rank(rank, step, world_size), world_size, causal, 6, window)
+    ]  # fmt: skip
+    assert last_computing_step("contiguous", world_size, causal, 6, window) == max(busy)
