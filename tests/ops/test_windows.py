@@ -132,3 +132,17 @@ def test_positional_flash_attn_call_is_read_as_flash_attn_reads_it():
     positional = ringattn.flash_attn_func(q, k, v, 0.0, 0.3, True, (4, 0), 2.0)
     keywords = ringattn.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, window_size=(4, 0), softcap=2.0)
     assert torch.equal(positional, keywords)
+
+
+def test_keys_after_a_fully_masked_tile_keep_their_precision():
+    """Regression: a row whose first key tiles were all masked (a window's lower edge) used to leave them with a
+    running max of 0 instead of -inf, so its first visible keys' P came out of exp2 far from 1 and lost bits when
+    rounded to v's dtype (bf16 out off by one ulp on the H200). With one visible key (window (0, 0)) the softmax
+    is exactly 1: out must be v itself, bit for bit, in fp16 as in fp32. q = -3 k makes each row's one score
+    strongly negative, so that a stand-in max of 0 gave a P deep in fp16's subnormals; query tiles of 64 rows over
+    key tiles of 16 (the GPU's are 128 x 64) give most rows masked tiles before their own key."""
+    for dtype in (torch.float16, torch.float32):
+        _, k, v, _ = make_qkv(1, 97, 97, 2, 2, 32, dtype, seed=8)
+        with override_configs({"portable.fwd": LaunchConfig(64, 16, 4, 1)}):
+            out = ringattn.flash_attn_func(-3 * k, k, v, window_size=(0, 0))
+        assert torch.equal(out, v), f"{dtype}: max |out - v| {(out.float() - v.float()).abs().max():.3g}"

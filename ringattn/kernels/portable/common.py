@@ -153,13 +153,16 @@ def _online_softmax_step(acc, l_i, m_i, s, v, qk_scale, MASKED: tl.constexpr, DO
     gain nothing."""
     # the scale goes into max (exact: x -> x * scale is monotone) and into exp2's argument as one fused
     # multiply-add per score
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASKED:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked row: exp2(-inf - 0) = 0
+        # a row that has seen no key yet keeps m = -inf, and subtracts 0 instead (exp2(-inf - 0) = 0): a finite
+        # stand-in kept as its max would scale its first visible keys' P away from 1 and cost them precision when P
+        # is rounded to v's dtype
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+        m_sub = m_new
+    p = tl.math.exp2(s * qk_scale - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
