@@ -59,6 +59,7 @@ def test_softcap_with_window_matches_reference():
                             softcap=2.0)  # fmt: skip
 
 
+DTYPES_16BIT = [torch.float16, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float16]  # the interpreter: no bf16
 TILES = {  # forward, dK/dV and dQ tiles of unequal sides, so that the window's edges cross tiles every way
     "16x64": (LaunchConfig(16, 64, 4, 1), LaunchConfig(64, 16, 4, 1), LaunchConfig(16, 64, 4, 1)),
     "64x16": (LaunchConfig(64, 16, 4, 1), LaunchConfig(16, 64, 4, 1), LaunchConfig(64, 16, 4, 1)),
@@ -138,10 +139,11 @@ def test_keys_after_a_fully_masked_tile_keep_their_precision():
     """Regression: a row whose first key tiles were all masked (a window's lower edge) used to leave them with a
     running max of 0 instead of -inf, so its first visible keys' P came out of exp2 far from 1 and lost bits when
     rounded to v's dtype (bf16 out off by one ulp on the H200). With one visible key (window (0, 0)) the softmax
-    is exactly 1: out must be v itself, bit for bit, in fp16 as in fp32. q = -3 k makes each row's one score
+    is exactly 1: out must be v itself, bit for bit, in the 16-bit dtypes P is rounded to (fp32 keeps P unrounded;
+    its out is within an ulp of v either way). q = -3 k makes each row's one score
     strongly negative, so that a stand-in max of 0 gave a P deep in fp16's subnormals; query tiles of 64 rows over
     key tiles of 16 (the GPU's are 128 x 64) give most rows masked tiles before their own key."""
-    for dtype in (torch.float16, torch.float32):
+    for dtype in DTYPES_16BIT:
         _, k, v, _ = make_qkv(1, 97, 97, 2, 2, 32, dtype, seed=8)
         with override_configs({"portable.fwd": LaunchConfig(64, 16, 4, 1)}):
             out = ringattn.flash_attn_func(-3 * k, k, v, window_size=(0, 0))
