@@ -10,32 +10,53 @@ ignored); the ring functions take every argument after q, k, v (and cu_seqlens) 
 import torch
 import torch.distributed as dist
 
-from .ops import KERNEL_OPS, capped_ops, kernel_ops
+from .ops import KERNEL_OPS, add_sink_, capped_ops, kernel_ops, sink_grad
 from .ops.custom_ops import attn_bwd_op, attn_fwd_op
-from .ops.validation import check_attn_inputs, check_flash_attn_options, check_runnable_device, default_softmax_scale
+from .ops.validation import (
+    check_attn_inputs,
+    check_flash_attn_options,
+    check_runnable_device,
+    check_sink,
+    default_softmax_scale,
+)
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
 from .parallel.agreement import agreement_mode, check_agreement, ring_signature
 from .parallel.comm import p2p_timeout_s
 from .parallel.documents import check_cu_seqlens, document_ids, fingerprint, shard_documents
 
 
+def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, dtype: torch.dtype):
+    """(out, lse) with the attention sinks merged in (ops.add_sink_) and out rounded to dtype once; as they are
+    without sinks."""
+    if sink is None:
+        return out, lse
+    lse = lse.clone()
+    add_sink_(out, lse, sink)
+    return out.to(dtype), lse
+
+
 class FlashAttnFunction(torch.autograd.Function):
     """Single-device fused attention; backward recomputes P from the saved lse. Calls the launchers through
-    their custom ops (ringattn::attn_fwd, ringattn::attn_bwd), so torch.compile traces it whole."""
+    their custom ops (ringattn::attn_fwd, ringattn::attn_bwd), so torch.compile traces it whole. With sinks the
+    kernel's output stays fp32 until they are merged in; the backward runs on the merged (out, lse), which is
+    exactly the softmax over the keys and the sink, and adds the sinks' own gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window, softcap, deterministic, q_doc_ids, k_doc_ids):
-        out, lse = attn_fwd_op(q, k, v, softmax_scale, causal, *window, softcap, q_doc_ids, k_doc_ids)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, softmax_scale, causal, window, softcap, deterministic, q_doc_ids, k_doc_ids, sink):
+        out_dtype = None if sink is None else torch.promote_types(q.dtype, torch.float32)
+        out, lse = attn_fwd_op(q, k, v, softmax_scale, causal, *window, softcap, q_doc_ids, k_doc_ids, out_dtype)
+        out, lse = _with_sink(out, lse, sink, q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.options = softmax_scale, causal, deterministic, *window, softcap, q_doc_ids, k_doc_ids
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[10] else None
+        return dq, dk, dv, None, None, None, None, None, None, None, dsink
 
 
 def flash_attn_func(
@@ -52,6 +73,7 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     *,
     return_lse: bool = False,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Exact attention with a fused Triton kernel on one device (flash-attn's flash_attn_func).
 
@@ -74,9 +96,11 @@ def flash_attn_func(
             (docs/performance.md says what it costs). Other GPUs and the CPU always are.
         return_attn_probs: False (the probabilities are never formed; see return_lse).
         return_lse: also return the log-sum-exp of each row.
+        learnable_sink: (nheads,) attention sinks (gpt-oss; FlashAttention-4's learnable_sink): a logit per head
+            that joins every row's softmax denominator, exp(sink[h]), with no value; it gets its gradient.
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype; with return_lse also
-        lse (batch, nheads, seqlen_q) fp32, natural log (-inf for rows that see no key).
+        lse (batch, nheads, seqlen_q) fp32, natural log (-inf for rows that see no key; with sinks, counting them).
     Raises:
         ValueError, TypeError: bad shapes, dtypes, devices, scale, window or softcap; a causal or deterministic
             that is not a bool; dropout_p, alibi_slopes or return_attn_probs other than their no-op values.
@@ -86,8 +110,9 @@ def flash_attn_func(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
     )
     check_attn_inputs(q, k, v)
+    sink = check_sink(learnable_sink, q)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = FlashAttnFunction.apply(q, k, v, scale, causal, window, softcap, deterministic, None, None)
+    out, lse = FlashAttnFunction.apply(q, k, v, scale, causal, window, softcap, deterministic, None, None, sink)
     return (out, lse) if return_lse else out
 
 
@@ -109,6 +134,7 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     *,
     return_lse: bool = False,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Exact attention over packed variable-length sequences on one device (flash-attn's flash_attn_varlen_func).
 
@@ -123,8 +149,8 @@ def flash_attn_varlen_func(
         max_seqlen_q, max_seqlen_k: the longest sequence of each (ints; checked against the boundaries).
         causal, window_size: per sequence, as flash_attn_func's; they need cu_seqlens_q equal to cu_seqlens_k
             (each sequence's queries and keys the same tokens, as in training).
-        dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse: as
-            flash_attn_func's.
+        dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse,
+            learnable_sink: as flash_attn_func's.
     Returns:
         out (total_q, nheads, headdim) in q's dtype; with return_lse also lse (nheads, total_q) fp32.
     Raises:
@@ -137,11 +163,12 @@ def flash_attn_varlen_func(
     )
     _check_3d(q, k, v, "total_tokens")
     check_attn_inputs(q[None], k[None], v[None])
+    sink = check_sink(learnable_sink, q[None])
     same_bounds = causal or window != (None, None)
     q_doc_ids, k_doc_ids = _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, same_bounds)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
     out, lse = FlashAttnFunction.apply(q[None], k[None], v[None], scale, causal, window, softcap, deterministic,
-                                       q_doc_ids, k_doc_ids)  # fmt: skip
+                                       q_doc_ids, k_doc_ids, sink)  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
 
 
@@ -187,10 +214,12 @@ class RingAttnFunction(torch.autograd.Function):
     """Ring attention over the ranks of a process group; forward and backward each go round the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, docs, window, softcap, deterministic):
+    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, docs, window, softcap, deterministic, sink):
         ops = capped_ops(KERNEL_OPS, softcap)
-        out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout, docs, window)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout, docs, window,
+                                     keep_state=sink is not None)  # fmt: skip
+        out, lse = _with_sink(out, lse, sink, q.dtype)  # once, after the ring: the global lse is complete
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.softmax_scale, ctx.causal, ctx.group, ctx.layout, ctx.docs = softmax_scale, causal, group, layout, docs
         ctx.window, ctx.softcap, ctx.deterministic = window, softcap, deterministic
         ctx.mark_non_differentiable(lse)
@@ -198,13 +227,15 @@ class RingAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         ops = capped_ops(kernel_ops(deterministic=True) if ctx.deterministic else KERNEL_OPS, ctx.softcap)
         dq, dk, dv = ring_attn_backward(
             RingComm(ctx.group), ops, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout, ctx.docs,
             ctx.window,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        # this rank's rows' share, as for any parameter the ranks hold alike (SequenceParallel.sync_gradients)
+        dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[11] else None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsink
 
 
 def check_ring_inputs(
@@ -218,14 +249,15 @@ def check_ring_inputs(
     documents: int = 0,
     window: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
+    sink: torch.Tensor | None = None,
 ) -> float:
     """Every check of a ring call, all before the ring's first P2P op; returns the softmax scale to use.
 
     First the local checks (shapes, dtypes, devices, layout, scale, window, the group and its backend), then,
     on rings of 2 or more ranks, the cross-rank agreement check (parallel/agreement.py): one small
     all_gather on `group`, skipped per $RINGATTN_AGREEMENT, after which every rank raises the same
-    ValueError if the ranks' shapes, dtype, causal, softmax_scale, layout, window, softcap or (`documents`, the
-    fingerprint of ring_attn_varlen_func's cu_seqlens) document boundaries differ.
+    ValueError if the ranks' shapes, dtype, causal, softmax_scale, layout, window, softcap, whether they pass
+    sinks or (`documents`, the fingerprint of ring_attn_varlen_func's cu_seqlens) document boundaries differ.
 
     Raises:
         ValueError, TypeError: bad local inputs, an unknown layout, an odd local length with "zigzag",
@@ -238,6 +270,7 @@ def check_ring_inputs(
     check_attn_inputs(q, k, v)
     check_runnable_device(q)
     check_layout(layout)
+    check_sink(sink, q)
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"q, k and v must hold the same local sequence length in a ring, got q {q.shape[1]}, k/v {k.shape[1]}"
@@ -266,7 +299,7 @@ def check_ring_inputs(
     p2p_timeout_s()  # the environment's settings, checked before the first collective (the kernels' in
     agreement_mode()  # check_runnable_device)
     if dist.get_world_size(group) > 1:
-        signature = ring_signature(q, k, v, scale, causal, layout, documents, window, softcap)
+        signature = ring_signature(q, k, v, scale, causal, layout, documents, window, softcap, sink is not None)
         check_agreement(signature, group, q.device)
     return scale
 
@@ -287,6 +320,7 @@ def ring_attn_func(
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
     return_lse: bool = False,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Exact attention over one global sequence split across the ranks of `group`.
 
@@ -309,6 +343,9 @@ def ring_attn_func(
             0); layout "contiguous" only. Steps whose K/V block lies outside every local query's window run no
             kernel, and the forward's ring stops after the last step any rank needs.
         softcap: as flash_attn_func's.
+        learnable_sink: (nheads,) attention sinks, as flash_attn_func's, merged once into the global result; the
+            gradient each rank gets is its own rows' share (sum it over the ring's ranks, as SequenceParallel's
+            sync_gradients does for every parameter the ranks hold alike).
         deterministic: gradients with the same bits in every run, as in flash_attn_func (the ring's own order of
             accumulation is always fixed).
         group: the process group forming the ring (default: the world). NCCL for CUDA
@@ -331,8 +368,9 @@ def ring_attn_func(
     causal, window, softcap, deterministic = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
     )
-    scale = check_ring_inputs(q, k, v, group, layout, softmax_scale, causal, 0, window, softcap)
-    out, lse = RingAttnFunction.apply(q, k, v, scale, causal, group, layout, None, window, softcap, deterministic)
+    scale = check_ring_inputs(q, k, v, group, layout, softmax_scale, causal, 0, window, softcap, learnable_sink)
+    out, lse = RingAttnFunction.apply(q, k, v, scale, causal, group, layout, None, window, softcap, deterministic,
+                                      learnable_sink)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -353,6 +391,7 @@ def ring_attn_varlen_func(
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
     return_lse: bool = False,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Exact attention over one packed sequence of documents split across the ranks of `group`.
 
@@ -369,8 +408,8 @@ def ring_attn_varlen_func(
             builds it from packed position ids; ringattn.pad_cu_seqlens pads the total length.
         causal: causal inside each document (default True).
         window_size: a sliding window inside each document, as ring_attn_func's (layout "contiguous").
-        dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs, group: as in
-            ring_attn_func.
+        dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs, group, learnable_sink:
+            as in ring_attn_func.
         layout: as in ring_attn_func (default "zigzag").
         return_lse: also return lse (nheads, S_local) fp32.
     Returns:
@@ -388,10 +427,10 @@ def ring_attn_varlen_func(
     seqlen_local, world_size = q.shape[0], dist.get_world_size(group)
     check_cu_seqlens(cu_seqlens, seqlen_local * world_size)
     scale = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, causal, fingerprint(cu_seqlens),
-                              window, softcap)  # fmt: skip
+                              window, softcap, learnable_sink)  # fmt: skip
     docs = shard_documents(cu_seqlens, seqlen_local, world_size, layout, q.device)
     out, lse = RingAttnFunction.apply(q[None], k[None], v[None], scale, causal, group, layout, docs, window, softcap,
-                                      deterministic)  # fmt: skip
+                                      deterministic, learnable_sink)  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
 
 

@@ -24,7 +24,7 @@ from .dispatch import (
 )
 from .final_rows import FinalRows
 from .launch import KernelLaunch, LaunchConfig
-from .merge import merge_attn_states_
+from .merge import add_sink_, merge_attn_states_, sink_grad
 
 
 class AttnOps(NamedTuple):
@@ -73,6 +73,7 @@ __all__ = [
     "LaunchConfig",
     "REFERENCE_OPS",
     "Target",
+    "add_sink_",
     "attn_bwd",
     "attn_bwd_preprocess",
     "attn_bwd_preprocess_ref",
@@ -90,4 +91,5 @@ __all__ = [
     "launch_config",
     "merge_attn_states_",
     "override_configs",
+    "sink_grad",
 ]

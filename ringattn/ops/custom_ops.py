@@ -1,8 +1,8 @@
 """The launchers as torch.library custom ops with fake (meta) twins, so torch.compile can trace
 through flash_attn_func without looking inside Triton (docs/design.md, section 7).
 
-- ringattn::attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, q_doc_ids, k_doc_ids)
-  -> (out, lse)
+- ringattn::attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, q_doc_ids, k_doc_ids,
+  out_dtype) -> (out, lse)
 - ringattn::attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left, window_right,
   softcap, q_doc_ids, k_doc_ids) -> (dq, dk, dv)
 
@@ -29,17 +29,18 @@ def attn_fwd_op(
     softcap: float = 0.0,
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """attn_fwd as a custom op: out (B, Sq, Hq, D) contiguous in q's dtype, lse (B, Hq, Sq) fp32."""
-    return attn_fwd(q, k, v, softmax_scale, causal, q_doc_ids=q_doc_ids, k_doc_ids=k_doc_ids,
+    """attn_fwd as a custom op: out (B, Sq, Hq, D) contiguous in out_dtype (default q's), lse (B, Hq, Sq) fp32."""
+    return attn_fwd(q, k, v, softmax_scale, causal, out_dtype, q_doc_ids=q_doc_ids, k_doc_ids=k_doc_ids,
                     window=(window_left, window_right), softcap=softcap)  # fmt: skip
 
 
 @attn_fwd_op.register_fake
 def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0, q_doc_ids=None,
-                   k_doc_ids=None):  # fmt: skip
+                   k_doc_ids=None, out_dtype=None):  # fmt: skip
     batch, seqlen_q, heads_q, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
     return out, lse
 

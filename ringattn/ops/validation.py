@@ -173,6 +173,25 @@ def check_flash_attn_options(
     return check_flag(causal, "causal"), window, check_softcap(softcap), check_flag(deterministic, "deterministic")
 
 
+def check_sink(sink, q: torch.Tensor) -> torch.Tensor | None:
+    """learnable_sink: None, or a (Hq,) floating tensor (one logit per query head) on q's device.
+
+    Raises:
+        TypeError: not a floating tensor.
+        ValueError: another shape or device.
+    """
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor) or not sink.is_floating_point():
+        raise TypeError(f"learnable_sink must be a floating tensor or None, got {getattr(sink, 'dtype', type(sink))}")
+    if tuple(sink.shape) != (q.shape[2],):
+        raise ValueError(f"learnable_sink must have shape ({q.shape[2]},) (one logit per query head), got "
+                         f"{tuple(sink.shape)}")  # fmt: skip
+    if sink.device != q.device:
+        raise ValueError(f"learnable_sink must be on {q.device}, got {sink.device}")
+    return sink
+
+
 def check_doc_ids(
     q_doc_ids: torch.Tensor | None, k_doc_ids: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

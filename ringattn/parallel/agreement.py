@@ -52,6 +52,7 @@ class RingSignature(NamedTuple):
     window_left: int = -1  # the sliding window's sides, -1 for no limit
     window_right: int = -1
     softcap: float = 0.0
+    sinks: bool = False  # whether learnable_sink is given
 
 
 # how each field is named in errors: the argument it comes from
@@ -70,6 +71,7 @@ FIELD_LABELS = {
     "window_left": "window_size[0]",
     "window_right": "window_size[1]",
     "softcap": "softcap",
+    "sinks": "learnable_sink (given or None)",
 }
 SIGNATURE_LEN = 2 + len(RingSignature._fields)
 
@@ -84,6 +86,7 @@ def ring_signature(
     documents: int = 0,
     window: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
+    sinks: bool = False,
 ) -> RingSignature:
     """The signature of one ring call from its (already validated) local arguments; `documents` is
     parallel.documents.fingerprint(cu_seqlens) for packed documents, window the sliding window (None: no limit)."""
@@ -91,7 +94,7 @@ def ring_signature(
     batch, seqlen_local, heads_q, head_dim = q.shape
     return RingSignature(
         batch, seqlen_local, heads_q, k.shape[2], head_dim, q.dtype, bool(causal), float(softmax_scale), layout,
-        requires_grad, documents, *(-1 if side is None else side for side in window), float(softcap),
+        requires_grad, documents, *(-1 if side is None else side for side in window), float(softcap), bool(sinks),
     )  # fmt: skip
 
 
@@ -115,7 +118,7 @@ def encode_signature(sig: RingSignature) -> torch.Tensor:
     values += [sig.batch, sig.seqlen_local, sig.heads_q, sig.heads_k, sig.head_dim]
     values += [SIGNATURE_DTYPES.index(sig.dtype), int(sig.causal), _float_bits(sig.softmax_scale)]
     values += [LAYOUTS.index(sig.layout), int(sig.requires_grad), sig.documents]
-    values += [sig.window_left, sig.window_right, _float_bits(sig.softcap)]
+    values += [sig.window_left, sig.window_right, _float_bits(sig.softcap), int(sig.sinks)]
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -136,12 +139,12 @@ def decode_signature(encoded: torch.Tensor | list[int]) -> RingSignature:
     if values[1] != VERSION:
         raise ValueError(f"ring signature version {values[1]}, expected {VERSION}: ranks run different ringattn")
     batch, seqlen, heads_q, heads_k, head_dim, dtype_i, causal, scale_bits, layout_i, grad, documents = values[2:13]
-    window_left, window_right, softcap_bits = values[13:]
+    window_left, window_right, softcap_bits, sinks = values[13:]
     if not (0 <= dtype_i < len(SIGNATURE_DTYPES) and 0 <= layout_i < len(LAYOUTS)):
         raise ValueError(f"ring signature with dtype index {dtype_i} or layout index {layout_i} out of range")
     return RingSignature(
         batch, seqlen, heads_q, heads_k, head_dim, SIGNATURE_DTYPES[dtype_i], bool(causal), _bits_float(scale_bits),
-        LAYOUTS[layout_i], bool(grad), documents, window_left, window_right, _bits_float(softcap_bits),
+        LAYOUTS[layout_i], bool(grad), documents, window_left, window_right, _bits_float(softcap_bits), bool(sinks),
     )  # fmt: skip
 
 

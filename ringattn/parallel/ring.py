@@ -371,6 +371,7 @@ def ring_attn_forward(
     layout: str = "contiguous",
     docs: ShardDocuments | None = None,
     window: tuple[int | None, int | None] = (None, None),
+    keep_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's shard of global attention.
 
@@ -381,18 +382,24 @@ def ring_attn_forward(
         window: a sliding window (left, right) over global positions, None for no limit ("contiguous" only):
             blocks outside every query's window are skipped, and the ring stops after the last step any rank
             computes (schedule.last_computing_step), no K/V travelling further.
+        keep_state: return out unrounded, in state_dtype(q) (for a merge after the ring: attention sinks).
     Returns:
         out (B, S_local, Hq, D) in q's dtype (each row rounded from the fp32 state by the step that finishes it;
-        with W = 1 one fused call) and lse (B, Hq, S_local) fp32 (float64 for float64 inputs).
+        with W = 1 one fused call), or with keep_state the fp32 state, and lse (B, Hq, S_local) fp32 (float64 for
+        float64 inputs).
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
     if comm.world_size == 1:
         task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs, window)
-        return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
-    plan = finishing_plan(layout, comm.rank, comm.world_size, causal, q.shape[1], docs, window)
+        out_dtype = state_dtype(q) if keep_state else None
+        return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, out_dtype, **doc_ids)
     steps = last_computing_step(layout, comm.world_size, causal, q.shape[1], window) + 1
-    finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # out, each row written once, rounded
+    if keep_state:
+        plan, finished = [None] * steps, None
+    else:
+        plan = finishing_plan(layout, comm.rank, comm.world_size, causal, q.shape[1], docs, window)
+        finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # out, each row written once, rounded
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(steps):
         last = step == steps - 1
@@ -409,7 +416,7 @@ def ring_attn_forward(
         if not last:
             comm.wait()
             k_cur, v_cur = k_next, v_next
-    return finished, lse
+    return (out if keep_state else finished), lse
 
 
 def ring_attn_backward(
