@@ -26,13 +26,16 @@ from .parallel.documents import check_cu_seqlens, document_ids, fingerprint, sha
 
 
 def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, dtype: torch.dtype):
-    """(out, lse) with the attention sinks merged in (ops.add_sink_) and out rounded to dtype once; as they are
-    without sinks."""
+    """(out, lse, the out the backward keeps): with sinks, the fp32 state out with the sinks merged in
+    (ops.add_sink_), rounded to dtype once, and for the backward the unrounded one when the sinks need their
+    gradient (it sums P_sink * rowsum(dout * out) over every row, where out's rounding would cost it up to twice
+    plain PyTorch's error); without sinks (out, lse, out)."""
     if sink is None:
-        return out, lse
+        return out, lse, out
     lse = lse.clone()
     add_sink_(out, lse, sink)
-    return out.to(dtype), lse
+    rounded = out.to(dtype)
+    return rounded, lse, out if sink.requires_grad else rounded
 
 
 class FlashAttnFunction(torch.autograd.Function):
@@ -45,8 +48,8 @@ class FlashAttnFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, softmax_scale, causal, window, softcap, deterministic, q_doc_ids, k_doc_ids, sink):
         out_dtype = None if sink is None else torch.promote_types(q.dtype, torch.float32)
         out, lse = attn_fwd_op(q, k, v, softmax_scale, causal, *window, softcap, q_doc_ids, k_doc_ids, out_dtype)
-        out, lse = _with_sink(out, lse, sink, q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
+        out, lse, kept = _with_sink(out, lse, sink, q.dtype)
+        ctx.save_for_backward(q, k, v, kept, lse, sink)
         ctx.options = softmax_scale, causal, deterministic, *window, softcap, q_doc_ids, k_doc_ids
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -218,8 +221,8 @@ class RingAttnFunction(torch.autograd.Function):
         ops = capped_ops(KERNEL_OPS, softcap)
         out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout, docs, window,
                                      keep_state=sink is not None)  # fmt: skip
-        out, lse = _with_sink(out, lse, sink, q.dtype)  # once, after the ring: the global lse is complete
-        ctx.save_for_backward(q, k, v, out, lse, sink)
+        out, lse, kept = _with_sink(out, lse, sink, q.dtype)  # once, after the ring: the global lse is complete
+        ctx.save_for_backward(q, k, v, kept, lse, sink)
         ctx.softmax_scale, ctx.causal, ctx.group, ctx.layout, ctx.docs = softmax_scale, causal, group, layout, docs
         ctx.window, ctx.softcap, ctx.deterministic = window, softcap, deterministic
         ctx.mark_non_differentiable(lse)
