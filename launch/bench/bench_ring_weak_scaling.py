@@ -39,8 +39,9 @@ launch/ring_check.py and the test suite instead.
 
 Timing (every rank runs the same measurement with the same call counts, because each call is collective): one
 first call (compilation; its peak memory above what was allocated before it: peak_bytes, the largest over the
-ranks), one call to estimate its time (the slowest rank's), --warmup-ms of untimed calls, a barrier, then
---rep-ms of back-to-back calls (1 to 100) timed with CUDA events; ms is the slowest rank's median. Not
+ranks), one call to estimate its time (the slowest rank's; none when --warmup-ms and --rep-ms are both 0, the
+CPU's default), --warmup-ms of untimed calls, a barrier, then --rep-ms of back-to-back calls (1 to 100) timed with
+CUDA events; ms is the slowest rank's median. Not
 triton.testing.do_bench: it picks its repetition count from each rank's own estimate, and ranks making different
 numbers of ring calls would hang. fwd runs under torch.no_grad; fwd+bwd takes the gradients of q, k and v with
 torch.autograd.grad. tflops: the global FLOPs (shared/BENCHMARKING.md) / W / ms, per GPU.
@@ -196,10 +197,12 @@ def measure(fn: Callable, device: torch.device, warmup_ms: float, rep_ms: float,
     rank calls it, with the same call counts, and gets the slowest rank's ms and the largest peak; else one rank."""
     reduce = partial(max_over_ranks, device=device) if collective else float
     _, peak = run_measuring_peak(fn, device)  # the first call compiles
-    estimate = max(reduce(median_ms(fn, device, 1)), 1e-6)
-    reps = max(1, min(int(rep_ms / estimate), MAX_CALLS))
-    for _ in range(min(int(warmup_ms / estimate), MAX_CALLS)):
-        fn()
+    reps = 1
+    if warmup_ms > 0 or rep_ms > 0:  # with neither, one timed call: no estimate needed
+        estimate = max(reduce(median_ms(fn, device, 1)), 1e-6)
+        reps = max(1, min(int(rep_ms / estimate), MAX_CALLS))
+        for _ in range(min(int(warmup_ms / estimate), MAX_CALLS)):
+            fn()
     if collective:
         dist.barrier()
     ms = reduce(median_ms(fn, device, reps))

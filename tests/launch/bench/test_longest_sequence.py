@@ -128,9 +128,9 @@ def test_ranks_agree_when_one_runs_out_of_memory():
 
 
 def _launch(tmp_path: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NPROC=str(nproc), DEVICE="cpu", TIMEOUT="60", RINGATTN_TIMEOUT="30", TMPDIR=str(tmp_path))
+    env = dict(os.environ, NPROC=str(nproc), DEVICE="cpu", TIMEOUT="120", RINGATTN_TIMEOUT="30", TMPDIR=str(tmp_path))
     cmd = ["bash", "launch/torchrun.sh", "launch/bench/longest_sequence.py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="launch/torchrun.sh is a bash script for Linux")
