@@ -264,9 +264,9 @@ def check_ring_inputs(
 
     Raises:
         ValueError, TypeError: bad local inputs, an unknown layout, an odd local length with "zigzag",
-            a window with "zigzag", a group that is not a ProcessGroup or does not contain this rank, a device the
-            backend cannot carry, a bad $RINGATTN_P2P_TIMEOUT_S, $RINGATTN_AGREEMENT or $RINGATTN_KERNELS; ranks
-            that disagree (the same message on every rank).
+            a group that is not a ProcessGroup or does not contain this rank, a device the backend cannot carry,
+            a bad $RINGATTN_P2P_TIMEOUT_S, $RINGATTN_AGREEMENT or $RINGATTN_KERNELS; ranks that disagree (the same
+            message on every rank).
         RuntimeError: torch.distributed is not initialised; a device the kernels cannot run on;
             a rank that does not arrive for the agreement check within the P2P timeout (gloo).
     """
@@ -279,11 +279,6 @@ def check_ring_inputs(
             f"q, k and v must hold the same local sequence length in a ring, got q {q.shape[1]}, k/v {k.shape[1]}"
         )
     check_local_seqlen(q.shape[1], layout, name="q.shape[1]")
-    if window != (None, None) and layout != "contiguous":
-        raise ValueError(
-            f"window_size needs layout='contiguous', got layout={layout!r}: with a window each rank's queries see "
-            "about as many keys in the contiguous layout, which zigzag exists to balance"
-        )
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
@@ -343,8 +338,10 @@ def ring_attn_func(
         softmax_scale: defaults to 1 / sqrt(headdim).
         causal: causal over global positions.
         window_size: (left, right) sliding window over global positions, -1 for no limit (with causal, right is
-            0); layout "contiguous" only. Steps whose K/V block lies outside every local query's window run no
-            kernel, and the forward's ring stops after the last step any rank needs.
+            0). Steps whose K/V block lies outside every local query's window run no kernel, and with layout
+            "contiguous" the forward's ring stops after the last step any rank needs (a window costs what the
+            window costs); "zigzag" computes the same but goes the whole ring, each rank's second chunk needing
+            its successor's block.
         softcap: as flash_attn_func's.
         learnable_sink: (nheads,) attention sinks, as flash_attn_func's, merged once into the global result; the
             gradient each rank gets is its own rows' share (sum it over the ring's ranks, as SequenceParallel's

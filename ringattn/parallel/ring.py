@@ -119,7 +119,7 @@ def _task_final_rows(
     return FinalRows(_rows(finished, q_rows), range(rows.start - q_rows.start, rows.stop - q_rows.start))
 
 
-def _own_block_task(
+def _own_block_tasks(
     layout: str,
     rank: int,
     world_size: int,
@@ -127,16 +127,43 @@ def _own_block_task(
     seqlen_local: int,
     docs: ShardDocuments | None,
     window: tuple[int | None, int | None] = (None, None),
-):
-    """The one task of step 0, where a rank holds its own block, with its document ids: every layout computes
-    that block whole (block_tasks with kv_rank == rank; with W = 1 it is the whole sequence), and every row
-    shares its own document. So the task covers every row of the shard, and its results can be stored
-    into uninitialised state rather than merged or added into an identity."""
+) -> tuple[list, bool]:
+    """The tasks of step 0, where a rank holds its own block, with their kernel arguments (_computed_tasks), and
+    whether they are one task over the whole block. Every layout computes that block whole (with W = 1 it is the
+    whole sequence), and every row shares its own document, so one task covers every row of the shard and its
+    results can be stored into uninitialised state rather than merged or added into an identity; only a window
+    over a zigzag shard splits it (block_tasks)."""
     tasks = list(_computed_tasks(layout, rank, rank, world_size, causal, seqlen_local, docs, window))
     whole = range(0, seqlen_local)
-    if len(tasks) != 1 or tasks[0][0].q_rows != whole or tasks[0][0].kv_rows != whole:
-        raise RuntimeError(f"step 0 must compute rank {rank}'s own block whole, the schedule gave {tasks}")
-    return tasks[0]
+    return tasks, len(tasks) == 1 and tasks[0][0].q_rows == whole and tasks[0][0].kv_rows == whole
+
+
+def _merge_tasks_(
+    ops: AttnOps,
+    tasks: list,
+    softmax_scale: float,
+    q: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    finished: torch.Tensor | None,
+    finishing: list[range] | None,
+) -> None:
+    """Merge each task's attention (q's rows against the block's rows) into (out, lse) in place, in order."""
+    for i, (task, kwargs) in enumerate(tasks):
+        qs, kvs = task.q_rows, task.kv_rows
+        ops.fwd_merge_(
+            _rows(q, qs),
+            _rows(k_blk, kvs),
+            _rows(v_blk, kvs),
+            softmax_scale,
+            task.mode is BlockMode.CAUSAL,
+            _rows(out, qs),  # views: the kernel merges into the running state in place
+            _rows(lse, qs, 2),
+            **kwargs,
+            final=_task_final_rows(finished, finishing, i, len(tasks), qs),
+        )
 
 
 def own_block_forward(
@@ -164,11 +191,18 @@ def own_block_forward(
     Returns:
         out (B, S_local, Hq, D) and lse (B, Hq, S_local) in state_dtype(q), for forward_step to merge into: the
         same bits as merging the block into the merge's identity (out 0, lse -inf), without filling that
-        identity and reading it back. Rows written to final are unspecified in out.
+        identity and reading it back (but where a window splits a zigzag block: then merged into it). Rows
+        written to final are unspecified in out.
     """
-    task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs, window)
-    return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, state_dtype(q), **doc_ids,
-                   final=_task_final_rows(finished, finishing, 0, 1, task.q_rows))  # fmt: skip
+    tasks, whole = _own_block_tasks(layout, rank, world_size, causal, q.shape[1], docs, window)
+    if whole:
+        task, kwargs = tasks[0]
+        return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, state_dtype(q), **kwargs,
+                       final=_task_final_rows(finished, finishing, 0, 1, task.q_rows))  # fmt: skip
+    out = torch.zeros(q.shape, dtype=state_dtype(q), device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=state_dtype(q), device=q.device)
+    _merge_tasks_(ops, tasks, softmax_scale, q, k, v, out, lse, finished, finishing)
+    return out, lse
 
 
 def forward_step(
@@ -201,19 +235,7 @@ def forward_step(
         window: as in own_block_forward.
     """
     tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs, window))
-    for i, (task, doc_ids) in enumerate(tasks):
-        qs, kvs = task.q_rows, task.kv_rows
-        ops.fwd_merge_(
-            _rows(q, qs),
-            _rows(k_blk, kvs),
-            _rows(v_blk, kvs),
-            softmax_scale,
-            task.mode is BlockMode.CAUSAL,
-            _rows(out, qs),  # views: the kernel merges into the running state in place
-            _rows(lse, qs, 2),
-            **doc_ids,
-            final=_task_final_rows(finished, finishing, i, len(tasks), qs),
-        )
+    _merge_tasks_(ops, tasks, softmax_scale, q, k_blk, v_blk, out, lse, finished, finishing)
 
 
 def own_block_backward(
@@ -247,14 +269,83 @@ def own_block_backward(
     Returns:
         dq, dk, dv shaped like q, k, v, in state_dtype(q) (dq's rows written to dq_finished unspecified).
     """
-    task, doc_ids = _own_block_task(layout, rank, world_size, causal, q.shape[1], docs, window)
+    tasks, whole = _own_block_tasks(layout, rank, world_size, causal, q.shape[1], docs, window)
     dtype = state_dtype(q)
+    if not whole:  # a window over a zigzag shard: the tasks add into zeroed buffers
+        dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+        _backward_tasks_(ops, tasks, softmax_scale, dout, q, k, v, out, lse, delta, dq, dk, dv, True, dq_finished,
+                         finishing)  # fmt: skip
+        return dq, dk, dv
+    task, kwargs = tasks[0]
     dq, dk, dv = (torch.empty(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
     return ops.bwd(
         dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, delta=delta,
-        dq_acc=dq, dk_acc=dk, dv_acc=dv, **doc_ids, add_dq=False, add_dkdv=False,
+        dq_acc=dq, dk_acc=dk, dv_acc=dv, **kwargs, add_dq=False, add_dkdv=False,
         dq_final=_task_final_rows(dq_finished, finishing, 0, 1, task.q_rows),
     )  # fmt: skip
+
+
+def _backward_tasks_(
+    ops: AttnOps,
+    tasks: list,
+    softmax_scale: float,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    dk_acc: torch.Tensor,
+    dv_acc: torch.Tensor,
+    add_dkdv: bool,
+    dq_finished: torch.Tensor | None,
+    finishing: list[range] | None,
+) -> list[range]:
+    """Each task's gradients, in order, added into dq and (add_dkdv) dk_acc, dv_acc; with add_dkdv False the
+    first task to reach a K/V row stores its dK, dV there and later ones add. Returns the K/V rows written, as
+    disjoint ranges in increasing order."""
+    written: list[range] = []
+    for i, (task, kwargs) in enumerate(tasks):
+        qs, kvs = task.q_rows, task.kv_rows
+        add = add_dkdv
+        if not add_dkdv:
+            fresh = _uncovered(kvs, written)
+            if len(fresh) != len(kvs):  # partly written already: zero the rest, then add
+                _rows(dk_acc, fresh).zero_()
+                _rows(dv_acc, fresh).zero_()
+                add = True
+        written.append(kvs)
+        ops.bwd(
+            _rows(dout, qs),
+            _rows(q, qs),
+            _rows(k_blk, kvs),
+            _rows(v_blk, kvs),
+            _rows(out, qs),
+            _rows(lse, qs, 2),
+            softmax_scale,
+            task.mode is BlockMode.CAUSAL,
+            delta=_rows(delta, qs, 2),
+            dq_acc=_rows(dq, qs),
+            dk_acc=_rows(dk_acc, kvs),
+            dv_acc=_rows(dv_acc, kvs),
+            **kwargs,
+            add_dkdv=add,
+            dq_final=_task_final_rows(dq_finished, finishing, i, len(tasks), qs),
+        )
+    return _union(written)
+
+
+def _union(ranges: list[range]) -> list[range]:
+    """The rows of `ranges` as disjoint, non-adjacent ranges in increasing order."""
+    merged: list[range] = []
+    for r in sorted((r for r in ranges if len(r)), key=lambda r: r.start):
+        if merged and r.start <= merged[-1].stop:
+            merged[-1] = range(merged[-1].start, max(merged[-1].stop, r.stop))
+        else:
+            merged.append(r)
+    return merged
 
 
 def backward_step(
@@ -289,38 +380,16 @@ def backward_step(
         k_blk, v_blk, dk_acc, dv_acc: (B, S_local, Hkv, D).
         docs: packed documents, as in forward_step.
         add_dkdv: False stores the block's dK, dV into the rows of dk_acc, dv_acc it computes instead of adding
-            (for a step of at most one task, which block_tasks gives whenever kv_rank != rank).
+            (_backward_tasks_).
         dq_finished, finishing: where the dq rows this step finishes go, rounded, instead of into dq (as
             forward_step's).
         window: as in own_block_forward.
     Returns:
-        the K/V rows whose dK, dV were added or stored, one range per computed task.
+        the K/V rows whose dK, dV were added or stored, as disjoint ranges.
     """
     tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs, window))
-    if not add_dkdv and len(tasks) > 1:  # a second stored share would overwrite the first's rows
-        raise RuntimeError(f"add_dkdv=False needs at most one task; rank {rank}, kv_rank {kv_rank} has {len(tasks)}")
-    rows = []
-    for i, (task, doc_ids) in enumerate(tasks):
-        qs, kvs = task.q_rows, task.kv_rows
-        rows.append(kvs)
-        ops.bwd(
-            _rows(dout, qs),
-            _rows(q, qs),
-            _rows(k_blk, kvs),
-            _rows(v_blk, kvs),
-            _rows(out, qs),
-            _rows(lse, qs, 2),
-            softmax_scale,
-            task.mode is BlockMode.CAUSAL,
-            delta=_rows(delta, qs, 2),
-            dq_acc=_rows(dq, qs),
-            dk_acc=_rows(dk_acc, kvs),
-            dv_acc=_rows(dv_acc, kvs),
-            **doc_ids,
-            add_dkdv=add_dkdv,
-            dq_final=_task_final_rows(dq_finished, finishing, i, len(tasks), qs),
-        )
-    return rows
+    return _backward_tasks_(ops, tasks, softmax_scale, dout, q, k_blk, v_blk, out, lse, delta, dq, dk_acc, dv_acc,
+                            add_dkdv, dq_finished, finishing)  # fmt: skip
 
 
 def add_share_(
@@ -379,9 +448,9 @@ def ring_attn_forward(
         q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards in `layout`
             ("contiguous" or "zigzag"; S_local even for "zigzag").
         docs: packed documents (B = 1): attention stays inside each document.
-        window: a sliding window (left, right) over global positions, None for no limit ("contiguous" only):
-            blocks outside every query's window are skipped, and the ring stops after the last step any rank
-            computes (schedule.last_computing_step), no K/V travelling further.
+        window: a sliding window (left, right) over global positions, None for no limit: blocks outside every
+            query's window are skipped, and the ring stops after the last step any rank computes
+            (schedule.last_computing_step), no K/V travelling further.
         keep_state: return out unrounded, in state_dtype(q) (for a merge after the ring: attention sinks).
     Returns:
         out (B, S_local, Hq, D) in q's dtype (each row rounded from the fp32 state by the step that finishes it;
@@ -391,9 +460,9 @@ def ring_attn_forward(
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
     if comm.world_size == 1:
-        task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs, window)
+        ((task, kwargs),), _ = _own_block_tasks(layout, 0, 1, causal, q.shape[1], docs, window)
         out_dtype = state_dtype(q) if keep_state else None
-        return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, out_dtype, **doc_ids)
+        return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, out_dtype, **kwargs)
     steps = last_computing_step(layout, comm.world_size, causal, q.shape[1], window) + 1
     if keep_state:
         plan, finished = [None] * steps, None
@@ -450,8 +519,8 @@ def ring_attn_backward(
     """
     world_size = comm.world_size
     if world_size == 1:
-        task, doc_ids = _own_block_task(layout, 0, 1, causal, q.shape[1], docs, window)
-        return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **doc_ids)
+        ((task, kwargs),), _ = _own_block_tasks(layout, 0, 1, causal, q.shape[1], docs, window)
+        return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **kwargs)
     delta = ops.bwd_preprocess(out, dout)
     plan = finishing_plan(layout, comm.rank, world_size, causal, q.shape[1], docs, window)
     dq_finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # each row written once, rounded

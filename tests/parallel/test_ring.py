@@ -160,23 +160,28 @@ def test_ring_without_process_group_raises():
         ringattn.ring_attn_func(q, q, q)
 
 
-def test_stored_share_refuses_a_step_of_two_tasks(monkeypatch):
-    """backward_step(add_dkdv=False) stores a share, so a schedule that gave one step two tasks would lose the
-    first's rows: it raises instead (block_tasks gives at most one task whenever kv_rank != rank)."""
+@pytest.mark.parametrize("overlap", ["same", "partial"])
+def test_stored_share_of_tasks_sharing_key_rows_adds_the_later_ones(monkeypatch, overlap):
+    """backward_step(add_dkdv=False) stores a share into a buffer that holds garbage: the first task reaching a
+    K/V row stores there, later ones add (zeroing rows of theirs no task stored yet), so the share is what
+    adding every task into zeros gives (tasks sharing key rows: a zigzag block under a window)."""
     from ringattn.parallel import ring
     from ringattn.parallel.schedule import BlockMode, BlockTask
 
     half, whole = range(0, 4), range(0, 8)
-    two = [BlockTask(half, whole, BlockMode.FULL), BlockTask(range(4, 8), whole, BlockMode.FULL)]
+    first_kv = whole if overlap == "same" else half
+    two = [BlockTask(half, first_kv, BlockMode.FULL), BlockTask(range(4, 8), whole, BlockMode.FULL)]
     monkeypatch.setattr(ring, "block_tasks", lambda *args: two)
     q, k, v, dout = make_qkv(1, 8, 8, 2, 2, 16, torch.float32, seed=1)
     out, lse = REFERENCE_OPS.fwd(q, k, v, 0.25, False)
     delta = REFERENCE_OPS.bwd_preprocess(out, dout)
-    grads = [torch.zeros(t.shape, device=t.device) for t in (q, k, v)]
-    step = (REFERENCE_OPS, "contiguous", 1, 0, 2, False, 0.25, dout, q, k, v, out, lse, delta, *grads)
-    with pytest.raises(RuntimeError, match="add_dkdv=False needs at most one task; rank 1, kv_rank 0 has 2"):
-        ring.backward_step(*step, add_dkdv=False)
-    assert ring.backward_step(*step) == [whole, whole]  # adding two shares is fine
+    added = [torch.zeros(t.shape) for t in (q, k, v)]
+    stored = [added[0].clone(), *(torch.full(t.shape, torch.nan) for t in (k, v))]
+    step = (REFERENCE_OPS, "contiguous", 1, 0, 2, False, 0.25, dout, q, k, v, out, lse, delta)
+    assert ring.backward_step(*step, *stored, add_dkdv=False) == [whole]
+    assert ring.backward_step(*step, *added) == [whole]
+    for name, got, want in zip(("dq", "dk", "dv"), stored, added, strict=True):
+        assert torch.equal(got, want), name
 
 
 @pytest.mark.parametrize("ops_name", ["kernel", "reference"])
@@ -204,16 +209,27 @@ def test_own_block_step_stores_what_merging_into_the_identity_gives(layout, caus
         assert s_.dtype == torch.float32 and torch.equal(s_, a_)
 
 
-def test_own_block_step_refuses_a_partial_block(monkeypatch):
-    """Step 0 stores into uninitialised state, so a schedule that computed only part of a rank's own block would
-    leave rows unwritten: it raises instead (block_tasks gives the whole block whenever kv_rank == rank)."""
+def test_own_block_step_of_part_of_the_block_merges_into_the_identity(monkeypatch):
+    """A step 0 that is not one task over the whole block (a zigzag block under a window) starts from the merge's
+    identity and zeroed gradients: rows no task computes stay out 0, lse -inf, and add nothing to dK, dV."""
     from ringattn.parallel import ring
     from ringattn.parallel.schedule import BlockMode, BlockTask
 
     monkeypatch.setattr(ring, "block_tasks", lambda *args: [BlockTask(range(0, 4), range(0, 8), BlockMode.FULL)])
-    q, k, v, _ = make_qkv(1, 8, 8, 2, 2, 16, torch.float32, seed=1)
-    with pytest.raises(RuntimeError, match="step 0 must compute rank 1's own block whole"):
-        ring.own_block_forward(REFERENCE_OPS, "contiguous", 1, 2, False, 0.25, q, k, v)
+    q, k, v, dout = make_qkv(1, 8, 8, 2, 2, 16, torch.float32, seed=1)
+    out, lse = ring.own_block_forward(REFERENCE_OPS, "contiguous", 1, 2, False, 0.25, q, k, v)
+    top_out, top_lse = REFERENCE_OPS.fwd(q[:, :4], k, v, 0.25, False)
+    torch.testing.assert_close(out[:, :4], top_out, rtol=1e-6, atol=0)
+    torch.testing.assert_close(lse[:, :, :4], top_lse, rtol=1e-6, atol=0)
+    assert torch.equal(out[:, 4:], torch.zeros_like(out[:, 4:])) and bool((lse[:, :, 4:] == -torch.inf).all())
+    delta = REFERENCE_OPS.bwd_preprocess(out, dout)
+    dq, dk, dv = ring.own_block_backward(REFERENCE_OPS, "contiguous", 1, 2, False, 0.25, dout, q, k, v, out, lse,
+                                         delta)  # fmt: skip
+    want = REFERENCE_OPS.bwd(dout[:, :4], q[:, :4], k, v, top_out, top_lse, 0.25, False)
+    torch.testing.assert_close(dq[:, :4], want[0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(dq[:, 4:], torch.zeros_like(dq[:, 4:]))
+    torch.testing.assert_close(dk, want[1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dv, want[2], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("rows", [[], [range(0, 8)], [range(2, 5)]], ids=["none", "whole", "part"])
@@ -275,14 +291,14 @@ def test_finishing_rows_that_are_not_one_range_raise():
         _uncovered(range(0, 10), [range(3, 5)])
 
 
-def _ring_window_matches_reference(rank, world_size, seqlen_local, window_size, causal, softcap):
+def _ring_window_matches_reference(rank, world_size, seqlen_local, window_size, causal, softcap, layout):
     seqlen = seqlen_local * world_size
-    idx = shard_indices(seqlen, rank, world_size, "contiguous")
+    idx = shard_indices(seqlen, rank, world_size, layout)
     q, k, v, dout = make_qkv(1, seqlen, seqlen, 2, 1, 32, torch.float32, device="cpu", seed=seqlen)
     q = q * 2  # scores of a few units, so that soft-capping bends them
     q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
     out, lse = ringattn.ring_attn_func(q_l, k_l, v_l, causal=causal, window_size=window_size, softcap=softcap,
-                                       return_lse=True)  # fmt: skip
+                                       layout=layout, return_lse=True)  # fmt: skip
     out.backward(dout[:, idx])
     window = tuple(None if side == -1 else side for side in window_size)
     options = dict(window=window, softcap=softcap)
@@ -295,31 +311,26 @@ def _ring_window_matches_reference(rank, world_size, seqlen_local, window_size, 
         check_close(f"rank {rank} {name}", ours[i], pt[i][sel], ref[i][sel], None if i < 2 else grad_scale)
 
 
-RING_WINDOWS = {  # (world size, window_size, causal, softcap), S_local = 21
-    "W2-w0-0": (2, (0, 0), False, 0.0),
-    "W3-w5-causal": (3, (5, -1), True, 0.0),
-    "W3-w30-causal": (3, (30, -1), True, 0.0),
-    "W4-w8-3": (4, (8, 3), False, 0.0),
-    "W3-w-1-25": (3, (-1, 25), False, 0.0),
-    "W3-softcap-causal": (3, (-1, -1), True, 3.0),
-    "W2-w6-softcap": (2, (6, 6), False, 1.5),
+RING_WINDOWS = {  # (world size, window_size, causal, softcap, layout); S_local = 22: zigzag chunks of 11
+    "W2-w0-0": (2, (0, 0), False, 0.0, "contiguous"),
+    "W3-w5-causal": (3, (5, -1), True, 0.0, "contiguous"),
+    "W3-w30-causal": (3, (30, -1), True, 0.0, "contiguous"),
+    "W4-w8-3": (4, (8, 3), False, 0.0, "contiguous"),
+    "W3-w-1-25": (3, (-1, 25), False, 0.0, "contiguous"),
+    "W3-softcap-causal": (3, (-1, -1), True, 3.0, "contiguous"),
+    "W2-w6-softcap": (2, (6, 6), False, 1.5, "contiguous"),
+    "zigzag-W3-w5-causal": (3, (5, -1), True, 0.0, "zigzag"),
+    "zigzag-W3-w30-causal": (3, (30, -1), True, 0.0, "zigzag"),
+    "zigzag-W4-w8-3-softcap": (4, (8, 3), False, 2.0, "zigzag"),
+    "zigzag-W3-w-1-2": (3, (-1, 2), False, 0.0, "zigzag"),  # a backward step's tasks overlap in K/V rows
 }
 
 
 @pytest.mark.parametrize("case", list(RING_WINDOWS))
 def test_ring_window_and_softcap_match_single_device_reference(case):
-    """Windows shorter than a shard, crossing one or two shard boundaries, one-sided and two-sided, causal and
-    not, and soft-capping: the ring skips the blocks outside every window and stops its forward early."""
-    world_size, window_size, causal, softcap = RING_WINDOWS[case]
-    run_ranks(_ring_window_matches_reference, world_size, 21, window_size, causal, softcap)
-
-
-def _zigzag_window_raises(rank, world_size):
-    q = torch.zeros(1, 8, 2, 16)
-    with pytest.raises(ValueError, match="window_size needs layout='contiguous'"):
-        ringattn.ring_attn_func(q, q, q, causal=True, window_size=(4, 0), layout="zigzag")
-    return True
-
-
-def test_ring_window_refuses_the_zigzag_layout_on_every_rank():
-    assert run_ranks(_zigzag_window_raises, 2) == [True, True]
+    """Windows shorter than a shard (zigzag: than a chunk, so a rank's own block splits into a band per chunk),
+    crossing one or two shard boundaries and the gap between a zigzag rank's chunks, one-sided and two-sided,
+    causal and not, and soft-capping: the ring skips the blocks outside every window (contiguous: and stops its
+    forward early)."""
+    world_size, window_size, causal, softcap, layout = RING_WINDOWS[case]
+    run_ranks(_ring_window_matches_reference, world_size, 22, window_size, causal, softcap, layout)

@@ -143,46 +143,55 @@ WINDOWS = [(0, 0), (1, None), (5, 2), (None, 3), (7, None), (13, 13), (100, 100)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"W{w}")
-def test_window_tasks_cover_the_band_exactly_once(world_size, window, causal):
-    """A sliding window over global positions (contiguous layout, S_local = 6): mapping every task's local mask to
-    global positions, the tasks of all ranks and steps cover the global band (cut by causal) once and nothing
-    else; windows shorter, as long as and longer than a shard, one-sided ones."""
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_window_tasks_cover_the_band_exactly_once(layout, world_size, window, causal):
+    """A sliding window over global positions (S_local = 6: zigzag chunks of 3): mapping every task's local mask
+    (bottom-right aligned, as the kernels apply it) to global positions, the tasks of all ranks and steps cover
+    the global band (cut by causal) once and nothing else; windows shorter, as long as and longer than a chunk
+    and a shard, one-sided ones."""
     seqlen_local = 6
     seqlen = seqlen_local * world_size
     count = torch.zeros(seqlen, seqlen, dtype=torch.int64)
     for rank in range(world_size):
+        q_pos = shard_indices(seqlen, rank, world_size, layout)
         for step in range(world_size):
             kv_rank = kv_source_rank(rank, step, world_size)
-            for task in block_tasks("contiguous", rank, kv_rank, world_size, causal, seqlen_local, window):
-                visible = band_visible(task.mode is C, task.window, seqlen_local, seqlen_local, torch.device("cpu"))
-                local = torch.ones(seqlen_local, seqlen_local, dtype=torch.int64)
-                if visible is not None:
-                    local = visible.to(torch.int64)
-                rows = slice(rank * seqlen_local, (rank + 1) * seqlen_local)
-                cols = slice(kv_rank * seqlen_local, (kv_rank + 1) * seqlen_local)
-                count[rows, cols] += local
+            kv_pos = shard_indices(seqlen, kv_rank, world_size, layout)
+            for task in block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local, window):
+                sq, sk = len(task.q_rows), len(task.kv_rows)
+                visible = band_visible(task.mode is C, task.window, sq, sk, torch.device("cpu"))
+                local = torch.ones(sq, sk, dtype=torch.int64) if visible is None else visible.to(torch.int64)
+                rows, cols = q_pos[task.q_rows.start : task.q_rows.stop], kv_pos[task.kv_rows.start : task.kv_rows.stop]
+                count[rows[:, None], cols[None, :]] += local
     left, right = window
     expected = band_visible(causal, window, seqlen, seqlen, torch.device("cpu"))
     assert torch.equal(count, torch.ones_like(count) if expected is None else expected.to(torch.int64))
-    if left is not None and right is not None and max(left, right) < seqlen_local:  # only the neighbours' blocks
-        assert all(
+    if layout == "contiguous" and left is not None and right is not None and max(left, right) < seqlen_local:
+        assert all(  # only the neighbours' blocks
             not block_tasks("contiguous", r, kv, world_size, causal, seqlen_local, window)
             for r in range(world_size) for kv in range(world_size) if abs(r - kv) > 1
         )  # fmt: skip
 
 
-def test_window_needs_the_contiguous_layout():
-    with pytest.raises(ValueError, match="a sliding window needs layout 'contiguous'"):
-        block_tasks("zigzag", 0, 1, 2, True, 8, (4, 0))
+def test_zigzag_window_own_block_is_a_band_per_chunk():
+    """W = 4, rank 1 holds chunks c_1, c_6 (4 rows each): a window shorter than the gap between them gives each
+    chunk its band; the last rank's chunks c_3, c_4 are adjacent, so its block is one band."""
+    first, second, whole = range(0, 4), range(4, 8), range(0, 8)
+    B = BlockMode.BAND
+    assert block_tasks("zigzag", 1, 1, 4, True, 8, (2, 0)) == [
+        BlockTask(first, first, B, (2, 0)), BlockTask(second, second, B, (2, 0))
+    ]  # fmt: skip
+    assert block_tasks("zigzag", 3, 3, 4, True, 8, (2, 0)) == [BlockTask(whole, whole, B, (2, 0))]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("window", [(None, None), *WINDOWS], ids=str)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5], ids=lambda w: f"W{w}")
-def test_last_computing_step_is_the_last_step_with_a_task(world_size, window, causal):
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_last_computing_step_is_the_last_step_with_a_task(layout, world_size, window, causal):
     """Against every rank's tasks at every step (shards of 6)."""
     busy = [
         step for step in range(world_size) for rank in range(world_size)
-        if block_tasks("contiguous", rank, kv_source_rank(rank, step, world_size), world_size, causal, 6, window)
+        if block_tasks(layout, rank, kv_source_rank(rank, step, world_size), world_size, causal, 6, window)
     ]  # fmt: skip
-    assert last_computing_step("contiguous", world_size, causal, 6, window) == max(busy)
+    assert last_computing_step(layout, world_size, causal, 6, window) == max(busy)
