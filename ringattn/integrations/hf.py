@@ -28,11 +28,21 @@ sequence (ring_attn_func); anything else must be packed documents, whose boundar
 to ring_attn_varlen_func, so attention stays inside each document (RoPE already uses the in-document
 positions, as Hugging Face's packed training does).
 
-Refused with ValueError: dropout > 0, sliding-window or chunked attention, logit soft-capping, attention
-sinks, position biases, attention masks other than none/all-ones (padding, custom 4-D masks), a KV cache
-holding earlier tokens (generation), output_attentions, position_ids that are neither global positions nor
-packed documents in the registered layout (e.g. sharded in another layout), rows with different position
-ids, and packed documents in a batch of more than one row.
+What the model's attention layers pass on is computed as its eager attention computes it: the layer's
+`scaling` (Gemma's query_pre_attn_scalar), causal or not (the module's is_causal: encoders such as ModernBERT
+are not), `sliding_window` as flash-attn's window_size = (sliding_window - 1, sliding_window - 1) over global
+positions, cut by causal (transformers' own mapping: Mistral, Qwen2 with use_sliding_window, Gemma 2 and 3,
+gpt-oss, ModernBERT's local layers, each layer with its own), `softcap` (Gemma 2's attn_logit_softcapping) and
+the attention sinks `s_aux` (gpt-oss: one learned logit per head, its gradient a parameter gradient like any
+other, summed over the ranks by SequenceParallel.sync_gradients).
+
+Refused with ValueError: dropout > 0, chunked attention, position biases, attention masks other than none/all-
+ones (padding, custom 4-D masks), a KV cache holding earlier tokens (generation), output_attentions,
+position_ids that are neither global positions nor packed documents in the registered layout (e.g. sharded in
+another layout), rows with different position ids, and packed documents in a batch of more than one row.
+Models that do not hand position_ids to their attention layers (ModernBERT) take packed documents as
+transformers' cu_seq_lens_q and cu_seq_lens_k keyword arguments instead, holding the global boundaries:
+model(..., cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens).
 """
 
 import weakref
@@ -56,11 +66,7 @@ NAME = "ringattn"
 
 # keyword arguments some models pass to the attention function for features the ring does not compute
 _UNSUPPORTED_KWARGS = {
-    "sliding_window": "sliding-window attention",
     "attention_chunk_size": "chunked attention",
-    "softcap": "logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "position_bias": "position biases",
 }
 
@@ -96,11 +102,18 @@ class RingAttentionForTransformers:
         self._refuse_unsupported(module, query, key, attention_mask, dropout, kwargs)
         is_causal = kwargs.get("is_causal")
         is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        cu_seqlens = self._given_documents(kwargs)
         position_ids = kwargs.get("position_ids")
-        cu_seqlens = None if position_ids is None else self._documents(position_ids, query.shape[2])
+        if cu_seqlens is None and position_ids is not None:
+            cu_seqlens = self._documents(position_ids, query.shape[2])
         # (B, H, S, D) -> (B, S, H, D): strided views, no copy
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        ring = dict(softmax_scale=scaling, causal=bool(is_causal), group=self.group, layout=self.layout)
+        sink = kwargs.get("s_aux")
+        ring = dict(
+            softmax_scale=scaling, causal=bool(is_causal), window_size=self._window(kwargs.get("sliding_window")),
+            softcap=kwargs.get("softcap") or 0.0, learnable_sink=sink if sink is not None else kwargs.get("sinks"),
+            group=self.group, layout=self.layout,
+        )  # fmt: skip
         if cu_seqlens is None:
             return ring_attn_func(q, k, v, **ring), None
         if query.shape[0] != 1:
@@ -109,6 +122,31 @@ class RingAttentionForTransformers:
                 f"sequence) need batch size 1, got batch {query.shape[0]}; pack the samples into one row"
             )
         return ring_attn_varlen_func(q[0], k[0], v[0], cu_seqlens, **ring)[None], None
+
+    def _given_documents(self, kwargs: dict) -> torch.Tensor | None:
+        """The global document boundaries passed as transformers' cu_seq_lens_q (and cu_seq_lens_k, the same), or
+        None: for models that do not hand position_ids to their attention layers (ModernBERT)."""
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if cu_q is None and cu_k is None:
+            return None
+        if cu_q is None or cu_k is None or not torch.equal(cu_q, cu_k):
+            raise ValueError(
+                f"attn_implementation={self.name!r}: cu_seq_lens_q and cu_seq_lens_k must both be the global "
+                "document boundaries (SequenceParallel.shard_batch(...).cu_seqlens), the same tensor values"
+            )
+        return cu_q
+
+    def _window(self, sliding_window) -> tuple[int, int]:
+        """flash-attn's window_size for transformers' sliding_window (a query sees the sliding_window keys up to
+        itself, and as many after it unless causal); (-1, -1) for None."""
+        if sliding_window is None:
+            return (-1, -1)
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(
+                f"attn_implementation={self.name!r}: sliding_window must be a positive int or None, got "
+                f"{sliding_window!r}"
+            )
+        return (sliding_window - 1, sliding_window - 1)
 
     def _refuse_unsupported(self, module, query, key, attention_mask, dropout, kwargs) -> None:
         where = f"attn_implementation={self.name!r} (ring attention)"
@@ -211,8 +249,8 @@ def no_mask(*args, attention_mask: torch.Tensor | None = None, use_vmap: bool = 
     """
     if use_vmap:
         raise ValueError(
-            "ring attention computes plain causal (or full) attention: this model adds its own mask pattern "
-            "on top of it, which is not supported"
+            "ring attention computes causal (or full) attention with the layer's sliding window: this model adds "
+            "its own mask pattern on top of it, which is not supported"
         )
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(

@@ -193,18 +193,21 @@ def _refusals(model, batch, name, rank):
         model(input_ids=ids, position_ids=pos, use_cache=False)
     model.eval()  # dropout is 0 outside training: runs
     model(input_ids=ids, position_ids=pos, use_cache=False, attention_mask=torch.ones_like(ids))
-    model.model.layers[0].self_attn.sliding_window = 16
-    with pytest.raises(ValueError, match="sliding-window"):
+    model.model.layers[0].self_attn.attention_chunk_size = 16  # Llama 4's chunked attention
+    with pytest.raises(ValueError, match="chunked attention"):
         model(input_ids=ids, position_ids=pos, use_cache=False)
+    del model.model.layers[0].self_attn.attention_chunk_size
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_llama_ring_matches_eager(backend, world_size):
-    """Both layouts in one set of ranks (spawning ranks that import transformers is the slow part). In fp32 and
-    float64 on NCCL too: the plain and reference implementations are eager attention in those dtypes."""
+    """Both layouts in one set of ranks at W = 2 (spawning ranks that import transformers is the slow part), zigzag
+    at W = 4. In fp32 and float64 on NCCL too: the plain and reference implementations are eager attention in
+    those dtypes."""
     skip_without_gpus(backend, world_size)
-    ranks = run_ranks(_hf_matches_eager, world_size, backend, LAYOUTS, backend=backend, timeout=600)
+    layouts = LAYOUTS if world_size == 2 else ["zigzag"]  # the contiguous layout at W = 4: test_hf_models.py
+    ranks = run_ranks(_hf_matches_eager, world_size, backend, layouts, backend=backend, timeout=600)
     assert ranks == [True] * world_size
 
 

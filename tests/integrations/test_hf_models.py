@@ -1,0 +1,159 @@
+"""Model families whose attention layers pass sliding windows, soft-capping, sinks or no causal mask, through
+attn_implementation="ringattn" on W gloo ranks, against the same model with eager attention on the whole
+sequence in one process (the contract of test_hf.py, for each family).
+
+Tiny random models (2 layers: one sliding, one full where the family mixes them), built from a config with
+the same seed on every rank (no downloads): Mistral (one window for every layer), Qwen2 with
+use_sliding_window, Gemma 2 (attention logits soft-capped, query_pre_attn_scalar), Gemma 3, gpt-oss
+(attention sinks, mixture of experts) and ModernBERT (bidirectional, local and global layers). Windows of 7 to
+21 tokens against shards of 32 (zigzag chunks of 16): shorter and longer than a chunk, crossing rank and chunk
+boundaries. Logits, the loss and every parameter gradient summed over the ranks obey the tolerance rule (eager
+in fp32 the plain implementation, eager in float64 the reference). Packed documents (position ids restarting
+at 0; for ModernBERT, transformers' cu_seq_lens_q / cu_seq_lens_k) against the eager model on each document
+alone.
+"""
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.integrations.test_hf import DOCUMENTS, _batch, _per_document, _unsharded
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'hf')")
+
+VOCAB = 97
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=VOCAB, attention_dropout=0.0, tie_word_embeddings=False)  # fmt: skip
+LAYERS = ["sliding_attention", "full_attention"]
+
+
+def _config(family: str, seqlen: int):
+    """(model class, config) of `family` at max length seqlen."""
+    t = transformers
+    if family == "mistral":
+        return t.MistralForCausalLM, t.MistralConfig(**SMALL, head_dim=16, sliding_window=21,
+                                                     max_position_embeddings=seqlen)  # fmt: skip
+    if family == "qwen2":
+        return t.Qwen2ForCausalLM, t.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=9,
+                                                 max_window_layers=1, max_position_embeddings=seqlen)  # fmt: skip
+    if family == "gemma2":
+        return t.Gemma2ForCausalLM, t.Gemma2Config(**SMALL, head_dim=16, sliding_window=11, layer_types=LAYERS,
+                                                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                                   final_logit_softcapping=30.0,
+                                                   max_position_embeddings=seqlen)  # fmt: skip
+    if family == "gemma3":
+        return t.Gemma3ForCausalLM, t.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=13, layer_types=LAYERS,
+                                                       query_pre_attn_scalar=16,
+                                                       max_position_embeddings=seqlen)  # fmt: skip
+    if family == "gpt_oss":
+        rope = dict(rope_type="default", rope_theta=10000.0)  # not the YaRN of the released checkpoints
+        return t.GptOssForCausalLM, t.GptOssConfig(**SMALL, head_dim=16, sliding_window=7, layer_types=LAYERS,
+                                                   num_local_experts=4, num_experts_per_tok=2, rope_parameters=rope,
+                                                   experts_implementation="eager",  # grouped_mm: no float64
+                                                   max_position_embeddings=seqlen)  # fmt: skip
+    assert family == "modernbert", family
+    return t.ModernBertForMaskedLM, t.ModernBertConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+        local_attention=14, layer_types=LAYERS, attention_dropout=0.0, max_position_embeddings=seqlen,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+    )  # fmt: skip
+
+
+FAMILIES = ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss", "modernbert"]
+
+
+def _model(family: str, seed: int, seqlen: int):
+    """The family's tiny model in train mode, the same weights on every rank; queries and keys scaled up so that
+    the scores are a few units (soft-capping bends them, windows and sinks change the softmax visibly), sinks
+    drawn at that scale too."""
+    cls, config = _config(family, seqlen)
+    torch.manual_seed(seed)
+    model = cls(config).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "Wqkv.weight")):
+                p.mul_(12.0)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape))
+    return model
+
+
+def _family_matches_eager(rank, world_size, families, layouts, packed):
+    import ringattn
+    from ringattn.integrations import hf
+    from ringattn.testing import check_close
+
+    seqlen = 32 * world_size
+    input_ids, labels = _batch(seqlen, "cpu")
+    for family in families:
+        plain = _unsharded(_model(family, 0, seqlen), input_ids, labels, torch.float32)
+        ref = _unsharded(_model(family, 0, seqlen), input_ids, labels, torch.float64)
+        for layout in layouts:
+            name = hf.register(f"ringattn-{layout}", layout=layout)
+            sp = ringattn.SequenceParallel(layout=layout)
+            model = _model(family, 0, seqlen)
+            model.set_attn_implementation(name)
+            batch = sp.shard_batch(input_ids, labels)
+            pos = batch.position_ids[0]
+            out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+            loss = sp.cross_entropy(out.logits, batch.labels)
+            loss.backward()
+            sp.sync_gradients(model)
+            where = f"{family} {layout} rank {rank}"
+            check_close(f"{where} logits", out.logits, plain[0][:, pos], ref[0][:, pos])
+            check_close(f"{where} loss", loss, plain[1], ref[1])
+            for n, p in model.named_parameters():
+                check_close(f"{where} grad {n}", p.grad, plain[2][n], ref[2][n])
+        if family in packed:
+            _packed_family_matches_per_document(rank, world_size, family, layouts[0])
+    return True
+
+
+def _packed_family_matches_per_document(rank, world_size, family, layout):
+    import ringattn
+    from ringattn.integrations import hf
+    from ringattn.testing import check_close
+
+    lengths = DOCUMENTS[world_size]
+    total = sum(lengths)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(total)
+    input_ids = torch.randint(0, VOCAB, (1, total), generator=gen)
+    labels = input_ids.clone()
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    plain = _per_document(_model(family, 1, total), input_ids, labels, cu_seqlens, torch.float32)
+    ref = _per_document(_model(family, 1, total), input_ids, labels, cu_seqlens, torch.float64)
+
+    name = hf.register(f"ringattn-{layout}", layout=layout)
+    sp = ringattn.SequenceParallel(layout=layout)
+    model = _model(family, 1, total)
+    model.set_attn_implementation(name)
+    batch = sp.shard_batch(input_ids, labels, position_ids=position_ids)
+    # ModernBERT hands its attention layers no position_ids: the boundaries go as transformers' packed kwargs
+    given = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens) if family == "modernbert" else {}
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **given)
+    loss = sp.cross_entropy(out.logits, batch.labels)
+    loss.backward()
+    sp.sync_gradients(model)
+    idx = ringattn.shard_indices(batch.seqlen, rank, world_size, layout)
+    real = idx < total
+    where = f"{family} packed {layout} rank {rank}"
+    check_close(f"{where} logits", out.logits[:, real], plain[0][:, idx[real]], ref[0][:, idx[real]])
+    check_close(f"{where} loss", loss, plain[1], ref[1])
+    for n, p in model.named_parameters():
+        check_close(f"{where} grad {n}", p.grad, plain[2][n], ref[2][n])
+
+
+# W = 2: every family in both layouts, packed documents for three; W = 4: a mixed sliding / full family with
+# soft-capping in zigzag, the family with sinks in the contiguous layout (rank counts cost the most CPU time)
+CASES = {
+    "W2": (2, FAMILIES, ["zigzag", "contiguous"], ["mistral", "gpt_oss", "modernbert"]),
+    "W4-zigzag": (4, ["gemma2"], ["zigzag"], []),
+    "W4-contiguous": (4, ["gpt_oss"], ["contiguous"], ["gpt_oss"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_families_with_windows_softcap_sinks_and_encoders_match_eager(case):
+    world_size, families, layouts, packed = CASES[case]
+    assert run_ranks(_family_matches_eager, world_size, families, layouts, packed, timeout=600) == [True] * world_size
