@@ -97,16 +97,22 @@ class RingComm:
         self._label = ""
         self._timed = True
 
-    def send_recv(self, to_send: torch.Tensor, recv_buffer: torch.Tensor | None = None) -> torch.Tensor:
-        """Queue sending `to_send` to the next rank and receiving its twin from the previous one.
+    def send_recv(self, to_send: torch.Tensor, recv_buffer: torch.Tensor | None = None, shift: int = 1) -> torch.Tensor:
+        """Queue sending `to_send` to the next rank and receiving its twin from the previous one; with `shift`, to
+        the rank `shift` places on and from the one `shift` places back (-t: a block's gradient going home from
+        the rank that holds it t steps after its own).
 
         Returns the receive buffer (filled once wait() returns).
         """
         to_send = to_send.contiguous()
         if recv_buffer is None:
             recv_buffer = torch.empty_like(to_send)
-        self._ops.append(dist.P2POp(dist.isend, to_send, self.send_peer, self.group))
-        self._ops.append(dist.P2POp(dist.irecv, recv_buffer, self.recv_peer, self.group))
+        send_peer, recv_peer = self.send_peer, self.recv_peer
+        if shift != 1:
+            send_peer = dist.get_global_rank(self.group, (self.rank + shift) % self.world_size)
+            recv_peer = dist.get_global_rank(self.group, (self.rank - shift) % self.world_size)
+        self._ops.append(dist.P2POp(dist.isend, to_send, send_peer, self.group))
+        self._ops.append(dist.P2POp(dist.irecv, recv_buffer, recv_peer, self.group))
         return recv_buffer
 
     def commit(self, label: str = "") -> None:
@@ -120,7 +126,7 @@ class RingComm:
             self._reqs = dist.batch_isend_irecv(self._ops)
         except Exception as err:  # noqa: BLE001 - gloo can refuse to post at once when a peer's connection is gone
             self._ops = []
-            peers = f"sending to global rank {self.send_peer}, receiving from global rank {self.recv_peer}"
+            peers = ", ".join(sorted(set(self._peers)))
             raise RuntimeError(
                 f"{self._what()}, {peers}: failed; a peer died, raised, or is not running the same ring call. "
                 f"Backend error: {err}"

@@ -8,7 +8,8 @@ schedule.block_tasks of the layout; the loops run its tasks on views of the loca
 state (no copies).
 Backward: K/V travel the ring again together with fp32 dK/dV accumulators; each rank adds
 its contribution to the accumulators of the block in hand and passes them on, so after W
-steps (and one last hop) every rank holds the full gradient of its own K/V. dQ accumulates
+steps (and one last hop) every rank holds the full gradient of its own K/V (with a sliding window,
+after the forward's last step, and the last hop goes straight home). dQ accumulates
 locally in fp32. Step 0 stores dQ and the own block's accumulators into uninitialised buffers.
 Out and dQ are returned in the inputs' dtype: the task that finishes a row (no later step touches
 it; `finishing_plan`) writes it rounded, straight from the kernel, instead of into the fp32 state.
@@ -508,8 +509,9 @@ def ring_attn_backward(
     Args:
         dout, out: (B, S_local, Hq, D); q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D);
         lse: (B, Hq, S_local) fp32, the global normaliser from the forward.
-        layout, docs, window: what the forward ran with (the backward goes the whole ring: the dK, dV accumulators
-            travel home with their blocks; steps without tasks run no kernel).
+        layout, docs, window: what the forward ran with. K/V travel as far as the forward's (last_computing_step),
+            the dK, dV accumulators with their blocks, and from the last step straight home (one hop back over
+            the steps taken: the next rank with the whole ring); steps without tasks run no kernel.
     Returns:
         dq, dk, dv shaped like q, k, v, in the inputs' dtype: each dq row rounded from its fp32 sum by the step
         that finishes it; dk and dv rounded with their last share, before the last hop, which then carries half
@@ -523,7 +525,12 @@ def ring_attn_backward(
         return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **kwargs)
     delta = ops.bwd_preprocess(out, dout)
     plan = finishing_plan(layout, comm.rank, world_size, causal, q.shape[1], docs, window)
+    steps = last_computing_step(layout, world_size, causal, q.shape[1], window) + 1
     dq_finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # each row written once, rounded
+    if steps == 1:  # a window inside each rank's own block: nothing travels
+        dq, dk, dv = own_block_backward(ops, layout, comm.rank, world_size, causal, softmax_scale, dout, q, k, v,
+                                        out, lse, delta, docs, dq_finished, plan[0], window)  # fmt: skip
+        return dq_finished, dk.to(k.dtype), dv.to(v.dtype)
     # this rank's share of a later step's block
     share_k, share_v = (torch.empty(t.shape, dtype=state_dtype(q), device=t.device) for t in (k, v))
     k_cur, v_cur = k.contiguous(), v.contiguous()
@@ -532,7 +539,8 @@ def ring_attn_backward(
     k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
     comm.commit("backward step 0 (K/V)")
     dk_in = dv_in = None  # accumulators of the block in hand, from the ranks that held it before
-    for step in range(world_size):
+    for step in range(steps):
+        last = step == steps - 1
         if step == 0:  # dq and the accumulators of this rank's own block
             dq, dk, dv = own_block_backward(ops, layout, comm.rank, world_size, causal, softmax_scale, dout, q, k_cur,
                                             v_cur, out, lse, delta, docs, dq_finished, plan[step], window)  # fmt: skip
@@ -548,14 +556,17 @@ def ring_attn_backward(
         comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
         if step > 0:
             dk, dv = dk_in, dv_in  # received, ours now: this rank's share is added, then they are passed on
-            if step == world_size - 1:  # complete with this share: add, round now, not after the hop (half the bytes)
+            if last:  # complete with this share: add, round now, not after the hop (half the bytes)
                 dk, dv = add_share_rounded(dk, dv, share_k, share_v, rows, k.dtype)
             else:
                 add_share_(dk, dv, share_k, share_v, rows)
-        dk_in, dv_in = comm.send_recv(dk), comm.send_recv(dv)  # the last hop brings each rank its own
-        if step + 1 < world_size:
+        # on, or from the last step straight home (no later rank computes with the block: a window); the last hop
+        # brings each rank its own
+        shift = -step if last else 1
+        dk_in, dv_in = comm.send_recv(dk, shift=shift), comm.send_recv(dv, shift=shift)
+        if not last:
             k_cur, v_cur = k_next, v_next
-            if step + 2 < world_size:
+            if step + 2 < steps:
                 k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
         comm.commit(f"backward step {step + 1} (dK/dV and K/V)")
     comm.wait()

@@ -16,11 +16,13 @@ class ByteCountingComm(RingComm):
         super().__init__(group)
         self.sent_bytes = 0
         self.sent_tensors = 0
+        self.shifts = []  # per tensor sent: how many ranks on its peer is
 
-    def send_recv(self, to_send, recv_buffer=None):
+    def send_recv(self, to_send, recv_buffer=None, shift=1):
         self.sent_bytes += to_send.numel() * to_send.element_size()
         self.sent_tensors += 1
-        return super().send_recv(to_send, recv_buffer)
+        self.shifts.append(shift % self.world_size)
+        return super().send_recv(to_send, recv_buffer, shift)
 
 
 def _bytes_per_pass(rank, world_size, heads_k, dtype=torch.float32):
@@ -71,6 +73,15 @@ def _window_forward_tensors(rank, world_size, window):
     return comm.sent_tensors
 
 
+def _window_backward_sends(rank, world_size, window):
+    """The shift of each tensor the backward sends (its gradients: test_ring.py's window tests)."""
+    q, k, v, dout = make_qkv(1, 16, 16, 2, 2, 16, torch.float32, "cpu", seed=rank)
+    out, lse = ring_attn_forward(RingComm(), REFERENCE_OPS, q, k, v, 0.25, True, "contiguous", window=window)
+    comm = ByteCountingComm()
+    ring_attn_backward(comm, REFERENCE_OPS, dout, q, k, v, out, lse, 0.25, True, "contiguous", window=window)
+    return comm.shifts
+
+
 def test_window_forward_stops_after_the_last_block_any_rank_needs():
     """A causal window of 10 tokens over shards of 16: every rank needs its own block and its predecessor's
     (steps 0 and 1), so K and V make one hop instead of W - 1; of 20 tokens, two blocks back, two hops; with no
@@ -79,3 +90,15 @@ def test_window_forward_stops_after_the_last_block_any_rank_needs():
     assert run_ranks(_window_forward_tensors, world_size, (10, None)) == [2] * world_size
     assert run_ranks(_window_forward_tensors, world_size, (20, None)) == [4] * world_size
     assert run_ranks(_window_forward_tensors, world_size, (None, None)) == [2 * (world_size - 1)] * world_size
+
+
+def test_window_backward_sends_each_block_home_from_its_last_step():
+    """W = 4, shards of 16. A causal window of 10 tokens: K/V make one hop (step 0 -> 1), the dK/dV accumulators
+    one hop on (step 0 -> 1) and one straight back home (shift -1: W - 1 places on); of 20 tokens, two hops of
+    K/V, accumulators two on and one back over two (shift -2: 2 places on); of 0, a rank's own block only:
+    nothing travels. Without a window: W - 1 hops of K/V, W of the accumulators, every one to the next rank."""
+    world_size = 4
+    assert run_ranks(_window_backward_sends, world_size, (10, None)) == [[1, 1, 1, 1, 3, 3]] * world_size
+    assert run_ranks(_window_backward_sends, world_size, (20, None)) == [[1] * 8 + [2, 2]] * world_size
+    assert run_ranks(_window_backward_sends, world_size, (0, None)) == [[]] * world_size
+    assert run_ranks(_window_backward_sends, world_size, (None, None)) == [[1] * 14] * world_size

@@ -7,11 +7,12 @@ import torch.distributed as dist
 
 import ringattn
 from ringattn.ops import REFERENCE_OPS
-from ringattn.parallel import LAYOUTS, RingComm, kv_source_rank, ring_attn_backward, ring_attn_forward, shard_indices
+from ringattn.parallel import LAYOUTS, kv_source_rank, ring_attn_backward, ring_attn_forward, shard_indices
 from ringattn.parallel.documents import ShardDocuments
 from ringattn.parallel.ring import _computed_tasks, _uncovered, finishing_plan
 from ringattn.testing import check_close, magnitude
 from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
+from tests.parallel.test_comm_volume import ByteCountingComm
 from tests.utils import make_qkv, reference_attention
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -97,18 +98,6 @@ def test_ring_of_one_rank_is_the_fused_call(layout):
     assert run_ranks(_ring_of_one_is_the_fused_call, 1, layout) == [True]
 
 
-class CountingComm(RingComm):
-    """RingComm that counts the tensors it sends."""
-
-    def __init__(self, group=None):
-        super().__init__(group)
-        self.sent = 0
-
-    def send_recv(self, to_send, recv_buffer=None):
-        self.sent += 1
-        return super().send_recv(to_send, recv_buffer)
-
-
 def _ring_loops_are_exact_in_float64(rank, world_size, layout):
     seqlen_local = 14  # zigzag: chunks of 7
     seqlen = seqlen_local * world_size
@@ -116,11 +105,11 @@ def _ring_loops_are_exact_in_float64(rank, world_size, layout):
     q, k, v, dout = make_qkv(1, seqlen, seqlen, 4, 2, 8, torch.float64, "cpu", 9)
     q_l, k_l, v_l, dout_l = (t[:, idx] for t in (q, k, v, dout))
     for causal in (False, True):
-        comm = CountingComm()
+        comm = ByteCountingComm()
         out, lse = ring_attn_forward(comm, REFERENCE_OPS, q_l, k_l, v_l, 0.5, causal, layout)
-        sent_fwd = comm.sent
+        sent_fwd = comm.sent_tensors
         dq, dk, dv = ring_attn_backward(comm, REFERENCE_OPS, dout_l, q_l, k_l, v_l, out, lse, 0.5, causal, layout)
-        sent_bwd = comm.sent - sent_fwd
+        sent_bwd = comm.sent_tensors - sent_fwd
         ref = reference_attention(q, k, v, dout, 0.5, causal, torch.float64)
         for ours, r in zip((out, dq, dk, dv), (ref[0], ref[2], ref[3], ref[4]), strict=True):
             torch.testing.assert_close(ours.double(), r[:, idx], rtol=0, atol=1e-12)
