@@ -60,6 +60,17 @@ def _unsharded(model, input_ids, labels, dtype):
     return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def check_step(where: str, logits, loss, model, plain, ref, rows) -> None:
+    """A sharded step against the unsharded one under the tolerance rule: logits (B, n, V) against the plain and
+    reference logits at global positions `rows` (n,), the loss, and every parameter's gradient."""
+    from ringattn.testing import check_close
+
+    check_close(f"{where} logits", logits, plain[0][:, rows], ref[0][:, rows])
+    check_close(f"{where} loss", loss, plain[1], ref[1])
+    for n, p in model.named_parameters():
+        check_close(f"{where} grad {n}", p.grad, plain[2][n], ref[2][n])
+
+
 def _hf_matches_eager(rank, world_size, backend, layouts):
     import ringattn
     from ringattn.integrations import hf
@@ -84,10 +95,7 @@ def _hf_matches_eager(rank, world_size, backend, layouts):
         loss.backward()
         sp.sync_gradients(model)
         where = f"{layout} rank {rank}"
-        check_close(f"{where} logits", out.logits, plain[0][:, pos], ref[0][:, pos])
-        check_close(f"{where} loss", loss, plain[1], ref[1])
-        for n, p in model.named_parameters():
-            check_close(f"{where} grad {n}", p.grad, plain[2][n], ref[2][n])
+        check_step(where, out.logits, loss, model, plain, ref, pos)
         # the full logits, gathered, on every rank
         check_close(f"{where} gathered logits", sp.gather(out.logits.detach()), plain[0], ref[0])
 
@@ -131,7 +139,6 @@ def _packed_matches_per_document(rank, world_size, name, sp, device):
     """Packed documents through position ids: the attention function recovers the boundaries (one all-gather
     per forward, not per layer) and keeps attention inside each document."""
     import ringattn
-    from ringattn.testing import check_close
 
     lengths = DOCUMENTS[world_size]
     total = sum(lengths)
@@ -160,11 +167,7 @@ def _packed_matches_per_document(rank, world_size, name, sp, device):
 
     idx = ringattn.shard_indices(batch.seqlen, rank, world_size, sp.layout, device=device)
     real = idx < total  # the padding's logits are not compared
-    where = f"packed {sp.layout} rank {rank}"
-    check_close(f"{where} logits", out.logits[:, real], plain[0][:, idx[real]], ref[0][:, idx[real]])
-    check_close(f"{where} loss", loss, plain[1], ref[1])
-    for n, p in model.named_parameters():
-        check_close(f"{where} grad {n}", p.grad, plain[2][n], ref[2][n])
+    check_step(f"packed {sp.layout} rank {rank}", out.logits[:, real], loss, model, plain, ref, idx[real])
 
     with pytest.raises(ValueError, match="need batch size 1"):
         ids = batch.input_ids.expand(2, -1)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.integrations.test_hf import DOCUMENTS, _batch, _per_document, _unsharded
+from tests.integrations.test_hf import DOCUMENTS, _batch, _per_document, _unsharded, check_step
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'hf')")
 
@@ -81,7 +81,6 @@ def _model(family: str, seed: int, seqlen: int):
 def _family_matches_eager(rank, world_size, families, layouts, packed):
     import ringattn
     from ringattn.integrations import hf
-    from ringattn.testing import check_close
 
     seqlen = 32 * world_size
     input_ids, labels = _batch(seqlen, "cpu")
@@ -99,11 +98,7 @@ def _family_matches_eager(rank, world_size, families, layouts, packed):
             loss = sp.cross_entropy(out.logits, batch.labels)
             loss.backward()
             sp.sync_gradients(model)
-            where = f"{family} {layout} rank {rank}"
-            check_close(f"{where} logits", out.logits, plain[0][:, pos], ref[0][:, pos])
-            check_close(f"{where} loss", loss, plain[1], ref[1])
-            for n, p in model.named_parameters():
-                check_close(f"{where} grad {n}", p.grad, plain[2][n], ref[2][n])
+            check_step(f"{family} {layout} rank {rank}", out.logits, loss, model, plain, ref, pos)
         if family in packed:
             _packed_family_matches_per_document(rank, world_size, family, layouts[0])
     return True
@@ -112,7 +107,6 @@ def _family_matches_eager(rank, world_size, families, layouts, packed):
 def _packed_family_matches_per_document(rank, world_size, family, layout):
     import ringattn
     from ringattn.integrations import hf
-    from ringattn.testing import check_close
 
     lengths = DOCUMENTS[world_size]
     total = sum(lengths)
@@ -137,11 +131,7 @@ def _packed_family_matches_per_document(rank, world_size, family, layout):
     sp.sync_gradients(model)
     idx = ringattn.shard_indices(batch.seqlen, rank, world_size, layout)
     real = idx < total
-    where = f"{family} packed {layout} rank {rank}"
-    check_close(f"{where} logits", out.logits[:, real], plain[0][:, idx[real]], ref[0][:, idx[real]])
-    check_close(f"{where} loss", loss, plain[1], ref[1])
-    for n, p in model.named_parameters():
-        check_close(f"{where} grad {n}", p.grad, plain[2][n], ref[2][n])
+    check_step(f"{family} packed {layout} rank {rank}", out.logits[:, real], loss, model, plain, ref, idx[real])
 
 
 # W = 2: every family in both layouts, packed documents for three; W = 4: a mixed sliding / full family with
