@@ -13,7 +13,29 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .calls import BwdCall, FwdCall, key_band
+from .final_rows import FinalRows
+
 LOG2E = math.log2(math.e)
+
+
+def band_args(call: FwdCall | BwdCall) -> tuple[tuple, dict]:
+    """The kernels' (lower, upper, qk_scale, cap_scale) arguments and LOWER, UPPER, SOFTCAP constexprs of a call:
+    its key band (calls.key_band) and scale, soft-capped or not (qk_scale then carries softcap * log2(e) and
+    cap_scale = softmax_scale / softcap)."""
+    lower, upper = key_band(call.causal, call.window, call.q.shape[1], call.k.shape[1])
+    scale, cap = call.softmax_scale, call.softcap
+    scales = (cap * LOG2E, scale / cap) if cap else (scale * LOG2E, 1.0)
+    args = (lower or 0, upper or 0, *scales)
+    return args, dict(LOWER=lower is not None, UPPER=upper is not None, SOFTCAP=bool(cap))
+
+
+def final_args(final: FinalRows | None, out: torch.Tensor) -> tuple:
+    """(tensor, its batch, seq and head strides, first row, end row) of a kernel's HAS_FINAL_ROWS arguments; out
+    and empty rows when there is none (the kernel then reads none of them)."""
+    if final is None:
+        return out, 0, 0, 0, 0, 0
+    return final.out, *strides(final.out), final.rows.start, final.rows.stop
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.portable.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
 from ..kernels.portable.attn_fwd import _attn_fwd_kernel
-from .calls import BwdCall, FwdCall, Target, key_band
-from .final_rows import FinalRows
-from .launch import LOG2E, KernelLaunch, LaunchConfig, descriptor_aligned, padded_head_dim, strides
+from .calls import BwdCall, FwdCall, Target
+from .launch import KernelLaunch, LaunchConfig, band_args, descriptor_aligned, final_args, padded_head_dim, strides
 
 INTERPRETER_CONFIG = LaunchConfig(32, 32, 4, 1)  # numpy does the work: few large tiles
 # Per kernel, (largest padded head dim, config) pairs; the first that fits wins. The 16-bit configs up to D = 128
@@ -61,24 +60,6 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, target: Targ
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (k, v))
 
 
-def _band_args(call: FwdCall | BwdCall) -> tuple[tuple, dict]:
-    """The kernels' (lower, upper, qk_scale, cap_scale) arguments and LOWER, UPPER, SOFTCAP constexprs of a call:
-    its key band (calls.key_band) and scale, soft-capped or not."""
-    lower, upper = key_band(call.causal, call.window, call.q.shape[1], call.k.shape[1])
-    scale, cap = call.softmax_scale, call.softcap
-    scales = (cap * LOG2E, scale / cap) if cap else (scale * LOG2E, 1.0)
-    args = (lower or 0, upper or 0, *scales)
-    return args, dict(LOWER=lower is not None, UPPER=upper is not None, SOFTCAP=bool(cap))
-
-
-def _final_args(final: FinalRows | None, out: torch.Tensor) -> tuple:
-    """(tensor, its batch, seq and head strides, first row, end row) of a kernel's HAS_FINAL_ROWS arguments; out
-    and empty rows when there is none (the kernel then reads none of them)."""
-    if final is None:
-        return out, 0, 0, 0, 0, 0
-    return final.out, *strides(final.out), final.rows.start, final.rows.stop
-
-
 def fwd_launch(call: FwdCall, cfg: LaunchConfig, target: Target) -> KernelLaunch:
     """_attn_fwd_kernel writing (or, with merge_state, merging into) call.out and call.lse, finished rows into
     call.final."""
@@ -87,8 +68,8 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig, target: Target) -> KernelLaunch
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     has_docs = call.q_doc_ids is not None
     kv_desc = _kv_descriptors(k, v, cfg.block_n, target)
-    final_out, *final_strides, final_lo, final_hi = _final_args(call.final, out)
-    band, band_flags = _band_args(call)
+    final_out, *final_strides, final_lo, final_hi = final_args(call.final, out)
+    band, band_flags = band_args(call)
     return KernelLaunch(
         "portable.fwd",
         _attn_fwd_kernel,
@@ -126,8 +107,8 @@ def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor
 
 
 def _bwd_common(call: BwdCall) -> tuple[tuple, dict]:
-    """The band arguments (_band_args) and the constexprs both backward kernels take."""
-    band, band_flags = _band_args(call)
+    """The band arguments (launch.band_args) and the constexprs both backward kernels take."""
+    band, band_flags = band_args(call)
     return band, dict(
         GROUP_SIZE=call.q.shape[2] // call.k.shape[2], HEAD_DIM=call.q.shape[-1],
         BLOCK_D=padded_head_dim(call.q.shape[-1]), **band_flags, HAS_DOCS=call.q_doc_ids is not None,
@@ -169,7 +150,7 @@ def dq_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
     q, k, v, dout, dq = call.q, call.k, call.v, call.dout, call.dq
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
-    final_dq, *final_strides, final_lo, final_hi = _final_args(call.dq_final, dq)
+    final_dq, *final_strides, final_lo, final_hi = final_args(call.dq_final, dq)
     band, common = _bwd_common(call)
     return KernelLaunch(
         "portable.dq",
