@@ -2,11 +2,12 @@
 the portable one on the H200 (docs/performance.md), every other call on the portable backend (ops/portable.py).
 
 What it takes, by kernel (TABLE: head dims and launch configs; the *_supported functions: the rest). All of them
-take causal and not, MHA, GQA and MQA, and need every tensor 16-byte aligned for their TMA descriptors; none takes
-a sliding window or soft-capping yet (those calls run on the portable kernels).
+take causal and not, MHA, GQA and MQA, and need every tensor 16-byte aligned for their TMA descriptors; the Gluon
+forward and backward also take sliding windows and soft-capping, the split kernels neither (their calls run on the
+portable kernels).
 - fwd, the Gluon forward (a TMA producer warp, two consumer warpgroups): D = 128 (at D = 64 it ran 0.92 to 0.99x
-  the portable forward); fp16 or bf16, out in q's dtype or the ring's fp32 state; no documents, no final rows; a
-  GPU (the interpreter cannot run Gluon).
+  the portable forward); fp16 or bf16, out in q's dtype or the ring's fp32 state (rows finished into the output
+  too); no documents; a GPU (the interpreter cannot run Gluon).
 - dkdv, triton's warp specialisation over 128-key tiles: D = 64 and 128; fp16 or bf16 (the interpreter: any);
   no documents; dK, dV stored, not added; GQA's q and dout heads packed; Sq a multiple of 4.
 - dq, triton's warp specialisation: D = 128 (slower than the portable kernel at D = 64); fp16 or bf16 (the
@@ -22,7 +23,7 @@ import triton
 
 from ..kernels.sm90.attn_bwd import _attn_bwd_dkdv_ws_kernel, _attn_bwd_dq_ws_kernel
 from .calls import BwdCall, FwdCall, Target, plain_scores
-from .launch import LOG2E, KernelLaunch, LaunchConfig, descriptor_aligned, strides
+from .launch import LOG2E, KernelLaunch, LaunchConfig, band_args, descriptor_aligned, final_args, strides
 from .portable import INTERPRETER_CONFIG
 
 TABLE = {
@@ -56,7 +57,8 @@ def launch_config(kernel: str, head_dim: int, target: Target) -> LaunchConfig | 
 def bwd_supported(call: BwdCall, target: Target) -> bool:
     """Whether the Gluon backward takes `call`: a GPU, fp16 or bf16, not deterministic (its dQ additions come in the
     programs' order; with them in a fixed order it ran 0.5 to 0.8x the split kernels, whose every gradient row has one
-    writer), no documents, no window or soft-capping, a head dim of TABLE outside BWD_ON_SPLIT_KERNELS, q's and dout's
+    writer), no documents, a head dim of TABLE outside BWD_ON_SPLIT_KERNELS (which take neither windows nor
+    soft-capping: such calls stay on the Gluon backward), q's and dout's
     heads packed (head stride D), dQ either the call's own output (stored, no final rows: the kernel adds into an fp32
     scratch, copied out after) or an fp32 accumulator with its heads packed (the ring's), and q, k, v, dout, dQ aligned
     for their descriptors."""
@@ -64,9 +66,7 @@ def bwd_supported(call: BwdCall, target: Target) -> bool:
     head_dim = q.shape[-1]
     if not target.gpu or call.q_doc_ids is not None or q.dtype not in SIXTEEN_BIT or head_dim not in TABLE["bwd"]:
         return False
-    if not plain_scores(call):
-        return False
-    if call.deterministic or (head_dim, call.causal) in BWD_ON_SPLIT_KERNELS:
+    if call.deterministic or (head_dim, call.causal) in BWD_ON_SPLIT_KERNELS and plain_scores(call):
         return False
     if q.stride(2) != head_dim or dout.stride(2) != head_dim:
         return False
@@ -100,15 +100,14 @@ def _split_kernel_dtype(q: torch.Tensor, target: Target) -> bool:
 
 
 def fwd_supported(call: FwdCall, target: Target) -> bool:
-    """Whether the Gluon forward takes `call`: a GPU, fp16 or bf16 with out in q's dtype or fp32 (merging: the fp32
-    state), no documents, no final rows, no window or soft-capping, a head dim of TABLE, lse's last dim contiguous, q,
-    k, v, out aligned."""
+    """Whether the Gluon forward takes `call`: a GPU, fp16 or bf16 with out in q's dtype or fp32 (merging, or rows
+    finished elsewhere: the ring's fp32 state), no documents, a head dim of TABLE, lse's last dim contiguous, q, k, v,
+    out aligned."""
     q, out = call.q, call.out
-    if not target.gpu or call.q_doc_ids is not None or call.final is not None or q.dtype not in SIXTEEN_BIT:
+    if not target.gpu or call.q_doc_ids is not None or q.dtype not in SIXTEEN_BIT:
         return False
-    if not plain_scores(call):
-        return False
-    if out.dtype not in ((torch.float32,) if call.merge_state else (q.dtype, torch.float32)):
+    fp32_state = call.merge_state or call.final is not None
+    if out.dtype not in ((torch.float32,) if fp32_state else (q.dtype, torch.float32)):
         return False
     if q.shape[-1] not in TABLE["fwd"]:
         return False
@@ -151,17 +150,20 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig) -> KernelLaunch:
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
+    band, band_flags = band_args(call)
+    final_out, *final_strides, final_lo, final_hi = final_args(call.final, out)
     return KernelLaunch(
         "sm90.fwd",
         _attn_fwd_gluon_kernel,
         (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
         (
-            q, k, v, out, lse, *strides(q), *strides(k), *strides(v), *strides(out), lse.stride(0),
-            lse.stride(1), seqlen_q, seqlen_k, call.softmax_scale * LOG2E,
+            q, k, v, out, lse, final_out, *strides(q), *strides(k), *strides(v), *strides(out), lse.stride(0),
+            lse.stride(1), *final_strides, seqlen_q, seqlen_k, *band, final_lo, final_hi,
         ),
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
-            CAUSAL=call.causal, MERGE_STATE=call.merge_state, OUT_FP32=out.dtype == torch.float32,
+            **band_flags, MERGE_STATE=call.merge_state, OUT_FP32=out.dtype == torch.float32,
+            HAS_FINAL_ROWS=call.final is not None,
             NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps, maxnreg=GLUON_MAXNREG,
             enable_fp_fusion=True,  # exp2(s * qk_scale - m) as one FMA, as the portable kernels
         ),
@@ -183,6 +185,7 @@ def bwd_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
     zero_first = not (accumulator and call.add_dq)
     final = call.dq_final
     lse, delta, copy_stats = _bwd_stats(call, cfg.block_m)
+    band, band_flags = band_args(call)
 
     def prepare() -> None:
         if copy_stats is not None:
@@ -204,11 +207,11 @@ def bwd_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
             q, k, v, dout, lse, delta, dq, dk, dv,
             q.stride(0), q.stride(1), *strides(k), *strides(v), dout.stride(0), dout.stride(1),
             dq.stride(0), dq.stride(1), *strides(dk), *strides(dv),
-            lse.shape[-1], seqlen_q, seqlen_k, heads_q, call.softmax_scale * LOG2E, call.softmax_scale,
+            lse.shape[-1], seqlen_q, seqlen_k, heads_q, *band, call.softmax_scale,
         ),
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
-            CAUSAL=call.causal, ADD_DKDV=call.add_dkdv, NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps,
+            **band_flags, ADD_DKDV=call.add_dkdv, NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps,
             maxnreg=GLUON_MAXNREG, enable_fp_fusion=True,
         ),
         scratch=True,

@@ -135,7 +135,10 @@ def test_forward_takes_the_gluon_kernel_only_where_its_table_does():
     assert _fwd_name(_fwd(*_tensors(heads=(4, 1))[:3])) == "sm90.fwd"  # MQA
     ids = torch.zeros(64, dtype=torch.int32)
     assert _fwd_name(_fwd(q, k, v, q_doc_ids=ids, k_doc_ids=ids)) == "portable.fwd"  # documents
-    assert _fwd_name(_fwd(q, k, v, final=FinalRows(torch.empty_like(q), range(0, 32)))) == "portable.fwd"
+    final = FinalRows(torch.empty_like(q), range(0, 32))
+    launch = fwd_launch(_fwd(q, k, v, out_dtype=torch.float32, merge_state=True, final=final), "sm90", HOPPER)
+    assert launch.name == "sm90.fwd" and launch.kwargs["HAS_FINAL_ROWS"]  # the ring's finishing step
+    assert _fwd_name(_fwd(q, k, v, final=final)) == "portable.fwd"  # rows finished from out in q's dtype
     assert _fwd_name(_fwd(*_tensors(head_dim=64)[:3])) == "portable.fwd"  # D = 64: slower there
     assert _fwd_name(_fwd(*_tensors(dtype=torch.float32)[:3])) == "portable.fwd"
     offset = torch.randn(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # base address off 16 bytes
@@ -179,6 +182,30 @@ def test_backward_takes_the_gluon_kernel_where_its_table_does():
     assert _bwd_names(call, target=INTERPRETER) == split  # Gluon: GPUs only
     assert _bwd_names(call, backend="portable") == fallback
     assert _bwd_names(call, backend=None, target=AMPERE) == fallback
+
+
+@needs_hopper_triton
+def test_windows_and_softcap_take_the_gluon_kernels():
+    """The Gluon forward and backward take sliding windows and soft-capping (passed as the key band and the capped
+    scale); the split kernels take neither, so D = 128 without causal goes to the Gluon backward with either, and a
+    deterministic call to the portable pair."""
+    q, k, v, dout = _tensors(seqlen_q=64, seqlen_k=96)
+    for options in (dict(window=(16, None)), dict(window=(8, 3)), dict(softcap=30.0), dict(window=(4, 0), softcap=5.0)):
+        for causal in (False, True):
+            launch = fwd_launch(_fwd(q, k, v, causal=causal, **options), "sm90", HOPPER)
+            assert launch.name == "sm90.fwd", options
+            lower, upper = launch.args[-6:-4]  # (..., lower, upper, qk_scale, cap_scale, final_lo, final_hi)
+            left, right = options.get("window", (None, None))
+            flags = {name: launch.kwargs[name] for name in ("LOWER", "UPPER", "SOFTCAP")}
+            assert flags == dict(LOWER=left is not None, UPPER=causal or right is not None,
+                                 SOFTCAP="softcap" in options)  # fmt: skip
+            if left is not None:  # bottom-right: row i sees keys from i + 32 - left
+                assert lower == 32 - left
+            if flags["UPPER"]:  # causal caps the window's right side at 0
+                assert upper == 32 + (min(right or 0, 0) if causal else right)
+            assert _bwd_names(_bwd(q, k, v, dout, causal=causal, **options), "sm90", HOPPER) == ("sm90.bwd",)
+            deterministic = _bwd(q, k, v, dout, causal=causal, deterministic=True, **options)
+            assert _bwd_names(deterministic, "sm90", HOPPER) == ("portable.dkdv", "portable.dq")
 
 
 def test_configs_come_from_the_tables_and_overrides_restore(no_override):

@@ -109,10 +109,10 @@ def test_hopper_backend_in_the_simulated_ring_matches_reference(layout, causal):
 GLUON_SEQLENS = [(4, 4), (300, 300), (1000, 1000), (200, 456), (512, 136)]
 
 
-def _fwd_name(q, k, v, causal, out_dtype=None, merge_state=False):
+def _fwd_name(q, k, v, causal, out_dtype=None, merge_state=False, **options):
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype or q.dtype)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
-    return fwd_launch(FwdCall(q, k, v, 0.125, causal, out, lse, merge_state=merge_state)).name
+    return fwd_launch(FwdCall(q, k, v, 0.125, causal, out, lse, merge_state=merge_state, **options)).name
 
 
 @needs_hopper_gpu
@@ -231,3 +231,39 @@ def test_gluon_backward_ring_step_forms(head_dim, heads, causal):
              dq_final=final)  # fmt: skip
     torch.testing.assert_close(final.out[:, 100:250], (held[0] + grads[0])[:, 100:250].to(q.dtype))
     assert final.out[:, :100].isnan().all() and final.out[:, 250:].isnan().all()
+
+
+# (Sq, Sk, window in ops' form (None: no limit; any integers), causal, softcap): causal sliding windows, two-sided
+# ones and a single key, Sq != Sk both ways (bottom-right), a band wholly past the diagonal, soft-capping alone and
+# with a window
+BAND_CASES = {
+    "1000-w256-causal": (1000, 1000, (256, None), True, 0.0),
+    "1000-w100-37": (1000, 1000, (100, 37), False, 0.0),
+    "777-2049-w300-300": (777, 2049, (300, 300), False, 0.0),
+    "512-136-w40-causal": (512, 136, (40, None), True, 0.0),
+    "300-w0-0": (300, 300, (0, 0), False, 0.0),
+    "200-456-w-30-50": (200, 456, (-30, 50), False, 0.0),
+    "1000-cap30-causal": (1000, 1000, (None, None), True, 30.0),
+    "1000-cap5": (1000, 1000, (None, None), False, 5.0),
+    "777-2049-w128-cap30-causal": (777, 2049, (128, None), True, 30.0),
+}
+
+
+@needs_hopper_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("heads", HEADS[:2], ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS[:2]])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
+@pytest.mark.parametrize("case", list(BAND_CASES))
+def test_gluon_kernels_with_windows_and_softcap_match_reference(case, head_dim, heads, dtype):
+    """Sliding windows and soft-capping on the Gluon kernels (the forward at D = 128, the backward at both): out, lse,
+    dq, dk, dv against float64; q scaled up so that the scores (about +-10) reach tanh's saturation."""
+    seqlen_q, seqlen_k, window, causal, softcap = BAND_CASES[case]
+    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, dtype, seed=seqlen_q + heads[1] + head_dim)
+    q = q * 3
+    options = dict(window=window, softcap=softcap)
+    assert (_fwd_name(q, k, v, causal, **options) == "sm90.fwd") == (head_dim in sm90.TABLE["fwd"])
+    assert _launched(q, k, v, dout, causal, **options) == ("sm90.bwd",)
+    scale = head_dim**-0.5
+    out, lse = attn_fwd(q, k, v, scale, causal, **options)
+    grads = attn_bwd(dout, q, k, v, out, lse, scale, causal, **options)
+    check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads), what=f"gluon {case}", **options)

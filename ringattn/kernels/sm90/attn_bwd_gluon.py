@@ -10,8 +10,10 @@ of dK and dV in registers across the steps. A step costs five products, the scor
 
 For dQ the two consumers put their halves of dSᵀ into shared memory and meet at a barrier; each then multiplies the
 whole dS by half of K's columns, so that every element of the step's dQ tile is added once into the fp32
-accumulator, by TMA's reduce-add from shared memory. Only the tiles on the causal diagonal compare positions.
-ops/sm90.py says when it is taken.
+accumulator, by TMA's reduce-add from shared memory. A program visits only the query tiles whose band reaches its
+keys (row i sees keys j with i + lower <= j <= i + upper: causal and sliding windows), and only the steps on the
+band's edges compare positions. SOFTCAP recomputes the capped scores t = tanh(q k^T * cap_scale) as the forward
+(kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's derivative 1 - t^2. ops/sm90.py says when it is taken.
 """
 
 from triton.experimental import gluon
@@ -24,6 +26,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .attn_fwd import _band_visible, _tanh
+
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
@@ -35,7 +39,7 @@ def _query_tile(i, num_m, start_m, first_hq, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr):
+def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr):
     """The producer: K and V once, then step i's Q and dO tiles into slot i % NUM_BUFFERS once both consumers freed
     it, with the rows' lse and delta. args: the kernel's descriptors, buffers, barriers and scalars, as
     _attn_bwd_gluon_kernel packs them."""
@@ -62,14 +66,15 @@ def _load_partition(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr):
 
 
 @gluon.jit
-def _grad_rows(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr, HALF: gl.constexpr):
+def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
+               HALF: gl.constexpr):  # fmt: skip
     """A consumer: dK and dV of keys [n0 + HALF * BLOCK_N // 2, + BLOCK_N // 2) over every step, and at each step
     its half of dQ's columns added into the accumulator; dK, dV stored (ADD_DKDV: added) at the end (keys past
     seqlen_k are not)."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
     kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
     lse_desc, delta_desc, lse_bufs, delta_bufs, stats_row = args[19:24]
-    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale, sm_scale = args[24:]
+    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[24:]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
@@ -91,7 +96,14 @@ def _grad_rows(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr, HALF: gl.cons
     k_cols = k_smem.slice(HALF * COLS, COLS, dim=1)
     dq_smem = dq_bufs.index(HALF)
     offs_n = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-    causal_shift = seqlen_k - seqlen_q
+    # a step's query tile [m0, m0 + BLOCK_M) sees every key of this half (no mask) from m0 = full_lo on, up to
+    # m0 = full_hi
+    full_lo = 0
+    full_hi = seqlen_q
+    if UPPER:
+        full_lo = n0 + FIRST + KEYS - 1 - upper
+    if LOWER:
+        full_hi = n0 + FIRST - lower - (BLOCK_M - 1)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
@@ -111,13 +123,18 @@ def _grad_rows(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr, HALF: gl.cons
         lse2 = lse_bufs.index(slot).load(col_layout) * LOG2E
         lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+        if SOFTCAP:
+            st = _tanh(st * cap_scale)  # t, kept for tanh's derivative
         x = st * qk_scale - lse2[None, :]  # one FMA a score
-        if CAUSAL:
-            if m0 + causal_shift < n0 + FIRST + KEYS - 1:  # the diagonal: some key here is after some row's last
+        if LOWER or UPPER:
+            if (m0 < full_lo) | (m0 > full_hi):  # the band's edge: some key here is outside some row's band
                 offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-                x = gl.where(offs_n[:, None] <= offs_m[None, :] + causal_shift, x, float("-inf"))
+                visible = _band_visible(offs_m[None, :], offs_n[:, None], lower, upper, LOWER, UPPER)
+                x = gl.where(visible, x, float("-inf"))
         pt = gl.exp2(x)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
+        if SOFTCAP:  # dS's factors but dP - delta, so that only one (KEYS, BLOCK_M) tile stays live till dP is in
+            pt = pt * (1.0 - st * st)
         delta = delta_bufs.index(slot).load(col_layout)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
         ds16 = (pt * (dpt - delta[None, :])).to(dtype)
@@ -164,13 +181,13 @@ def _grad_rows(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr, HALF: gl.cons
 
 
 @gluon.jit
-def _grad_partition_0(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr):
-    _grad_rows(args, CAUSAL, ADD_DKDV, 0)
+def _grad_partition_0(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr):
+    _grad_rows(args, LOWER, UPPER, SOFTCAP, ADD_DKDV, 0)
 
 
 @gluon.jit
-def _grad_partition_1(args, CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr):
-    _grad_rows(args, CAUSAL, ADD_DKDV, 1)
+def _grad_partition_1(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr):
+    _grad_rows(args, LOWER, UPPER, SOFTCAP, ADD_DKDV, 1)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
@@ -183,9 +200,10 @@ def _attn_bwd_gluon_kernel(
     stride_dqb, stride_dqs,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_stats, seqlen_q, seqlen_k, num_heads_q, qk_scale, sm_scale,
+    stride_stats, seqlen_q, seqlen_k, num_heads_q, lower, upper, qk_scale, cap_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
-    CAUSAL: gl.constexpr, ADD_DKDV: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+    LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) of one BLOCK_N tile of keys of one (batch, kv head), and its share of dQ added
     into DQ; grid (Sk tiles, Hkv, B), 4 warps (the first consumer; the partitions add 5).
@@ -195,8 +213,9 @@ def _attn_bwd_gluon_kernel(
     Delta (B, Hq, stride_stats) fp32 contiguous, 16-byte aligned, stride_stats >= Sq a multiple of BLOCK_M, the
     entries past Sq zeros. DQ (B, Sq, Hq, HEAD_DIM) fp32 with its heads packed, aligned alike: dQ is
     added into it (atomically: every key tile adds its share). DK, DV like K and V, in their dtype or fp32 (the
-    ring's shares), last dim contiguous; stored, or with ADD_DKDV added into. qk_scale = softmax_scale * log2(e).
-    CAUSAL is bottom-right; rows whose lse is -inf (no key) add nothing. The additions into DQ come in the order the
+    ring's shares), last dim contiguous; stored, or with ADD_DKDV added into. Row i sees keys j with (LOWER)
+    i + lower <= j and (UPPER) j <= i + upper; qk_scale, cap_scale, SOFTCAP as in the forward kernel; rows whose lse
+    is -inf (no key) add nothing. The additions into DQ come in the order the
     programs reach them, so dQ's last bits vary from run to run.
     """
     start_n = gl.program_id(0)
@@ -247,22 +266,27 @@ def _attn_bwd_gluon_kernel(
         mbarrier.init(ds_bars.index(2 * i + 1), count=2)
 
     n0 = start_n * BLOCK_N
-    if CAUSAL:  # rows before start_m see no key of this tile (bottom-right: row i sees keys j <= i + Sk - Sq)
-        start_m = gl.maximum(n0 - (seqlen_k - seqlen_q), 0) // BLOCK_M * BLOCK_M
+    # the rows of [start_m, end_m) hold every row that sees some key of the tile (key j: rows j - upper to j - lower)
+    if UPPER:
+        start_m = gl.minimum(gl.maximum(n0 - upper, 0), seqlen_q) // BLOCK_M * BLOCK_M
     else:
         start_m = 0
-    num_m = gl.cdiv(gl.maximum(seqlen_q - start_m, 0), BLOCK_M)
+    if LOWER:
+        end_m = gl.maximum(gl.minimum(n0 + BLOCK_N - lower, seqlen_q), 0)
+    else:
+        end_m = seqlen_q
+    num_m = gl.cdiv(gl.maximum(end_m - start_m, 0), BLOCK_M)
     dk_base = DK + off_b * stride_dkb + off_hk.to(gl.int64) * stride_dkh
     dv_base = DV + off_b * stride_dvb + off_hk.to(gl.int64) * stride_dvh
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs,
             kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, off_hk * GROUP_SIZE, GROUP_SIZE * num_m,
             lse_desc, delta_desc, lse_bufs, delta_bufs, stride_stats, dk_base, dv_base, stride_dks, stride_dvs,
-            seqlen_q, seqlen_k, qk_scale, sm_scale)  # fmt: skip
-    gl.warp_specialize(
+            seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale)  # fmt: skip
+    gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
-            (_grad_partition_0, (args, CAUSAL, ADD_DKDV)),
-            (_grad_partition_1, (args, CAUSAL, ADD_DKDV)),
-            (_load_partition, (args, CAUSAL, ADD_DKDV)),
+            (_grad_partition_0, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
+            (_grad_partition_1, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
+            (_load_partition, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
         ],
         [4, 1],
         [240, 24],

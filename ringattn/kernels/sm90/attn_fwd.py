@@ -7,9 +7,12 @@ one-warp producer loads Q once and the key/value tiles into a ring of NUM_BUFFER
 two consumer warpgroups, BLOCK_M // 2 rows each, run the online softmax and store their rows. The consumers meet
 only at the ring's barriers (a slot is free once both have arrived), so each runs at its own pace. A consumer's
 loop is software-pipelined as FA3's is: the scores of tile j (S = Q K_j^T) are issued before the product of
-tile j - 1 (O += P V), so the tensor cores work on one while the softmax of the other runs. Only the tiles that
-need a mask (the causal diagonal, and the last tile where Sk is not a multiple of BLOCK_N) compare positions: a
-branch on the tile index, which triton's automatic partitioner cannot take. ops/sm90.py says when it is taken.
+tile j - 1 (O += P V), so the tensor cores work on one while the softmax of the other runs. A program visits only
+the key tiles its rows' band reaches (row i sees keys j with i + lower <= j <= i + upper: causal and sliding
+windows), and only the tiles that need a mask (the band's edges, and the last tile where Sk is not a multiple of
+BLOCK_N) compare positions: a branch on the tile, which triton's automatic partitioner cannot take. SOFTCAP caps
+the scores with tanh (the GPU's tanh.approx, within the 16-bit inputs' rounding). ops/sm90.py says when it is
+taken.
 """
 
 from triton.experimental import gluon
@@ -28,16 +31,40 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, offs_m, n0, seqlen_k, causal_shift, qk_scale, MASKED: gl.constexpr,
-                  CAUSAL: gl.constexpr):  # fmt: skip
-    """One key tile's online-softmax step on its unscaled scores s (ROWS, BLOCK_N): (P, alpha, m, l), m in log2
-    units, alpha the factor that moves the accumulator to the new m. MASKED masks keys past seqlen_k and (CAUSAL)
-    past each row's last key with -inf; a row with no key yet keeps m = -inf and gets P = 0."""
+def _tanh(x):
+    """tanh by the GPU's tanh.approx.f32 (relative error below 2^-10.9, under the 16-bit inputs' rounding)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _band_visible(offs_m, offs_n, lower, upper, LOWER: gl.constexpr, UPPER: gl.constexpr):
+    """(rows, keys) bool of rows offs_m against keys offs_n (broadcast as the two are laid out): the key is at or
+    after row + lower (LOWER) and at or before row + upper (UPPER); one of the two is set."""
+    if LOWER:
+        visible = offs_n >= offs_m + lower
+        if UPPER:
+            visible = visible & (offs_n <= offs_m + upper)
+    else:
+        visible = offs_n <= offs_m + upper
+    return visible
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, n0, band, MASKED: gl.constexpr, LOWER: gl.constexpr, UPPER: gl.constexpr,
+                  SOFTCAP: gl.constexpr):  # fmt: skip
+    """One key tile's online-softmax step on the unscaled scores s (ROWS, BLOCK_N) of keys from n0: (P, alpha, m,
+    l), m in log2 units, alpha the factor that moves the accumulator to the new m. band: the rows' positions offs_m
+    (ROWS,), seqlen_k, lower, upper, qk_scale, cap_scale. SOFTCAP: s -> tanh(s * cap_scale) first.
+    MASKED masks keys past seqlen_k and outside each row's band (lower, upper) with -inf; a row with no key yet
+    keeps m = -inf and gets P = 0."""
+    offs_m, seqlen_k, lower, upper, qk_scale, cap_scale = band
+    if SOFTCAP:
+        s = _tanh(s * cap_scale)
     if MASKED:
         offs_n = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
         visible = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+        if LOWER or UPPER:
+            visible = visible & _band_visible(offs_m[:, None], offs_n[None, :], lower, upper, LOWER, UPPER)
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     if MASKED:
@@ -48,12 +75,15 @@ def _softmax_tile(s, m_i, l_i, offs_m, n0, seqlen_k, causal_shift, qk_scale, MAS
 
 
 @gluon.jit
-def _load_partition(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr):
-    """The producer: Q into q_smem, then key tile j and value tile j into slot j % NUM_BUFFERS of their rings, each
+def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, MERGE_STATE: gl.constexpr,
+                    OUT_FP32: gl.constexpr, HAS_FINAL_ROWS: gl.constexpr):  # fmt: skip
+    """The producer: Q into q_smem, then the t-th key and value tiles the program visits (from first_n) into slot
+    t % NUM_BUFFERS of their rings, each
     once both consumers freed it (keys and values have their own barriers: a key slot frees as soon as its scores
     are computed, a tile before its values' slot).
     args: the kernel's descriptors, buffers, barriers and scalars, as _attn_fwd_gluon_kernel packs them."""
     q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, Lse, m0, num_tiles = args[:13]
+    first_n = args[13]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -61,10 +91,9 @@ def _load_partition(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_F
     for j in range(num_tiles):
         slot = j % num_buffers
         free_phase = (j // num_buffers & 1) ^ 1  # a fresh barrier passes phase 1
-        _load_tile(k_desc, j * BLOCK_N, k_bufs.index(slot), k_bars.index(2 * slot), k_bars.index(2 * slot + 1),
-                   free_phase)  # fmt: skip
-        _load_tile(v_desc, j * BLOCK_N, v_bufs.index(slot), v_bars.index(2 * slot), v_bars.index(2 * slot + 1),
-                   free_phase)  # fmt: skip
+        n0 = first_n + j * BLOCK_N
+        _load_tile(k_desc, n0, k_bufs.index(slot), k_bars.index(2 * slot), k_bars.index(2 * slot + 1), free_phase)
+        _load_tile(v_desc, n0, v_bufs.index(slot), v_bars.index(2 * slot), v_bars.index(2 * slot + 1), free_phase)
 
 
 @gluon.jit
@@ -76,12 +105,13 @@ def _load_tile(desc, row, buf, ready, free, free_phase):
 
 
 @gluon.jit
-def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr,
-                  HALF: gl.constexpr):
+def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, MERGE_STATE: gl.constexpr,
+                  OUT_FP32: gl.constexpr, HAS_FINAL_ROWS: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
     """A consumer: rows [m0 + HALF * BLOCK_M // 2, + BLOCK_M // 2) of the output over the key tiles, stored with
-    their lse (rows past seqlen_q are not)."""
+    their lse (rows past seqlen_q are not; HAS_FINAL_ROWS: rows [final_lo, final_hi) into Final instead, rounded)."""
     q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, Lse, m0, num_tiles = args[:13]
-    seqlen_q, seqlen_k, qk_scale, Out, stride_os = args[13:]
+    first_n, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, Out, stride_os = args[13:22]
+    Final, stride_fs, final_lo, final_hi = args[22:]
     BLOCK_M: gl.constexpr = q_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
@@ -98,11 +128,14 @@ def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP3
     r0 = m0 + FIRST
     q = q_smem.slice(FIRST, ROWS)  # this consumer's rows of Q
     offs_m = r0 + gl.arange(0, ROWS, layout=row_layout)
-    causal_shift = seqlen_k - seqlen_q
-    if CAUSAL:  # tiles from num_unmasked on hold a key that some row of this half does not see
-        num_unmasked = gl.maximum(gl.minimum(r0 + causal_shift + 1, seqlen_k), 0) // BLOCK_N
-    else:
-        num_unmasked = seqlen_k // BLOCK_N
+    # a tile [n0, n0 + BLOCK_N) is seen whole by every row of this half (no mask) from n0 = full_lo on, up to
+    # n0 + BLOCK_N = full_hi
+    full_lo = 0
+    full_hi = seqlen_k
+    if LOWER:
+        full_lo = r0 + ROWS - 1 + lower
+    if UPPER:
+        full_hi = gl.minimum(r0 + upper + 1, seqlen_k)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
@@ -114,10 +147,11 @@ def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP3
         s = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_bars.index(1), count=1)
-        if num_unmasked > 0:
-            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, 0, seqlen_k, causal_shift, qk_scale, False, CAUSAL)
+        band = (offs_m, seqlen_k, lower, upper, qk_scale, cap_scale)
+        if (first_n >= full_lo) & (first_n + BLOCK_N <= full_hi):
+            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, first_n, band, False, LOWER, UPPER, SOFTCAP)
         else:
-            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, 0, seqlen_k, causal_shift, qk_scale, True, CAUSAL)
+            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, first_n, band, True, LOWER, UPPER, SOFTCAP)
         for j in range(1, num_tiles):
             slot = j % num_buffers
             prev = (j - 1) % num_buffers
@@ -129,12 +163,11 @@ def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP3
             acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
             mbarrier.arrive(k_bars.index(2 * slot + 1), count=1)
-            if j < num_unmasked:
-                p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N, seqlen_k, causal_shift,
-                                                   qk_scale, False, CAUSAL)  # fmt: skip
+            n0 = first_n + j * BLOCK_N
+            if (n0 >= full_lo) & (n0 + BLOCK_N <= full_hi):
+                p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, n0, band, False, LOWER, UPPER, SOFTCAP)
             else:
-                p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N, seqlen_k, causal_shift,
-                                                   qk_scale, True, CAUSAL)  # fmt: skip
+                p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, n0, band, True, LOWER, UPPER, SOFTCAP)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_bars.index(2 * prev + 1), count=1)
             acc = acc * gl.convert_layout(alpha, acc_rows)[:, None]
@@ -159,6 +192,11 @@ def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP3
             run_out = gl.load(ptrs, mask=row_mask, other=0.0)
             run_lse = gl.load(Lse + rows, mask=rows < seqlen_q, other=float("-inf"))
             out, lse = _merge_states(out, lse, run_out, run_lse)
+        if HAS_FINAL_ROWS:
+            done = (rows >= final_lo) & (rows < final_hi)
+            f_ptrs = Final + rows[:, None].to(gl.int64) * stride_fs + cols[None, :]
+            gl.store(f_ptrs, out.to(Final.dtype.element_ty), mask=row_mask & done[:, None])
+            row_mask = row_mask & ((rows < final_lo) | (rows >= final_hi))[:, None]
         gl.store(ptrs, out, mask=row_mask)
         gl.store(Lse + rows, lse, mask=rows < seqlen_q)
     else:
@@ -170,36 +208,44 @@ def _softmax_rows(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP3
 
 
 @gluon.jit
-def _softmax_partition_0(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr):
-    _softmax_rows(args, CAUSAL, MERGE_STATE, OUT_FP32, 0)
+def _softmax_partition_0(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr,
+                         MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr, HAS_FINAL_ROWS: gl.constexpr):  # fmt: skip
+    _softmax_rows(args, LOWER, UPPER, SOFTCAP, MERGE_STATE, OUT_FP32, HAS_FINAL_ROWS, 0)
 
 
 @gluon.jit
-def _softmax_partition_1(args, CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr):
-    _softmax_rows(args, CAUSAL, MERGE_STATE, OUT_FP32, 1)
+def _softmax_partition_1(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr,
+                         MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr, HAS_FINAL_ROWS: gl.constexpr):  # fmt: skip
+    _softmax_rows(args, LOWER, UPPER, SOFTCAP, MERGE_STATE, OUT_FP32, HAS_FINAL_ROWS, 1)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "final_lo", "final_hi"])  # one compile for every length
 def _attn_fwd_gluon_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, Final,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
-    seqlen_q, seqlen_k, qk_scale,
+    stride_fb, stride_fs, stride_fh,
+    seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, final_lo, final_hi,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
-    CAUSAL: gl.constexpr, MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+    LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, MERGE_STATE: gl.constexpr,
+    OUT_FP32: gl.constexpr, HAS_FINAL_ROWS: gl.constexpr, NUM_BUFFERS: gl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile and Lse[b, h, m] in natural log; grid (Sq tiles, Hq, B),
     4 warps (the first consumer; the partitions add 5).
 
     Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), all 16-bit (bf16 or fp16), HEAD_DIM 64 or
     128, base addresses and every stride but the last 16-byte aligned; Out like Q, and Lse (B, Hq, Sq) fp32 with its
-    last dim contiguous. qk_scale = softmax_scale * log2(e). CAUSAL is bottom-right.
+    last dim contiguous. Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <= i + upper (ops/calls.py's
+    key_band: causal and sliding windows, bottom-right aligned). qk_scale = softmax_scale * log2(e), or with SOFTCAP
+    softcap * log2(e), the scores then tanh(q k^T * cap_scale), cap_scale = softmax_scale / softcap.
     OUT_FP32: Out is fp32 (the ring's running state), stored by pointers; else Out is in Q's dtype, aligned as Q, and
     stored by TMA. MERGE_STATE (with OUT_FP32): Out and Lse hold a running state on entry, and the tile's result is
-    merged into it (the ring's step). Rows that see no key get out 0, lse -inf.
+    merged into it (the ring's step). HAS_FINAL_ROWS (with OUT_FP32): rows [final_lo, final_hi) of the result go,
+    rounded, to Final (shaped like Out, its own dtype, last dim contiguous) instead (ops/final_rows.py). Rows that
+    see no key get out 0, lse -inf.
     """
     start_m = gl.program_id(0)
     off_hq = gl.program_id(1)
@@ -236,20 +282,27 @@ def _attn_fwd_gluon_kernel(
         mbarrier.init(v_bars.index(2 * i + 1), count=2)
 
     m0 = start_m * BLOCK_M
-    if CAUSAL:  # keys from end_n on are seen by no row of the tile (bottom-right: row i sees keys j <= i + Sk - Sq)
-        end_n = gl.maximum(gl.minimum(m0 + BLOCK_M + seqlen_k - seqlen_q, seqlen_k), 0)
+    # the key tiles of [first_n, end_n) hold every key some row of the tile sees
+    if LOWER:
+        first_n = gl.minimum(gl.maximum(m0 + lower, 0), seqlen_k) // BLOCK_N * BLOCK_N
+    else:
+        first_n = 0
+    if UPPER:
+        end_n = gl.maximum(gl.minimum(m0 + BLOCK_M + upper, seqlen_k), 0)
     else:
         end_n = seqlen_k
-    num_tiles = gl.cdiv(end_n, BLOCK_N)
+    num_tiles = gl.cdiv(gl.maximum(end_n - first_n, 0), BLOCK_N)
     lse_row = Lse + off_b * stride_lb + off_hq * stride_lh
     out_head = Out + off_b * stride_ob + off_hq * stride_oh
+    final_head = Final + off_b * stride_fb + off_hq * stride_fh
     args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, lse_row, m0, num_tiles,
-            seqlen_q, seqlen_k, qk_scale, out_head, stride_os)  # fmt: skip
-    gl.warp_specialize(  # CAUSAL beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
+            first_n, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, out_head, stride_os, final_head, stride_fs,
+            final_lo, final_hi)  # fmt: skip
+    gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
-            (_softmax_partition_0, (args, CAUSAL, MERGE_STATE, OUT_FP32)),
-            (_softmax_partition_1, (args, CAUSAL, MERGE_STATE, OUT_FP32)),
-            (_load_partition, (args, CAUSAL, MERGE_STATE, OUT_FP32)),
+            (_softmax_partition_0, (args, LOWER, UPPER, SOFTCAP, MERGE_STATE, OUT_FP32, HAS_FINAL_ROWS)),
+            (_softmax_partition_1, (args, LOWER, UPPER, SOFTCAP, MERGE_STATE, OUT_FP32, HAS_FINAL_ROWS)),
+            (_load_partition, (args, LOWER, UPPER, SOFTCAP, MERGE_STATE, OUT_FP32, HAS_FINAL_ROWS)),
         ],
         [4, 1],
         [240, 24],
