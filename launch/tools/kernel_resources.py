@@ -19,7 +19,8 @@ into an fp32 state ("portable.fwd-merge", "sm90.fwd-merge"); a Hopper kernel at 
 region), "ws hazards" the ops in them the partitioner is known to split wrong (ws_hazards()); the Gluon forward's
 config's fourth number is its rings' depth. Without --configs or --candidates, each at the tables' config. Forms the
 dispatch does not run (a head dim outside a table) are left out; the split backward kernels are compiled as
-deterministic calls run them, at every causal setting.
+deterministic calls run them, at every causal setting. --window and --softcap compile the sliding-window and
+soft-capped forms instead.
 """
 
 import argparse
@@ -58,10 +59,11 @@ HEADS, SEQLEN = 32, 64  # strides as the benchmark's; the length is not speciali
 REGS_PER_SM, SMEM_PER_SM, SMEM_PER_CTA, THREADS_PER_SM = 65536, 228 * 1024, 227 * 1024, 2048
 
 
-def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: int = 90) -> KernelLaunch:
+def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: int = 90, window=(None, None),
+            softcap: float = 0.0) -> KernelLaunch:  # fmt: skip
     """The launch the dispatch builds for `kernel` (a form of KERNELS) from CPU tensors for a GPU of compute
-    capability arch / 10, with config `cfg` (None: the tables'). Raises ValueError where the backend's table does
-    not take the form."""
+    capability arch / 10, with config `cfg` (None: the tables'), a sliding window (left, right) and softcap. Raises
+    ValueError where the backend's table does not take the form."""
     name, merge = kernel.removesuffix("-merge"), kernel.endswith("-merge")
     backend = name.split(".")[0]
     target = Target(divmod(arch, 10))
@@ -72,13 +74,14 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
     with override_configs({name: cfg} if cfg is not None else {}):
         if name.endswith(".fwd"):
             out = torch.empty(q.shape, dtype=torch.float32 if merge else q.dtype)
-            launches = [fwd_launch(FwdCall(q, k, v, scale, causal, out, lse, merge_state=merge), backend, target)]
+            call = FwdCall(q, k, v, scale, causal, out, lse, merge_state=merge, window=window, softcap=softcap)
+            launches = [fwd_launch(call, backend, target)]
         else:  # as the ring calls them: dQ added to an fp32 accumulator, dK, dV stored into fp32 shares; the split
             # kernels as deterministic calls take them (where the Gluon backward takes the others)
             acc = [torch.empty(t.shape) for t in (q, k, v)]
             split = name in ("sm90.dkdv", "sm90.dq")
             call = BwdCall(dout, q, k, v, lse, delta, *acc, scale, causal, add_dq=True, add_dkdv=False,
-                           deterministic=split)  # fmt: skip
+                           deterministic=split, window=window, softcap=softcap)  # fmt: skip
             launches = bwd_launches(call, backend, target)
     launch = next((launch for launch in launches if launch.name == name), None)
     if launch is None:
@@ -135,9 +138,11 @@ def resources(compiled, arch: int) -> dict:
     )  # fmt: skip
 
 
-def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: int) -> dict:
-    """One record: the kernel's launch config and its resources on `arch`."""
-    launch = _launch(kernel, head_dim, kv_heads, causal, cfg, arch)
+def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: int, window=(None, None),
+            softcap: float = 0.0) -> dict:  # fmt: skip
+    """One record: the kernel's launch config and its resources on `arch` (with a window and softcap: their
+    form)."""
+    launch = _launch(kernel, head_dim, kv_heads, causal, cfg, arch, window, softcap)
     kw = launch.kwargs
     record = dict(
         kernel=kernel,
@@ -145,6 +150,8 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
         H=HEADS,
         Hkv=kv_heads,
         causal=causal,
+        window=list(window),
+        softcap=softcap,
         dtype="bfloat16",
         config=[kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw.get("num_stages", kw.get("NUM_BUFFERS"))],
         tma=bool(kw.get("KV_TMA", False)) or launch.scratch,
@@ -156,14 +163,14 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
     return dict(record, **resources(compiled, arch))
 
 
-def _taken(kernel: str, head_dim: int, kv_heads: int, causal: bool, arch: int) -> bool:
+def _taken(kernel: str, head_dim: int, kv_heads: int, causal: bool, arch: int, window, softcap: float) -> bool:
     """Whether the dispatch runs the form at the head dim and causal setting (the Hopper table does not take every
     one)."""
     name = kernel.removesuffix("-merge")
     if not name.startswith("portable.") and launch_config(name, head_dim, torch.bfloat16, Target((9, 0))) is None:
         return False
     try:
-        _launch(kernel, head_dim, kv_heads, causal, None, arch)
+        _launch(kernel, head_dim, kv_heads, causal, None, arch, window, softcap)
     except ValueError:
         return False
     return True
@@ -176,9 +183,13 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[HEADS], help="8 for GQA 32:8")
     parser.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each")
     parser.add_argument("--candidates", action="store_true", help="config_sweep.py's candidates per kernel and D")
+    parser.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
+                        help="compile the sliding-window form (-1: no limit on that side)")  # fmt: skip
+    parser.add_argument("--softcap", type=float, default=0.0, help="compile the soft-capped form")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
+    window = (None, None) if args.window is None else tuple(None if side < 0 else side for side in args.window)
     given = None if args.configs is None else [LaunchConfig(*map(int, c.split(","))) for c in args.configs]
     records = []
     for kernel in args.kernels:
@@ -188,9 +199,14 @@ def main() -> None:
             else:
                 configs = given or [None]
             for kv_heads in args.kv_heads:
-                for causal in (c for c in (False, True) if _taken(kernel, head_dim, kv_heads, c, args.arch)):
+                taken = (
+                    c for c in (False, True) if _taken(kernel, head_dim, kv_heads, c, args.arch, window, args.softcap)
+                )
+                for causal in taken:
                     for cfg in configs:
-                        records.append(measure(kernel, head_dim, kv_heads, causal, cfg, args.arch))
+                        records.append(
+                            measure(kernel, head_dim, kv_heads, causal, cfg, args.arch, window, args.softcap)
+                        )
                         print(records[-1], file=sys.stderr, flush=True)
     if args.out:
         env = dict(kind="env", triton=triton.__version__, torch=torch.__version__, arch=f"sm_{args.arch}a")
