@@ -15,7 +15,7 @@ from .layout import (
     unshard,
 )
 from .ring import ring_attn_backward, ring_attn_forward
-from .schedule import BlockMode, BlockTask, block_tasks, kv_source_rank
+from .schedule import BlockMode, BlockTask, block_tasks, kv_source_rank, last_computing_step
 
 __all__ = [
     "LAYOUTS",
@@ -28,6 +28,7 @@ __all__ = [
     "check_seqlen",
     "chunks_per_rank",
     "kv_source_rank",
+    "last_computing_step",
     "pad_to_multiple",
     "position_ids",
     "ring_attn_backward",

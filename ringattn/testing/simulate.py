@@ -13,7 +13,7 @@ and timing what the decomposition itself costs against one fused call, without a
 
 import torch
 
-from ..ops import AttnOps
+from ..ops import AttnOps, capped_ops
 from ..parallel.layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
 from ..parallel.ring import (
     add_share_,
@@ -25,7 +25,9 @@ from ..parallel.ring import (
     own_block_forward,
     state_dtype,
 )
-from ..parallel.schedule import kv_source_rank
+from ..parallel.schedule import kv_source_rank, last_computing_step
+
+Window = tuple[int | None, int | None]
 
 
 def _check_shards(name: str, shards: list[torch.Tensor], world_size: int) -> None:
@@ -42,14 +44,17 @@ def simulate_ring_forward(
     causal: bool,
     layout: str = "contiguous",
     out_dtype: torch.dtype | None = None,
+    window: Window = (None, None),
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The forward of a ring of W = len(q_shards) ranks, run in this process.
+    """The forward of a ring of W = len(q_shards) ranks, run in this process, up to the last step any rank computes
+    (schedule.last_computing_step, as ring_attn_forward).
 
     Args:
         q_shards: W tensors (B, S_local, Hq, D), rank r's queries in `layout`.
         k_shards, v_shards: W tensors (B, S_local, Hkv, D).
         out_dtype: the dtype the finishing step of each row writes out in, as ring_attn_forward writes q's dtype;
             None: state_dtype (fp32, or float64 for float64 inputs), the unrounded result.
+        window: a sliding window over global positions (ops' form: None for no limit on a side), as the ring's.
     Returns:
         [(out, lse)] per rank: out (B, S_local, Hq, D) in out_dtype, lse (B, Hq, S_local) in state_dtype, as
         ring.ring_attn_forward returns them on that rank when W > 1 (also for W = 1 here).
@@ -61,21 +66,22 @@ def simulate_ring_forward(
     _check_shards("v_shards", v_shards, world_size)
     k_shards = [k.contiguous() for k in k_shards]  # what the real ring holds: its own block, then received copies
     v_shards = [v.contiguous() for v in v_shards]
-    plans = [finishing_plan(layout, rank, world_size, causal, q.shape[1]) for rank, q in enumerate(q_shards)]
+    plans = [finishing_plan(layout, rank, world_size, causal, q.shape[1], window=window)
+             for rank, q in enumerate(q_shards)]  # fmt: skip
     finished = [torch.empty(q.shape, dtype=out_dtype or state_dtype(q), device=q.device) for q in q_shards]
     states = [
         own_block_forward(ops, layout, rank, world_size, causal, softmax_scale, q, k, v,
-                          finished=finished[rank], finishing=plans[rank][0])
+                          finished=finished[rank], finishing=plans[rank][0], window=window)
         for rank, (q, k, v) in enumerate(zip(q_shards, k_shards, v_shards, strict=True))
     ]  # fmt: skip
-    for step in range(1, world_size):
+    for step in range(1, last_computing_step(layout, world_size, causal, q_shards[0].shape[1], window) + 1):
         for rank in range(world_size):
             kv = kv_source_rank(rank, step, world_size)
             out, lse = states[rank]
             forward_step(
                 ops, layout, rank, kv, world_size, causal, softmax_scale,
                 q_shards[rank], k_shards[kv], v_shards[kv], out, lse,
-                finished=finished[rank], finishing=plans[rank][step],
+                finished=finished[rank], finishing=plans[rank][step], window=window,
             )  # fmt: skip
     return [(finished[rank], lse) for rank, (_, lse) in enumerate(states)]
 
@@ -92,6 +98,7 @@ def simulate_ring_backward(
     causal: bool,
     layout: str = "contiguous",
     grad_dtype: torch.dtype | None = None,
+    window: Window = (None, None),
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The backward of a ring of W = len(q_shards) ranks, run in this process.
 
@@ -102,6 +109,7 @@ def simulate_ring_backward(
         grad_dtype: the dtype of the gradients, as ring_attn_backward returns the inputs' dtype: the finishing
             step of each dq row writes it in grad_dtype, and dk, dv are rounded to it with each block's last
             share (W > 1). None: state_dtype (fp32, or float64 for float64 inputs), unrounded.
+        window: as in simulate_ring_forward; the steps after the forward's last run no kernel, as in the ring.
     Returns:
         [(dq, dk, dv)] per rank, shaped like that rank's q, k, v, in grad_dtype or state_dtype.
     """
@@ -112,32 +120,36 @@ def simulate_ring_backward(
     k_shards = [k.contiguous() for k in k_shards]
     v_shards = [v.contiguous() for v in v_shards]
     deltas = [ops.bwd_preprocess(o, d) for o, d in zip(out_shards, dout_shards, strict=True)]
-    plans = [finishing_plan(layout, rank, world_size, causal, q.shape[1]) for rank, q in enumerate(q_shards)]
+    plans = [finishing_plan(layout, rank, world_size, causal, q.shape[1], window=window)
+             for rank, q in enumerate(q_shards)]  # fmt: skip
     dq_finished = [torch.empty(q.shape, dtype=grad_dtype or state_dtype(q), device=q.device) for q in q_shards]
     # as ring_attn_backward: step 0 stores dq and the own block's accumulators, later shares are stored then added
     grads = [
         own_block_backward(ops, layout, rank, world_size, causal, softmax_scale, dout_shards[rank], q_shards[rank],
                            k_shards[rank], v_shards[rank], out_shards[rank], lse_shards[rank], deltas[rank],
-                           dq_finished=dq_finished[rank], finishing=plans[rank][0])
+                           dq_finished=dq_finished[rank], finishing=plans[rank][0], window=window)
         for rank in range(world_size)
     ]  # fmt: skip
     dq = [g[0] for g in grads]
     dk_acc = [g[1] for g in grads]  # dk_acc[b]: the accumulator travelling with block b
     dv_acc = [g[2] for g in grads]
     share_k, share_v = torch.empty_like(dk_acc[0]), torch.empty_like(dv_acc[0])
-    for step in range(1, world_size):
+    last = last_computing_step(layout, world_size, causal, q_shards[0].shape[1], window)
+    for step in range(1, last + 1):
         for rank in range(world_size):
             kv = kv_source_rank(rank, step, world_size)
             rows = backward_step(
                 ops, layout, rank, kv, world_size, causal, softmax_scale,
                 dout_shards[rank], q_shards[rank], k_shards[kv], v_shards[kv], out_shards[rank],
                 lse_shards[rank], deltas[rank], dq[rank], share_k, share_v, add_dkdv=False,
-                dq_finished=dq_finished[rank], finishing=plans[rank][step],
+                dq_finished=dq_finished[rank], finishing=plans[rank][step], window=window,
             )  # fmt: skip
-            if step == world_size - 1 and grad_dtype is not None:
+            if step == last and grad_dtype is not None:
                 dk_acc[kv], dv_acc[kv] = add_share_rounded(dk_acc[kv], dv_acc[kv], share_k, share_v, rows, grad_dtype)
             else:
                 add_share_(dk_acc[kv], dv_acc[kv], share_k, share_v, rows)
+    if last == 0 and grad_dtype is not None:  # a window inside each rank's own block: no later share rounds them
+        dk_acc, dv_acc = [d.to(grad_dtype) for d in dk_acc], [d.to(grad_dtype) for d in dv_acc]
     return [(dq_finished[r], dk_acc[r], dv_acc[r]) for r in range(world_size)]
 
 
@@ -151,6 +163,8 @@ def simulate_ring_attn(
     world_size: int,
     layout: str = "contiguous",
     dout: torch.Tensor | None = None,
+    window: Window = (None, None),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, ...]:
     """Ring attention over full tensors: shard them for `world_size` virtual ranks, run the simulated ring,
     reassemble the results in global order.
@@ -158,6 +172,7 @@ def simulate_ring_attn(
     Args:
         q: (B, S, Hq, D); k, v: (B, S, Hkv, D); S divisible by world_size ("contiguous") or 2 world_size ("zigzag").
         dout: (B, S, Hq, D); when given, the backward runs too.
+        window, softcap: a sliding window over global positions (simulate_ring_forward) and the soft-cap (0: none).
     Returns:
         (out (B, S, Hq, D), lse (B, Hq, S)), and with dout also (dq, dk, dv), all in fp32
         (float64 for float64 inputs).
@@ -184,12 +199,14 @@ def simulate_ring_attn(
         return full
 
     qs, ks, vs = split(q), split(k), split(v)
-    states = simulate_ring_forward(ops, qs, ks, vs, softmax_scale, causal, layout)
+    ops = capped_ops(ops, softcap)
+    states = simulate_ring_forward(ops, qs, ks, vs, softmax_scale, causal, layout, window=window)
     outs, lses = [s[0] for s in states], [s[1] for s in states]
     result = (join(outs), join(lses, dim=2))
     if dout is None:
         return result
     # the backward sees the forward's output in the input dtype, as RingAttnFunction saves it
     outs_in = [o.to(q.dtype) for o in outs]
-    grads = simulate_ring_backward(ops, split(dout), qs, ks, vs, outs_in, lses, softmax_scale, causal, layout)
+    grads = simulate_ring_backward(ops, split(dout), qs, ks, vs, outs_in, lses, softmax_scale, causal, layout,
+                                   window=window)  # fmt: skip
     return result + tuple(join([g[i] for g in grads]) for i in range(3))
