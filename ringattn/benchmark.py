@@ -31,6 +31,7 @@ __all__ = [
     "run_measuring_peak",
     "script_parser",
     "time_ms",
+    "visible_pairs",
     "write_json",
     "write_records",
 ]
@@ -39,13 +40,39 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32} 
 CPU_REPEATS = 1  # calls per time_ms measurement in the interpreter: dry runs check that a script works, not speed
 
 
-def attention_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, mode: str) -> float:
+def attention_flops(
+    batch: int,
+    heads: int,
+    seqlen: int,
+    head_dim: int,
+    causal: bool,
+    mode: str,
+    window: tuple[int | None, int | None] = (None, None),
+) -> float:
     """FLOPs of self-attention over `seqlen` queries and keys: forward 4 B H S^2 D (two matrix products of
-    2 S^2 D each per head), halved when causal; mode "bwd" is 2.5x and "fwd+bwd" 3.5x the forward.
+    2 S^2 D each per head), halved when causal; with a sliding window (left, right) (None: no limit on that side;
+    flash-attn's window_size with -1 as None) 4 B H D times the (query, key) pairs the window leaves visible
+    (visible_pairs). Mode "bwd" is 2.5x and "fwd+bwd" 3.5x the forward.
 
     Returns a float; raises KeyError for another mode."""
-    fwd = 4 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
-    return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
+    if window == (None, None):
+        pairs = seqlen * seqlen * (0.5 if causal else 1.0)
+    else:
+        pairs = visible_pairs(seqlen, seqlen, causal, window)
+    return 4 * batch * heads * pairs * head_dim * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int | None, int | None]) -> int:
+    """How many (query, key) pairs a causal flag and a sliding window (left, right) leave visible, bottom-right
+    aligned as flash-attn's: row i sees keys j with i + Sk - Sq - left <= j <= i + Sk - Sq + right (None: no limit),
+    causal capping right at 0. Counted in O(Sq)."""
+    left, right = window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    rows = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)
+    first = (rows - left).clamp(min=0) if left is not None else torch.zeros_like(rows)
+    last = (rows + right).clamp(max=seqlen_k - 1) if right is not None else torch.full_like(rows, seqlen_k - 1)
+    return int((last - first + 1).clamp(min=0).sum())
 
 
 def attention_inputs(

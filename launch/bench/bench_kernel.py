@@ -6,36 +6,44 @@ Every provider runs in the same process on the same inputs.
     PYTHONPATH=. python3 launch/bench/bench_kernel.py --long --append --out docs/benchmarks/kernel_h200.json
     PYTHONPATH=. python3 launch/bench/bench_kernel.py --seqlens 4096 --head-dims 128 --out /tmp/k.json  # a subset
     PYTHONPATH=. python3 launch/bench/bench_kernel.py --provider-only ringattn fa4 --seqlens 16384 --out /tmp/k.json
+    PYTHONPATH=. python3 launch/bench/bench_kernel.py --seqlens 32768 --head-dims 128 --causal-only \
+        --windows none 4096,0 --softcaps 0 30 --providers ringattn fa4 flex \
+        --out docs/benchmarks/kernel_window_h200.json
     TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench/bench_kernel.py --tiny --providers ringattn flash  # CPU
 
 Providers (--providers, or its alias --provider-only; default: all that import):
 - ringattn: ringattn.flash_attn_func, (B, S, H, D); ringattn-deterministic: the same with deterministic=True;
 - cudnn, flash: F.scaled_dot_product_attention under sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) or
   ([SDPBackend.FLASH_ATTENTION]) (FlashAttention-2 inside PyTorch), (B, H, S, D), GQA by enable_gqa;
-- flex: torch.compile(flex_attention), a causal create_block_mask, (B, H, S, D);
+- flex: torch.compile(flex_attention), a causal (and sliding-window) create_block_mask, soft-capping as a score_mod,
+  (B, H, S, D);
 - fa4: flash_attn.cute.flash_attn_func (FlashAttention-4, its SM90 path on Hopper), (B, S, H, D), when
   `from flash_attn.cute import flash_attn_func` imports.
+cudnn and flash take neither sliding windows nor soft-capping: such cells list them with an error.
 
 Grid: bf16, H = --heads (32), B * S = --tokens (32768), S in --seqlens, D in --head-dims, causal and not, MHA
-and (at D = 128, unless --no-gqa) GQA with Hkv = 8. --long replaces the grid by one cell, B = 1, S = 131072,
+and (at D = 128, unless --no-gqa) GQA with Hkv = 8 (--causal-only: the causal cells alone), each with every sliding
+window of --windows (flash-attn's window_size as LEFT,RIGHT, -1 for no limit; "none") and every soft-cap of
+--softcaps (0: none). --long replaces the grid by one cell, B = 1, S = 131072,
 D = 128, causal: extra memory must stay O(S). A provider that refuses a cell or runs out of memory is listed
 with its error, not timed. Every provider's output is checked against an fp32 reference before it is timed:
 the last CHECK_ROWS query rows (they see every key, causal or not) of the query heads of K/V heads 0..1, batch 0,
 against all keys, so the reference holds 2 x (H / Hkv) x CHECK_ROWS x S scores, never S x S.
 
 Timing: triton.testing.do_bench (warm-up 50 ms, 300 ms of calls), median, every provider in the same run.
-TFLOP/s: forward 4 B H S^2 D (x 0.5 causal), forward+backward 3.5 x that. peak_bytes: the peak memory allocated
+TFLOP/s: forward 4 B H S^2 D (x 0.5 causal; with a window 4 B H D x the visible pairs), forward+backward 3.5 x
+that. peak_bytes: the peak memory allocated
 (torch.cuda.max_memory_allocated) during one call of its own above what was allocated before it (the inputs);
 forward: the output and the kernel's workspace, forward+backward: also the gradients. On the CPU (--tiny: the
 Triton interpreter, fp32) times are perf_counter medians and peak_bytes is null: a dry run of the script.
 
 Writes --out as JSON: {"environment": {gpu, torch, triton, cuda, python, dtype, tokens, heads, fa4, commands},
-"records": [{provider, B, S, H, Hkv, D, causal, mode ("fwd" | "fwd+bwd"), ms, tflops, peak_bytes}, ...],
-"errors": [{provider, B, S, H, Hkv, D, causal, mode, error}, ...]}, after every cell (a run cut short keeps what
-it measured). --append merges this run into an existing --out: its records and errors replace those of the same
-cell (provider, B, S, H, Hkv, D, causal, mode), the others are kept, and its command line is added to
-"commands"; refused when the file was measured on another GPU or other versions. Prints a markdown table with
-ratios; launch/bench/plot_kernel_bench.py draws the plots.
+"records": [{provider, B, S, H, Hkv, D, causal, window ([left, right], -1: no limit), softcap, mode ("fwd" |
+"fwd+bwd"), ms, tflops, peak_bytes}, ...], "errors": [{provider, B, S, H, Hkv, D, causal, window, softcap, mode,
+error}, ...]}, after every cell (a run cut short keeps what it measured). --append merges this run into an existing
+--out: its records and errors replace those of the same cell (CELL_KEYS), the others are kept, and its command line
+is added to "commands"; refused when the file was measured on another GPU or other versions. Prints a markdown
+table with ratios; launch/bench/plot_kernel_bench.py draws the plots.
 """
 
 import argparse
@@ -70,7 +78,8 @@ PROVIDERS = ("ringattn", "ringattn-deterministic", "cudnn", "flash", "flex", "fa
 LAYOUTS = {"ringattn": "bshd", "ringattn-deterministic": "bshd", "cudnn": "bhsd", "flash": "bhsd", "flex": "bhsd",
            "fa4": "bshd"}  # fmt: skip
 MODES = ("fwd", "fwd+bwd")
-CELL_KEYS = ("provider", "B", "S", "H", "Hkv", "D", "causal", "mode")  # a record or error of one measurement
+CELL_KEYS = ("provider", "B", "S", "H", "Hkv", "D", "causal", "window", "softcap", "mode")  # one measurement
+NO_WINDOW = [-1, -1]  # flash-attn's window_size for none, as records hold it
 IDENTITY = ("gpu", "torch", "triton", "cuda", "dtype", "fa4")  # what --append requires to be the same
 LONG_CELL = (1, 131072, 128, True)  # (B, S, D, causal) of --long, Hkv = H
 GQA_KV_HEADS = 8
@@ -101,8 +110,15 @@ def fa4_version() -> str | None:
         return getattr(flash_attn, "__version__", "unknown")
 
 
+def _window(window: list[int]) -> tuple[int | None, int | None]:
+    """flash-attn's window_size (-1: no limit) as (left, right) with None for no limit."""
+    return tuple(None if side < 0 else side for side in window)
+
+
 def _sdpa(backend: SDPBackend) -> Callable:
-    def run(q, k, v, causal):  # (B, H, S, D), (B, Hkv, S, D) -> (B, H, S, D)
+    def run(q, k, v, causal, window, softcap):  # (B, H, S, D), (B, Hkv, S, D) -> (B, H, S, D)
+        if window != NO_WINDOW or softcap:
+            raise ValueError("SDPA takes neither sliding windows nor soft-capping")
         with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
@@ -116,43 +132,70 @@ def _flex() -> Callable:
     masks: dict = {}
     cell: list = [None]
 
-    def causal_mask(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
+    def band_mask(causal: bool, window: tuple[int | None, int | None], shift: int) -> Callable:
+        left, right = window
+        if causal:
+            right = 0 if right is None else min(right, 0)
 
-    def run(q, k, v, causal):  # (B, H, S, D), (B, Hkv, S, D) -> (B, H, S, D)
-        if cell[0] != (q.shape, k.shape, causal):
+        def mask(b, h, q_idx, kv_idx):  # bottom-right: row i sees keys from i + shift - left to i + shift + right
+            diagonal = q_idx + shift
+            visible = kv_idx >= 0
+            if left is not None:
+                visible = visible & (kv_idx >= diagonal - left)
+            if right is not None:
+                visible = visible & (kv_idx <= diagonal + right)
+            return visible
+
+        return mask
+
+    def run(q, k, v, causal, window, softcap):  # (B, H, S, D), (B, Hkv, S, D) -> (B, H, S, D)
+        if cell[0] != (q.shape, k.shape, causal, window, softcap):
             # Compile each cell afresh: past dynamo's recompile limit (8; the grid's 24 cells compile
             # twice each, with and without grad) flex_attention would silently run unfused, S x S.
-            cell[0] = (q.shape, k.shape, causal)
+            cell[0] = (q.shape, k.shape, causal, window, softcap)
             torch._dynamo.reset()
         block_mask = None
-        if causal:
-            key = (q.shape[2], k.shape[2])
+        if causal or window != NO_WINDOW:
+            key = (q.shape[2], k.shape[2], causal, tuple(window))
             if key not in masks:
-                masks[key] = create_block_mask(causal_mask, None, None, key[0], key[1], device=q.device)
+                mask = band_mask(causal, _window(window), key[1] - key[0])
+                masks[key] = create_block_mask(mask, None, None, key[0], key[1], device=q.device)
             block_mask = masks[key]
-        return compiled(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+        score_mod = None
+        if softcap:
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return softcap * torch.tanh(score / softcap)
+
+        return compiled(q, k, v, block_mask=block_mask, score_mod=score_mod, enable_gqa=k.shape[1] != q.shape[1])
 
     return run
 
 
 def _fa4(flash_attn_func: Callable) -> Callable:
-    def run(q, k, v, causal):  # (B, S, H, D), (B, S, Hkv, D) -> (B, S, H, D)
-        result = flash_attn_func(q, k, v, causal=causal)
+    def run(q, k, v, causal, window, softcap):  # (B, S, H, D), (B, S, Hkv, D) -> (B, S, H, D)
+        options = {}
+        if window != NO_WINDOW:
+            options["window_size"] = _window(window)
+        if softcap:
+            options["softcap"] = softcap
+        result = flash_attn_func(q, k, v, causal=causal, **options)
         return result[0] if isinstance(result, tuple) else result  # (out, lse)
 
     return run
 
 
 def _ringattn(deterministic: bool) -> Callable:
-    def run(q, k, v, causal):  # (B, S, H, D), (B, S, Hkv, D) -> (B, S, H, D)
-        return ringattn.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+    def run(q, k, v, causal, window, softcap):  # (B, S, H, D), (B, S, Hkv, D) -> (B, S, H, D)
+        return ringattn.flash_attn_func(q, k, v, causal=causal, window_size=tuple(window), softcap=softcap,
+                                        deterministic=deterministic)  # fmt: skip
 
     return run
 
 
 def provider_functions(names: list[str]) -> dict[str, Callable]:
-    """name -> fn(q, k, v, causal) -> out, in the provider's layout (LAYOUTS). Raises ValueError for fa4 when
+    """name -> fn(q, k, v, causal, window, softcap) -> out, in the provider's layout (LAYOUTS), window flash-attn's
+    [left, right] (-1: no limit), softcap 0 for none. Raises ValueError for fa4 when
     flash_attn.cute does not import."""
     fns: dict[str, Callable] = {}
     for name in names:
@@ -170,16 +213,17 @@ def provider_functions(names: list[str]) -> dict[str, Callable]:
     return fns
 
 
-def check_output(out_bshd: torch.Tensor, q, k, v, causal) -> float:
+def check_output(out_bshd: torch.Tensor, q, k, v, causal, window=NO_WINDOW, softcap=0.0) -> float:
     """Relative L2 error of the last CHECK_ROWS query rows of K/V heads 0..1 (their query heads) of
-    batch 0 against an fp32 reference over all keys; raises AssertionError above 1e-2.
+    batch 0 against an fp32 reference over all keys (with the cell's window and softcap); raises AssertionError
+    above 1e-2.
 
     out_bshd, q: (B, S, Hq, D); k, v: (B, S, Hkv, D). The reference's causal mask is bottom-right
     aligned, so the last rows of a causal problem are checked against exactly the keys they see.
     """
     group = q.shape[2] // k.shape[2]
     q_s, k_s, v_s = q[:1, -CHECK_ROWS:, : 2 * group].float(), k[:1, :, :2].float(), v[:1, :, :2].float()
-    ref, _ = attn_fwd_ref(q_s, k_s, v_s, q.shape[-1] ** -0.5, causal)
+    ref, _ = attn_fwd_ref(q_s, k_s, v_s, q.shape[-1] ** -0.5, causal, window=_window(window), softcap=softcap)
     got = out_bshd[:1, -CHECK_ROWS:, : 2 * group].float()
     err = ((got - ref).norm() / ref.norm()).item()
     if not err < 1e-2:
@@ -187,21 +231,22 @@ def check_output(out_bshd: torch.Tensor, q, k, v, causal) -> float:
     return err
 
 
-def measure(fn: Callable, layout: str, q, k, v, dout, causal: bool, mode: str) -> dict:
+def measure(fn: Callable, layout: str, q, k, v, dout, options: tuple, mode: str) -> dict:
     """{"ms": median time of one call, "peak_bytes": extra peak memory of one call (None on the CPU)} of one
-    provider on one cell; q, dout (B, S, H, D), k, v (B, S, Hkv, D), transposed here for a "bhsd" provider."""
+    provider on one cell; q, dout (B, S, H, D), k, v (B, S, Hkv, D), transposed here for a "bhsd" provider;
+    options (causal, window, softcap)."""
     if layout == "bhsd":
         q, k, v, dout = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))
     q, k, v = (t.detach().requires_grad_(mode == "fwd+bwd") for t in (q, k, v))
     if mode == "fwd":
 
         def step():
-            return fn(q, k, v, causal)
+            return fn(q, k, v, *options)
 
     else:
 
         def step():
-            fn(q, k, v, causal).backward(dout)
+            fn(q, k, v, *options).backward(dout)
 
     step()  # compile / warm caches
     q.grad = k.grad = v.grad = None
@@ -213,17 +258,27 @@ def measure(fn: Callable, layout: str, q, k, v, dout, causal: bool, mode: str) -
     return dict(ms=ms, peak_bytes=peak)
 
 
-def shapes(args) -> list[tuple[int, int, int, int, bool]]:
-    """(B, S, Hkv, D, causal) cells: --long's one, or the MHA grid plus GQA (Hkv = 8) at D = 128."""
+def shapes(args) -> list[tuple[int, int, int, int, bool, list[int], float]]:
+    """(B, S, Hkv, D, causal, window, softcap) cells: --long's one, or the MHA grid plus GQA (Hkv = 8) at D = 128,
+    each with every window of --windows and soft-cap of --softcaps."""
     if args.long:
         batch, seqlen, head_dim, causal = LONG_CELL
-        return [(batch, seqlen, args.heads, head_dim, causal)]
-    cells = [
-        (args.tokens // s, s, args.heads, d, c) for d in args.head_dims for s in args.seqlens for c in (False, True)
-    ]
+        return [(batch, seqlen, args.heads, head_dim, causal, NO_WINDOW, 0.0)]
+    masks = (True,) if args.causal_only else (False, True)
+    cells = [(args.tokens // s, s, args.heads, d, c) for d in args.head_dims for s in args.seqlens for c in masks]
     if 128 in args.head_dims and not args.no_gqa:
-        cells += [(args.tokens // s, s, GQA_KV_HEADS, 128, c) for s in args.seqlens for c in (False, True)]
-    return cells
+        cells += [(args.tokens // s, s, GQA_KV_HEADS, 128, c) for s in args.seqlens for c in masks]
+    return [(*cell, w, cap) for cell in cells for w in args.windows for cap in args.softcaps]
+
+
+def _window_arg(text: str) -> list[int]:
+    """--windows item: "none" or LEFT,RIGHT (flash-attn's window_size, -1 for no limit)."""
+    if text == "none":
+        return NO_WINDOW
+    left, right = (int(side) for side in text.split(","))
+    if left < -1 or right < -1:
+        raise ValueError(text)
+    return [left, right]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -237,6 +292,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "imports)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--no-gqa", action="store_true", help="no Hkv = 8 cells")
+    parser.add_argument("--causal-only", action="store_true", help="only the causal cells")
+    parser.add_argument("--windows", nargs="+", type=_window_arg, default=[NO_WINDOW], metavar="LEFT,RIGHT",
+                        help='sliding windows, flash-attn\'s window_size with -1 for no limit, or "none"')  # fmt: skip
+    parser.add_argument("--softcaps", nargs="+", type=float, default=[0.0], help="soft-caps, 0 for none")
     parser.add_argument("--long", action="store_true", help="only the cell B=1, S=131072, D=128, causal")
     parser.add_argument("--out", default=None, help="JSON path")
     parser.add_argument("--append", action="store_true", help="merge this run into --out (module docstring)")
@@ -270,17 +329,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bench_kernel.py: error: {exc}", file=sys.stderr)
         return 2
-    for batch, seqlen, heads_k, head_dim, causal in shapes(args):
-        new = bench_cell(fns, batch, seqlen, args.heads, heads_k, head_dim, causal, args.modes, dtype, device)
+    for batch, seqlen, heads_k, head_dim, causal, window, softcap in shapes(args):
+        options = (causal, window, softcap)
+        new = bench_cell(fns, batch, seqlen, args.heads, heads_k, head_dim, options, args.modes, dtype, device)
         records, errors = merge(records, errors, new)
         write_records(args.out, env, records, errors=errors)  # after every cell: a run cut short keeps what it measured
     print(markdown_table(records))
     return 0
 
 
-def bench_cell(fns: dict, batch: int, seqlen: int, heads: int, heads_k: int, head_dim: int, causal: bool,
+def bench_cell(fns: dict, batch: int, seqlen: int, heads: int, heads_k: int, head_dim: int, options: tuple,
                modes: list[str], dtype: torch.dtype, device: torch.device) -> list[dict]:  # fmt: skip
-    """Records and errors (those with an "error" key) of every provider and mode on one cell."""
+    """Records and errors (those with an "error" key) of every provider and mode on one cell; options (causal,
+    window, softcap)."""
+    causal, window, softcap = options
     gen = torch.Generator(device=device).manual_seed(seqlen + head_dim)
     q, dout = (torch.randn(batch, seqlen, heads, head_dim, device=device, generator=gen, dtype=dtype)
                for _ in range(2))  # fmt: skip
@@ -289,12 +351,15 @@ def bench_cell(fns: dict, batch: int, seqlen: int, heads: int, heads_k: int, hea
     results = []
     for provider, fn in fns.items():
         layout = LAYOUTS[provider]
-        base = dict(provider=provider, B=batch, S=seqlen, H=heads, Hkv=heads_k, D=head_dim, causal=causal)
+        base = dict(provider=provider, B=batch, S=seqlen, H=heads, Hkv=heads_k, D=head_dim, causal=causal,
+                    window=window, softcap=softcap)  # fmt: skip
         what = f"{provider:8} S{seqlen:>6} D{head_dim} Hkv{heads_k:>2} causal={causal!s:5}"
+        what += "" if window == NO_WINDOW else f" window={window}"
+        what += f" softcap={softcap:g}" if softcap else ""
         try:
             qq, kk, vv = (t.transpose(1, 2).contiguous() for t in (q, k, v)) if layout == "bhsd" else (q, k, v)
-            out = fn(qq, kk, vv, causal)
-            check_output(out.transpose(1, 2) if layout == "bhsd" else out, q, k, v, causal)
+            out = fn(qq, kk, vv, *options)
+            check_output(out.transpose(1, 2) if layout == "bhsd" else out, q, k, v, *options)
             del out
         except Exception as exc:  # noqa: BLE001 - a provider that refuses the cell is listed, not fatal
             error = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -303,12 +368,13 @@ def bench_cell(fns: dict, batch: int, seqlen: int, heads: int, heads_k: int, hea
             continue
         for mode in modes:
             try:
-                result = measure(fn, layout, q, k, v, dout, causal, mode)
+                result = measure(fn, layout, q, k, v, dout, options, mode)
             except Exception as exc:  # noqa: BLE001 - out of memory in the backward, say
                 results.append(dict(base, mode=mode, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
                 print(f"{what} {mode:8}: {results[-1]['error']}", flush=True)
                 continue
-            tflops = attention_flops(batch, heads, seqlen, head_dim, causal, mode) / result["ms"] / 1e9
+            flops = attention_flops(batch, heads, seqlen, head_dim, causal, mode, _window(window))
+            tflops = flops / result["ms"] / 1e9
             results.append(dict(base, mode=mode, ms=result["ms"], tflops=tflops, peak_bytes=result["peak_bytes"]))
             peak = "" if result["peak_bytes"] is None else f" peak +{result['peak_bytes'] / 2**20:8.1f} MiB"
             print(f"{what} {mode:8} {result['ms']:8.3f} ms {tflops:6.1f} TFLOP/s{peak}", flush=True)
@@ -318,7 +384,11 @@ def bench_cell(fns: dict, batch: int, seqlen: int, heads: int, heads_k: int, hea
 
 
 def cell_key(r: dict) -> tuple:
-    return tuple(r[k] for k in CELL_KEYS)
+    """CELL_KEYS of a record or error; window and softcap default to none (records written before they existed)."""
+    defaults = dict(window=NO_WINDOW, softcap=0.0)
+    key = [r[k] if k in r else defaults[k] for k in CELL_KEYS]
+    key[CELL_KEYS.index("window")] = tuple(key[CELL_KEYS.index("window")])
+    return tuple(key)
 
 
 def merge(records: list[dict], errors: list[dict], new: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -353,21 +423,25 @@ def start(env: dict, append_to: str | None, command: str) -> tuple[dict, list[di
 
 
 def markdown_table(records: list[dict]) -> str:
-    """One row per (D, Hkv, causal, S, mode): TFLOP/s of each provider and ringattn's ratio to each."""
+    """One row per (D, Hkv, causal, window, softcap, S, mode): TFLOP/s of each provider and ringattn's ratio to
+    each (the window and softcap columns only where some record has one)."""
     providers = sorted({r["provider"] for r in records}, key=PROVIDERS.index)
     others = [p for p in providers if p != "ringattn"]
-    head = ["D", "Hkv", "causal", "S", "mode", *providers, *(f"ours/{p}" for p in others)]
     cells: dict = {}
     for r in records:
-        cells.setdefault((r["D"], r["Hkv"], r["causal"], r["S"], r["mode"]), {})[r["provider"]] = r["tflops"]
+        _, _, s, _, hkv, d, causal, window, softcap, mode = cell_key(r)
+        cells.setdefault((d, hkv, causal, window, softcap, s, mode), {})[r["provider"]] = r["tflops"]
+    banded = any(key[3] != tuple(NO_WINDOW) or key[4] for key in cells)
+    head = ["D", "Hkv", "causal", *(("window", "softcap") if banded else ()), "S", "mode", *providers]
     rows = []
-    for key in sorted(cells, key=lambda c: (c[0], -c[1], c[2], c[3], MODES.index(c[4]))):
+    for key in sorted(cells, key=lambda c: (c[0], -c[1], c[2], c[3], c[4], c[5], MODES.index(c[6]))):
         row = cells[key]
         vals = [f"{row[p]:.0f}" if p in row else "-" for p in providers]
         ratios = [f"{row['ringattn'] / row[p]:.2f}" if "ringattn" in row and p in row else "-" for p in others]
-        d, hkv, causal, s, mode = key
-        rows.append([d, hkv, "yes" if causal else "no", s, mode, *vals, *ratios])
-    return benchmark.markdown_table(head, rows)
+        d, hkv, causal, window, softcap, s, mode = key
+        band = (("-" if window == tuple(NO_WINDOW) else f"({window[0]}, {window[1]})"), f"{softcap:g}")
+        rows.append([d, hkv, "yes" if causal else "no", *(band if banded else ()), s, mode, *vals, *ratios])
+    return benchmark.markdown_table([*head, *(f"ours/{p}" for p in others)], rows)
 
 
 if __name__ == "__main__":

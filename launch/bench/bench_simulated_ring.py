@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py
     PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --world-sizes 8 --seqlens-local 8192 --out /tmp/s.json
+    PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --world-sizes 8 --seqlens-local 16384 --window 4096 \
+        --layouts contiguous --no-block --out docs/benchmarks/simulated_ring_window_h200.json
     TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --tiny  # CPU dry run, no JSON
 
 Claim measured: at S_local >= 8k, D = 128, the simulated ring's forward+backward is within 5% of one
@@ -18,6 +20,11 @@ block, in both layouts). Providers, each timed "fwd" and "fwd+bwd":
   returning bf16 as ring_attn_forward and ring_attn_backward do (out and dq rounded by the kernel of the
   step that finishes each row, dK and dV with their last share): what RingAttnFunction does on every
   rank, summed over the W ranks, without communication.
+--window LEFT gives every cell a sliding window of LEFT keys back (flash-attn's window_size (LEFT, 0) with causal,
+(LEFT, -1) without), the fused call the same window; --softcap soft-caps both. A ring record counts the ring's steps
+that computed something, summed over the ranks (steps_computed, of W^2), and the forward's steps (forward_steps, of
+W: the ring stops after the last step any rank computes, and no K/V travels further); FLOPs are then counted over
+the window's visible pairs.
 Before any timing, the ring's out, dq, dk, dv must be within 1e-2 relative L2 error of the fused call's
 (a failing cell is recorded with "error" and not timed; the script then exits with status 1).
 
@@ -57,8 +64,8 @@ from ringattn.benchmark import (
     time_ms,
     write_json,
 )
-from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd
-from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, shard_indices
+from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, capped_ops
+from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, last_computing_step, shard_indices
 from ringattn.parallel.ring import add_share_, backward_step, forward_step
 from ringattn.testing import simulate_ring_backward, simulate_ring_forward
 
@@ -87,10 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     parser.add_argument("--rounds", type=int, default=3, help="alternating timings of the ring and its fused call")
     parser.add_argument("--no-block", action="store_true", help="skip the block entry point section")
+    parser.add_argument("--window", type=int, default=-1, metavar="LEFT",
+                        help="a sliding window of LEFT keys back in every cell (-1: none)")  # fmt: skip
+    parser.add_argument("--softcap", type=float, default=0.0, help="soft-cap the scores (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/benchmarks/simulated_ring_h200.json", help="JSON path")
     args = parse_with_tiny(parser, TINY, argv)
     args.kv_heads = args.kv_heads or args.heads
+    args.band = (args.window, None) if args.window >= 0 else (None, None)  # the window in ringattn.ops' form
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = DTYPES[args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")]
     if any(s % 2 for s in args.seqlens_local) and "zigzag" in args.layouts:
@@ -124,35 +135,51 @@ def relative_error(parts: list[torch.Tensor], full: torch.Tensor, idx: list[torc
     return (num / full.float().square().sum()).sqrt().item()
 
 
-def fused_calls(q, k, v, dout, scale: float, causal: bool):
+def fused_calls(q, k, v, dout, scale: float, causal: bool, window, softcap: float):
     """(fwd, fwd+bwd) closures of one fused call over the whole sequence; fwd+bwd returns (out, dq, dk, dv)."""
+    options = dict(window=window, softcap=softcap)
 
     def fwd():
-        return attn_fwd(q, k, v, scale, causal)
+        return attn_fwd(q, k, v, scale, causal, **options)
 
     def fwd_bwd():
-        out, lse = attn_fwd(q, k, v, scale, causal)
-        return (out, *attn_bwd(dout, q, k, v, out, lse, scale, causal))
+        out, lse = attn_fwd(q, k, v, scale, causal, **options)
+        return (out, *attn_bwd(dout, q, k, v, out, lse, scale, causal, **options))
 
     return fwd, fwd_bwd
 
 
-def ring_calls(shards, scale: float, causal: bool, layout: str):
+def ring_calls(shards, scale: float, causal: bool, layout: str, window, softcap: float):
     """(fwd, fwd+bwd) closures of the simulated ring on pre-split shards (q, k, v, dout lists), returning the
     inputs' dtype as RingAttnFunction does; fwd+bwd returns (outs, dqs, dks, dvs), lists over the ranks."""
     qs, ks, vs, douts = shards
     dtype = qs[0].dtype
+    ops = capped_ops(KERNEL_OPS, softcap)
 
     def fwd():
-        states = simulate_ring_forward(KERNEL_OPS, qs, ks, vs, scale, causal, layout, dtype)
+        states = simulate_ring_forward(ops, qs, ks, vs, scale, causal, layout, dtype, window=window)
         return [out for out, _ in states], [lse for _, lse in states]
 
     def fwd_bwd():
         outs, lses = fwd()
-        grads = simulate_ring_backward(KERNEL_OPS, douts, qs, ks, vs, outs, lses, scale, causal, layout, dtype)
+        grads = simulate_ring_backward(ops, douts, qs, ks, vs, outs, lses, scale, causal, layout, dtype,
+                                       window=window)  # fmt: skip
         return (outs, *([g[i] for g in grads] for i in range(3)))
 
     return fwd, fwd_bwd
+
+
+def ring_steps(shape: dict, layout: str, causal: bool, window) -> dict:
+    """The ring's steps: those with a task (block_tasks), summed over the ranks, and the forward's (it stops after
+    last_computing_step)."""
+    world_size, seqlen_local = shape["W"], shape["S_local"]
+    computed = sum(
+        bool(block_tasks(layout, rank, (rank - step) % world_size, world_size, causal, seqlen_local, window))
+        for rank in range(world_size)
+        for step in range(world_size)
+    )
+    forward = last_computing_step(layout, world_size, causal, seqlen_local, window) + 1
+    return dict(steps_computed=computed, forward_steps=forward)
 
 
 def peak_of(fn, args, peak_bytes: int | None = None) -> int | None:
@@ -172,11 +199,13 @@ def bench_cell(world_size: int, seqlen_local: int, args, fused_cache: dict) -> l
     seqlen = world_size * seqlen_local
     q, k, v, dout = make_inputs(seqlen, args, seed=args.seed + seqlen)
     scale = args.head_dim**-0.5
-    shape = dict(W=world_size, S_local=seqlen_local, S=seqlen, H=args.heads, Hkv=args.kv_heads, D=args.head_dim)
+    cell = dict(W=world_size, S_local=seqlen_local, S=seqlen, H=args.heads, Hkv=args.kv_heads, D=args.head_dim)
     records = []
     full = "all" in args.full_cells or (world_size, seqlen_local) in args.full_cells
     for causal in (True, False) if full else (True,):
-        fused_fwd, fused_fwd_bwd = fused_calls(q, k, v, dout, scale, causal)
+        window = [args.window, 0 if causal else -1] if args.window >= 0 else [-1, -1]  # flash-attn's window_size
+        shape = dict(cell, window=window, softcap=args.softcap)
+        fused_fwd, fused_fwd_bwd = fused_calls(q, k, v, dout, scale, causal, args.band, args.softcap)
         expected, fb_peak = run_measuring_peak(fused_fwd_bwd, args.device)  # the reference of the check
         if (seqlen, causal) not in fused_cache:
             fused_cache[seqlen, causal] = {"fwd": measure(fused_fwd, args),
@@ -206,7 +235,7 @@ def bench_ring(q, k, v, dout, shape: dict, layout: str, causal: bool, expected, 
     seqlen, world_size = shape["S"], shape["W"]
     idx = [shard_indices(seqlen, r, world_size, layout, device=args.device) for r in range(world_size)]
     shards = [[t.index_select(1, i) for i in idx] for t in (q, k, v, dout)]
-    ring_fwd, ring_fwd_bwd = ring_calls(shards, shape["D"] ** -0.5, causal, layout)
+    ring_fwd, ring_fwd_bwd = ring_calls(shards, shape["D"] ** -0.5, causal, layout, args.band, args.softcap)
     got, fb_peak = run_measuring_peak(ring_fwd_bwd, args.device)
     errors = {n: relative_error(g, e, idx) for n, g, e in zip(NAMES, got, expected, strict=True)}
     del got
@@ -215,15 +244,17 @@ def bench_ring(q, k, v, dout, shape: dict, layout: str, causal: bool, expected, 
         print(f"W={world_size} S_local={shape['S_local']} {layout} causal={causal}: {error}", flush=True)
         return [dict(provider="simulated_ring", **shape, layout=layout, causal=causal, error=error)]
     records = []
+    steps = ring_steps(shape, layout, causal, args.band)
     for mode, fn, peak in (("fwd", ring_fwd, None), ("fwd+bwd", ring_fwd_bwd, fb_peak)):
         fused_ms, ring_ms = paired_ms(fused[mode], fn, args)
         result = dict(ms=ring_ms, peak_bytes=peak_of(fn, args, peak))
-        records.append(_record("simulated_ring", shape, layout, causal, mode, result, fused_ms))
+        records.append(dict(_record("simulated_ring", shape, layout, causal, mode, result, fused_ms), **steps))
     return records
 
 
 def _record(provider: str, shape: dict, layout, causal: bool, mode: str, result: dict, baseline_ms=None) -> dict:
-    tflops = attention_flops(1, shape["H"], shape["S"], shape["D"], causal, mode) / result["ms"] / 1e9
+    window = tuple(None if side < 0 else side for side in shape.get("window", (-1, -1)))
+    tflops = attention_flops(1, shape["H"], shape["S"], shape["D"], causal, mode, window) / result["ms"] / 1e9
     rec = dict(provider=provider, **shape, layout=layout, causal=causal, mode=mode, ms=result["ms"], tflops=tflops,
                peak_bytes=result["peak_bytes"])  # fmt: skip
     if baseline_ms is not None:
@@ -278,7 +309,8 @@ def bench_block(seqlen_local: int, args) -> list[dict]:
 
 
 def ring_table(records: list[dict]) -> str:
-    """One row per ring configuration: paired fused and ring ms per mode, overheads, ring TFLOP/s, peak memory."""
+    """One row per ring configuration: paired fused and ring ms per mode, overheads, ring TFLOP/s, peak memory, the
+    steps that computed (of W^2, over the ranks) and the forward's steps (of W)."""
     by_key: dict = {}
     for r in records:
         if "ms" in r and r["provider"] in ("fused", "simulated_ring"):
@@ -294,10 +326,12 @@ def ring_table(records: list[dict]) -> str:
             rows.append([s_local, world_size, s_local * world_size, layout, "yes" if causal else "no",
                          f"{ring[0]['fused_ms']:.2f}", f"{ring[0]['ms']:.2f}", f"{100 * ring[0]['overhead']:+.1f}%",
                          f"{ring[1]['fused_ms']:.2f}", f"{ring[1]['ms']:.2f}", f"{100 * ring[1]['overhead']:+.1f}%",
-                         f"{ring[1]['tflops']:.0f}", _gib(fused[1]), _gib(ring[1])])  # fmt: skip
+                         f"{ring[1]['tflops']:.0f}", _gib(fused[1]), _gib(ring[1]),
+                         f"{ring[1]['steps_computed']} / {world_size**2}",
+                         f"{ring[1]['forward_steps']} / {world_size}"])  # fmt: skip
     head = ["S_local", "W", "S", "layout", "causal", "fused fwd ms", "ring fwd ms", "fwd overhead",
             "fused f+b ms", "ring f+b ms", "f+b overhead", "ring f+b TFLOP/s", "fused f+b peak GiB",
-            "ring f+b peak GiB"]  # fmt: skip
+            "ring f+b peak GiB", "steps computed", "forward steps"]  # fmt: skip
     return markdown_table(head, rows)
 
 

@@ -17,7 +17,21 @@ import bench_kernel  # noqa: E402 (a script beside the package, found through la
 
 ENV = dict(gpu="NVIDIA H200", torch="2.11.0+cu130", triton="3.6.0", cuda="13.0", python="3.12.3", dtype="bfloat16",
            tokens=32768, heads=32, fa4=None)  # fmt: skip
-RECORD_KEYS = ["provider", "B", "S", "H", "Hkv", "D", "causal", "mode", "ms", "tflops", "peak_bytes"]
+RECORD_KEYS = [
+    "provider",
+    "B",
+    "S",
+    "H",
+    "Hkv",
+    "D",
+    "causal",
+    "window",
+    "softcap",
+    "mode",
+    "ms",
+    "tflops",
+    "peak_bytes",
+]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -32,9 +46,9 @@ def test_check_output_uses_the_last_rows_against_all_keys(seqlen, heads_k, causa
     out, _ = attn_fwd_ref(q, k, v, 16**-0.5, causal)
     rows_seen = []
 
-    def spy(q_s, *args):
+    def spy(q_s, *args, **kwargs):
         rows_seen.append(q_s.shape[1])
-        return attn_fwd_ref(q_s, *args)
+        return attn_fwd_ref(q_s, *args, **kwargs)
 
     monkeypatch.setattr(bench_kernel, "attn_fwd_ref", spy)
     assert bench_kernel.check_output(out, q, k, v, causal) < 1e-5
@@ -42,6 +56,18 @@ def test_check_output_uses_the_last_rows_against_all_keys(seqlen, heads_k, causa
     out[:, -1] += 1.0
     with pytest.raises(AssertionError, match="relative error"):
         bench_kernel.check_output(out, q, k, v, causal)
+
+
+def test_check_output_applies_the_cells_window_and_softcap():
+    """A windowed, soft-capped cell is checked against the reference with the same window and cap: the right
+    output passes, the plain causal one does not."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 300, 2, 16, generator=gen) for _ in range(3))
+    out, _ = attn_fwd_ref(q, k, v, 16**-0.5, True, window=(40, None), softcap=2.0)
+    assert bench_kernel.check_output(out, q, k, v, True, [40, 0], 2.0) < 1e-5
+    plain, _ = attn_fwd_ref(q, k, v, 16**-0.5, True)
+    with pytest.raises(AssertionError, match="relative error"):
+        bench_kernel.check_output(plain, q, k, v, True, [40, 0], 2.0)
 
 
 def _record(provider, seqlen, head_dim, heads_k, causal, mode, tflops, batch=None):
