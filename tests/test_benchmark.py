@@ -23,6 +23,22 @@ def test_attention_flops(batch, heads, seqlen, head_dim):
         benchmark.attention_flops(batch, heads, seqlen, head_dim, False, "step")
 
 
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (97, 97), (17, 97), (97, 17)])
+@pytest.mark.parametrize("window", [(0, 0), (5, None), (None, 3), (7, 2), (200, 200), (None, None)], ids=str)
+def test_visible_pairs_counts_what_the_mask_leaves(seqlen_q, seqlen_k, window):
+    """visible_pairs against the reference's own (Sq, Sk) mask, causal or not, bottom-right aligned; the windowed
+    FLOPs are 4 B H D times that count."""
+    from ringattn.ops.attn_ref import band_visible
+
+    for causal in (False, True):
+        mask = band_visible(causal, window, seqlen_q, seqlen_k, CPU)
+        expected = seqlen_q * seqlen_k if mask is None else int(mask.sum())
+        assert benchmark.visible_pairs(seqlen_q, seqlen_k, causal, window) == expected, causal
+    if window != (None, None) and seqlen_q == seqlen_k:
+        pairs = benchmark.visible_pairs(seqlen_q, seqlen_q, True, window)
+        assert benchmark.attention_flops(2, 3, seqlen_q, 16, True, "fwd", window) == 4 * 2 * 3 * 16 * pairs
+
+
 def test_attention_flops_of_a_known_cell():
     """B = 8, H = 32, S = 4096, D = 128 (32768 tokens), causal forward+backward: 3.5 x 2 x 8 x 32 x 4096^2 x 128."""
     flops = benchmark.attention_flops(8, 32, 4096, 128, True, "fwd+bwd")
