@@ -2,6 +2,7 @@
 ring_attn_func (and flash_attn_func where it applies), in one process whose group looks like a
 ring of two ranks and whose every collective or P2P call fails the test."""
 
+import re
 from typing import NamedTuple
 
 import pytest
@@ -138,3 +139,26 @@ def test_good_input_reaches_the_agreement_exchange(ring_of_two_without_communica
     q, k, v, _ = _inputs({})
     with pytest.raises(AssertionError, match="communication started before the inputs were validated"):
         ringattn.ring_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("causal", ["False", "no", torch.tensor([True, False])], ids=["False", "no", "tensor-2"])
+def test_causal_that_is_not_a_bool_raises_naming_causal(causal, ring_of_two_without_communication):
+    """Regression: causal="False" or "no" was read as bool(causal), i.e. causal attention, by flash_attn_func,
+    ring_attn_func and RingAttention; a 2-element tensor gave torch's ambiguous-truth error, naming no argument."""
+    q, k, v, _ = _inputs({})
+    match = re.escape(f"causal must be a bool, got {causal!r}")
+    with pytest.raises(TypeError, match=match):
+        ringattn.flash_attn_func(q, k, v, causal=causal)
+    with pytest.raises(TypeError, match=match):
+        ringattn.ring_attn_func(q, k, v, causal=causal)
+    with pytest.raises(TypeError, match=match):
+        ringattn.nn.RingAttention(causal=causal)
+
+
+def test_positional_varlen_call_cannot_set_softmax_scale():
+    """Regression: ring_attn_varlen_func(q, k, v, cu_seqlens, 44), a flash-attn varlen call's max_seqlen in
+    position 5, took 44 as the softmax scale; every argument after cu_seqlens is keyword-only."""
+    q = torch.zeros(8, 2, 32, device=DEVICE, dtype=DTYPE)
+    cu_seqlens = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="takes 4 positional arguments but 5 were given"):
+        ringattn.ring_attn_varlen_func(q, q, q, cu_seqlens, 44)
