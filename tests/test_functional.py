@@ -162,3 +162,21 @@ def test_positional_varlen_call_cannot_set_softmax_scale():
     cu_seqlens = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
     with pytest.raises(TypeError, match="takes 4 positional arguments but 5 were given"):
         ringattn.ring_attn_varlen_func(q, q, q, cu_seqlens, 44)
+
+
+@pytest.mark.parametrize(
+    "name,value", [("softmax_scale", 1e39), ("softmax_scale", 3e38), ("softmax_scale", 1e-46), ("softcap", 1e39),
+                   ("softcap", 1e-39)],
+)  # fmt: skip
+def test_scale_and_softcap_outside_float32_raise_naming_them(name, value, ring_of_two_without_communication):
+    """Regression: softmax_scale = 1e39 passed validation (finite in float64) and gave an all-NaN output, the kernels
+    taking it in float32; so did scales and softcaps that float32 (times log2(e)) turns into inf or 0."""
+    q, k, v, _ = _inputs({})
+    expected = "from 1.18e-38 to 2.36e+38: the kernels take it in float32, times log2(e)"
+    match = re.escape(f"{name} must be {expected}; got {value}")
+    with pytest.raises(ValueError, match=match):
+        ringattn.flash_attn_func(q, k, v, **{name: value})
+    with pytest.raises(ValueError, match=match):
+        ringattn.ring_attn_func(q, k, v, **{name: value})
+    with pytest.raises(ValueError, match=match):
+        ringattn.nn.RingAttention(**{name: value})
