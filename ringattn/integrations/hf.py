@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 
 from ..functional import ring_attn_func, ring_attn_varlen_func
+from ..parallel.documents import cu_seqlens_from_position_ids
 from ..parallel.layout import check_layout, check_local_seqlen, shard_indices
-from ..sequence_parallel import packed_cu_seqlens
 
 try:
     from transformers import AttentionInterface
@@ -210,7 +210,7 @@ class RingAttentionForTransformers:
             cu_seqlens = None
         else:
             try:
-                cu_seqlens = packed_cu_seqlens(positions)
+                cu_seqlens = cu_seqlens_from_position_ids(positions)
             except ValueError as e:
                 raise ValueError(
                     f"attn_implementation={self.name!r}: position_ids must be this rank's global positions in "
