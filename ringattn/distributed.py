@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .ops.validation import KERNELS_INTERPRETED
+from .ops.validation import KERNELS_INTERPRETED, interpreter_hint
 from .parallel.comm import GROUP_TIMEOUT_ENV, p2p_timeout_s
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -82,7 +82,8 @@ def init_distributed(
         DistEnv; device is cuda:LOCAL_RANK (already made the current device) for NCCL, cpu for gloo.
     Raises:
         RuntimeError: NCCL without enough GPUs for LOCAL_RANK; gloo while ringattn's kernels were not
-            imported for the interpreter (TRITON_INTERPRET=1 must be set before ringattn is imported).
+            imported for the interpreter (TRITON_INTERPRET=1, or another value Triton reads as on, before ringattn
+            is imported).
         ValueError: an unknown backend; a bad $RINGATTN_NCCL_HIGH_PRIORITY or $LOCAL_RANK; a timeout_s or
             $RINGATTN_TIMEOUT that is not a positive finite number of seconds (naming which).
         TypeError: a timeout_s that is not a number.
@@ -113,8 +114,9 @@ def init_distributed(
     else:
         if not KERNELS_INTERPRETED:
             raise RuntimeError(
-                "gloo ranks run ringattn's kernels on the CPU, in Triton's interpreter: set TRITON_INTERPRET=1 "
-                "in the environment before ringattn is imported (launch/torchrun.sh does on a machine without GPUs)"
+                "gloo ranks run ringattn's kernels on the CPU, in Triton's interpreter: "
+                + interpreter_hint()
+                + "; launch/torchrun.sh sets it on a machine without GPUs"
             )
         device = torch.device("cpu")
 

@@ -4,7 +4,9 @@ import math
 import os
 
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
+from ..kernels.portable.attn_fwd import _attn_fwd_kernel
 from .dispatch import kernel_override
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -52,15 +54,28 @@ def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
         raise ValueError(f"head dim must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}")
 
 
-# Triton picks interpreter or compiler when a kernel is decorated, i.e. when ringattn is imported.
-KERNELS_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton picks interpreter or compiler when a kernel is decorated, i.e. when ringattn is imported, from
+# $TRITON_INTERPRET: which values it reads as on depends on its version ("1"; recent ones also "true", "on", ...), so
+# the kernel is asked what it became.
+KERNELS_INTERPRETED = isinstance(_attn_fwd_kernel, InterpretedFunction)
+_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
+
+
+def interpreter_hint() -> str:
+    """How to run the kernels on the CPU, and what $TRITON_INTERPRET was when ringattn was imported."""
+    was = "unset" if _INTERPRET_AT_IMPORT is None else f"{_INTERPRET_AT_IMPORT!r}, which this Triton reads as off"
+    return (
+        "turn Triton's interpreter on in the environment before ringattn is imported: TRITON_INTERPRET=1 (when "
+        f"ringattn was imported, TRITON_INTERPRET was {was})"
+    )
 
 
 def check_runnable_device(t: torch.Tensor) -> None:
     """Raise when the Triton kernels cannot run on t in this process, or the kernels' setting is bad.
 
     Raises:
-        RuntimeError: t is not a CUDA tensor and the kernels were not built for the interpreter.
+        RuntimeError: t is not a CUDA tensor and the kernels were not built for the interpreter, or a CUDA tensor
+            and they were.
         TypeError: a bfloat16 CPU tensor (the Triton interpreter computes bfloat16 wrongly).
         ValueError: a bad $RINGATTN_KERNELS (ops/dispatch.py).
     """
@@ -73,11 +88,12 @@ def check_runnable_device(t: torch.Tensor) -> None:
         return
     if KERNELS_INTERPRETED:
         raise RuntimeError(
-            f"ringattn was imported with TRITON_INTERPRET=1: its kernels take CPU tensors, got {t.device}"
+            f"ringattn's kernels run in Triton's interpreter (TRITON_INTERPRET={_INTERPRET_AT_IMPORT} when ringattn "
+            f"was imported): they take CPU tensors, got {t.device}"
         )
     raise RuntimeError(
-        f"ringattn's Triton kernels need CUDA tensors, got a tensor on {t.device}; to run them on the "
-        "CPU set TRITON_INTERPRET=1 in the environment before ringattn is imported"
+        f"ringattn's Triton kernels need CUDA tensors, got a tensor on {t.device}; to run them on the CPU, "
+        + interpreter_hint()
     )
 
 
