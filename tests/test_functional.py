@@ -14,7 +14,8 @@ from ringattn.ops.dispatch import OVERRIDE_VARIABLE as KERNELS_ENV
 from ringattn.ops.dispatch import kernel_override
 from ringattn.parallel.agreement import AGREEMENT_ENV
 from ringattn.parallel.comm import P2P_TIMEOUT_ENV
-from tests.utils import DEVICE, DTYPES
+from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
+from tests.utils import DEVICE, DTYPES, make_qkv
 
 DTYPE = DTYPES[0]
 COMMUNICATION = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "barrier")
@@ -180,3 +181,33 @@ def test_scale_and_softcap_outside_float32_raise_naming_them(name, value, ring_o
         ringattn.ring_attn_func(q, k, v, **{name: value})
     with pytest.raises(ValueError, match=match):
         ringattn.nn.RingAttention(**{name: value})
+
+
+DOUBLE_BACKWARD = "ringattn's attention is differentiable once: double backward"
+
+
+def _double_backward_raises(rank, world_size, backend, dtype):
+    q, k, v, _ = make_qkv(1, 8, 8, 2, 2, 16, dtype, device=rank_device(rank, backend), seed=rank)
+    q.requires_grad_()
+    out = ringattn.ring_attn_func(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    return True
+
+
+def test_double_backward_raises_a_clear_error():
+    """Regression: a double backward through flash_attn_func gave torch's "no autograd formula was registered" for
+    ringattn::attn_bwd, naming nothing of ringattn (through the ring: "does not have a grad_fn")."""
+    q, k, v, _ = make_qkv(1, 8, 8, 2, 2, 16, DTYPE)
+    q.requires_grad_()
+    out = ringattn.flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+
+
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS[:2])
+def test_double_backward_through_the_ring_raises_on_every_rank(backend, dtype):
+    """Regression: a double backward through the ring gave torch's "does not have a grad_fn"; now every rank
+    raises the same clear error, before any communication."""
+    skip_without_gpus(backend, 2)
+    assert run_ranks(_double_backward_raises, 2, backend, dtype, backend=backend) == [True, True]
