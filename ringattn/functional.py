@@ -118,8 +118,10 @@ def flash_attn_func(
     Raises:
         ValueError, TypeError: bad shapes, dtypes, devices, scale, window or softcap; a causal or deterministic
             that is not a bool; dropout_p, alibi_slopes or return_attn_probs other than their no-op values.
-        RuntimeError: CPU tensors without TRITON_INTERPRET=1; tensors on the meta device; in the backward,
-            create_graph=True (no double backward).
+        RuntimeError: CPU tensors without TRITON_INTERPRET=1; in the backward, create_graph=True (no double
+            backward).
+    Meta tensors give meta outputs (and gradients) of these shapes, computing nothing: the custom ops' fake
+    implementations, which torch.compile traces with.
     """
     causal, window, softcap, deterministic = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
@@ -169,8 +171,8 @@ def flash_attn_varlen_func(
     Returns:
         out (total_q, nheads, headdim) in q's dtype; with return_lse also lse (nheads, total_q) fp32.
     Raises:
-        ValueError, TypeError: as flash_attn_func's; q, k, v that are not 3-D; bad boundaries or max_seqlen;
-            causal or a window with cu_seqlens_q != cu_seqlens_k.
+        ValueError, TypeError: as flash_attn_func's; q, k, v that are not 3-D; bad boundaries or max_seqlen (meta
+            boundaries too: their values are read on the host); causal or a window with cu_seqlens_q != cu_seqlens_k.
         RuntimeError: as flash_attn_func's.
     """
     causal, window, softcap, deterministic = check_flash_attn_options(

@@ -14,6 +14,7 @@ from ringattn.ops.dispatch import OVERRIDE_VARIABLE as KERNELS_ENV
 from ringattn.ops.dispatch import kernel_override
 from ringattn.parallel.agreement import AGREEMENT_ENV
 from ringattn.parallel.comm import P2P_TIMEOUT_ENV
+from ringattn.parallel.documents import check_cu_seqlens
 from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
 from tests.utils import DEVICE, DTYPES, make_qkv
 
@@ -211,3 +212,22 @@ def test_double_backward_through_the_ring_raises_on_every_rank(backend, dtype):
     raises the same clear error, before any communication."""
     skip_without_gpus(backend, 2)
     assert run_ranks(_double_backward_raises, 2, backend, dtype, backend=backend) == [True, True]
+
+
+def test_meta_tensors_give_meta_outputs_and_meta_boundaries_raise_naming_them():
+    """Regression: cu_seqlens on the meta device gave torch's "Cannot copy out of meta tensor", naming no argument;
+    flash_attn_func on meta tensors gave meta outputs where the docs promised a RuntimeError (they are what its
+    custom ops' fake implementations give torch.compile, and the docs now say so)."""
+    q = torch.zeros(2, 8, 4, 16, device="meta", requires_grad=True)
+    k = torch.zeros(2, 12, 2, 16, device="meta", requires_grad=True)
+    out, lse = ringattn.flash_attn_func(q, k, k, causal=True, return_lse=True)
+    out.sum().backward()
+    assert (out.device.type, out.shape, lse.shape, lse.dtype) == ("meta", q.shape, (2, 4, 8), torch.float32)
+    assert (q.grad.device.type, q.grad.shape, k.grad.shape) == ("meta", q.shape, k.shape)
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device="meta")
+    meta_boundaries = "must hold values (they are read on the host), got a tensor on the meta device"
+    with pytest.raises(ValueError, match=re.escape(f"cu_seqlens_q {meta_boundaries}")):
+        ringattn.flash_attn_varlen_func(q[0], k[0, :8], k[0, :8], cu, cu, 5, 5)
+    with pytest.raises(ValueError, match=re.escape(f"cu_seqlens {meta_boundaries}")):
+        check_cu_seqlens(cu, 8)

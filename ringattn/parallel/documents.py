@@ -22,8 +22,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
 
     Raises:
         TypeError: not a tensor, or not int32 or int64.
-        ValueError: not 1-D with at least 2 entries, not starting at 0, not strictly increasing
-            (an empty document), or not ending at `total`.
+        ValueError: not 1-D with at least 2 entries, on the meta device (no values to read), not starting at 0,
+            not strictly increasing (an empty document), or not ending at `total`.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -31,7 +31,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must be 1-D with n_docs + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    bounds = cu_seqlens.cpu()
+    bounds = host_values(cu_seqlens, name)
     if bounds[0].item() != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0].item()}")
     if not bool((bounds[1:] > bounds[:-1]).all()):
