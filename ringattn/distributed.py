@@ -25,10 +25,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .ops.validation import KERNELS_INTERPRETED
+from .ops.validation import KERNELS_INTERPRETED, interpreter_hint
+from .parallel.comm import GROUP_TIMEOUT_ENV, p2p_timeout_s
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def init_distributed(
 
     Args:
         backend: "nccl" or "gloo"; default "nccl" when CUDA is available, else "gloo".
-        timeout_s: collective timeout; default $RINGATTN_TIMEOUT or 300 s.
+        timeout_s: collective timeout in seconds; default $RINGATTN_TIMEOUT or 300.
         high_priority: NCCL on high-priority CUDA streams (nccl_high_priority; default on), so that a ring
             transfer gets SMs as soon as a running kernel's blocks retire, rather than after the whole
             kernel: on 2 H200s it made the zigzag causal ring 3% (forward+backward) to 8% (forward) faster
@@ -82,8 +82,11 @@ def init_distributed(
         DistEnv; device is cuda:LOCAL_RANK (already made the current device) for NCCL, cpu for gloo.
     Raises:
         RuntimeError: NCCL without enough GPUs for LOCAL_RANK; gloo while ringattn's kernels were not
-            imported for the interpreter (TRITON_INTERPRET=1 must be set before ringattn is imported).
-        ValueError: an unknown backend; a bad $RINGATTN_NCCL_HIGH_PRIORITY.
+            imported for the interpreter (TRITON_INTERPRET=1, or another value Triton reads as on, before ringattn
+            is imported).
+        ValueError: an unknown backend; a bad $RINGATTN_NCCL_HIGH_PRIORITY or $LOCAL_RANK; a timeout_s or
+            $RINGATTN_TIMEOUT that is not a positive finite number of seconds (naming which).
+        TypeError: a timeout_s that is not a number.
     """
     os.environ.update(MULTICAST_OFF)
     if backend is None:
@@ -94,9 +97,11 @@ def init_distributed(
     if "RANK" not in os.environ:  # a plain `python script.py`: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("RINGATTN_TIMEOUT", DEFAULT_TIMEOUT_S))
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    if not local_rank.isdigit():
+        raise ValueError(f"LOCAL_RANK must be this process's rank on its node, an int >= 0, got {local_rank!r}")
+    local_rank = int(local_rank)
+    timeout_s = p2p_timeout_s(timeout_s, variables=(GROUP_TIMEOUT_ENV,))  # checked: a positive number of seconds
 
     if backend == "nccl":
         if local_rank >= torch.cuda.device_count():
@@ -109,8 +114,9 @@ def init_distributed(
     else:
         if not KERNELS_INTERPRETED:
             raise RuntimeError(
-                "gloo ranks run ringattn's kernels on the CPU, in Triton's interpreter: set TRITON_INTERPRET=1 "
-                "in the environment before ringattn is imported (launch/torchrun.sh does on a machine without GPUs)"
+                "gloo ranks run ringattn's kernels on the CPU, in Triton's interpreter: "
+                + interpreter_hint()
+                + "; launch/torchrun.sh sets it on a machine without GPUs"
             )
         device = torch.device("cpu")
 

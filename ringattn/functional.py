@@ -38,6 +38,16 @@ def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, 
     return rounded, lse, out if sink.requires_grad else rounded
 
 
+def _check_not_double_backward() -> None:
+    """Raise when a backward runs with create_graph=True: the kernels' gradients carry no graph, so a double
+    backward would miss their terms (or find no grad_fn)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "ringattn's attention is differentiable once: double backward (torch.autograd.grad or .backward with "
+            "create_graph=True through it) is not supported"
+        )
+
+
 class FlashAttnFunction(torch.autograd.Function):
     """Single-device fused attention; backward recomputes P from the saved lse. Calls the launchers through
     their custom ops (ringattn::attn_fwd, ringattn::attn_bwd), so torch.compile traces it whole. With sinks the
@@ -56,6 +66,7 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        _check_not_double_backward()
         q, k, v, out, lse, sink = ctx.saved_tensors
         dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, *ctx.options)
         dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[10] else None
@@ -107,7 +118,10 @@ def flash_attn_func(
     Raises:
         ValueError, TypeError: bad shapes, dtypes, devices, scale, window or softcap; a causal or deterministic
             that is not a bool; dropout_p, alibi_slopes or return_attn_probs other than their no-op values.
-        RuntimeError: CPU tensors without TRITON_INTERPRET=1; tensors on the meta device.
+        RuntimeError: CPU tensors without TRITON_INTERPRET=1; in the backward, create_graph=True (no double
+            backward).
+    Meta tensors give meta outputs (and gradients) of these shapes, computing nothing: the custom ops' fake
+    implementations, which torch.compile traces with.
     """
     causal, window, softcap, deterministic = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
@@ -157,8 +171,8 @@ def flash_attn_varlen_func(
     Returns:
         out (total_q, nheads, headdim) in q's dtype; with return_lse also lse (nheads, total_q) fp32.
     Raises:
-        ValueError, TypeError: as flash_attn_func's; q, k, v that are not 3-D; bad boundaries or max_seqlen;
-            causal or a window with cu_seqlens_q != cu_seqlens_k.
+        ValueError, TypeError: as flash_attn_func's; q, k, v that are not 3-D; bad boundaries or max_seqlen (meta
+            boundaries too: their values are read on the host); causal or a window with cu_seqlens_q != cu_seqlens_k.
         RuntimeError: as flash_attn_func's.
     """
     causal, window, softcap, deterministic = check_flash_attn_options(
@@ -230,6 +244,7 @@ class RingAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        _check_not_double_backward()  # on every rank alike, before the ring
         q, k, v, out, lse, sink = ctx.saved_tensors
         ops = capped_ops(kernel_ops(deterministic=True) if ctx.deterministic else KERNEL_OPS, ctx.softcap)
         dq, dk, dv = ring_attn_backward(
@@ -363,7 +378,7 @@ def ring_attn_func(
             run on (CPU tensors need TRITON_INTERPRET=1 before ringattn is imported); on gloo, a
             peer that dies or does not arrive within $RINGATTN_P2P_TIMEOUT_S (default 300 s), in the
             forward or the backward, naming the peer and the ring step. On NCCL the process group's
-            timeout and watchdog apply instead.
+            timeout and watchdog apply instead. In the backward, create_graph=True (no double backward).
     """
     causal, window, softcap, deterministic = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs

@@ -60,32 +60,6 @@ def document_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, device=cu_seqlens.device) - starts
 
 
-def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document boundaries of a packed sequence, checking its positions run 0, 1, 2, ... inside every document.
-
-    Stricter than ringattn.cu_seqlens_from_position_ids, which looks only at the zeros: positions
-    sharded in another layout, or shifted, are refused here instead of giving RoPE wrong positions.
-
-    Args:
-        position_ids: (S,) or (1, S) integer positions, restarting at 0 at each document start.
-    Returns:
-        cu_seqlens (n_docs + 1,) int32 on position_ids' device.
-    Raises:
-        ValueError: not one sequence, not starting at 0, or a position that is not its predecessor's + 1
-            (or 0, starting a document).
-    """
-    cu_seqlens = cu_seqlens_from_position_ids(position_ids)
-    pos = position_ids.reshape(-1).to(torch.int64)
-    bad = torch.nonzero(pos != document_positions(cu_seqlens)).flatten()
-    if bad.numel():
-        t = int(bad[0])
-        raise ValueError(
-            f"packed position_ids must count 0, 1, 2, ... inside each document and restart at 0 at the next one; "
-            f"token {t} has position {int(pos[t])} after {int(pos[t - 1])}"
-        )
-    return cu_seqlens
-
-
 class _GlobalMean(torch.autograd.Function):
     """Value: total / count (all-reduced over the group); gradient: that of local_sum * grad_scale / count."""
 
@@ -291,8 +265,8 @@ class SequenceParallel:
         Raises:
             ValueError: labels' (batch, S) differ from input_ids'; both position_ids and cu_seqlens given;
                 packed documents with batch != 1; position_ids or cu_seqlens that do not describe documents
-                of the S tokens (packed_cu_seqlens, check_cu_seqlens).
-            TypeError: cu_seqlens is not an int32 tensor.
+                of the S tokens (cu_seqlens_from_position_ids, check_cu_seqlens).
+            TypeError: position_ids or cu_seqlens of the wrong type (as above).
         """
         if labels is not None and labels.shape[:2] != input_ids.shape[:2]:
             raise ValueError(
@@ -342,7 +316,7 @@ class SequenceParallel:
                 f"position_ids must hold one position per token, (S,) or (1, S) with S = {seqlen}, "
                 f"got shape {tuple(position_ids.shape)}"
             )
-        return packed_cu_seqlens(position_ids)
+        return cu_seqlens_from_position_ids(position_ids)
 
     def attention(
         self,

@@ -2,6 +2,7 @@
 ring_attn_func (and flash_attn_func where it applies), in one process whose group looks like a
 ring of two ranks and whose every collective or P2P call fails the test."""
 
+import re
 from typing import NamedTuple
 
 import pytest
@@ -13,7 +14,9 @@ from ringattn.ops.dispatch import OVERRIDE_VARIABLE as KERNELS_ENV
 from ringattn.ops.dispatch import kernel_override
 from ringattn.parallel.agreement import AGREEMENT_ENV
 from ringattn.parallel.comm import P2P_TIMEOUT_ENV
-from tests.utils import DEVICE, DTYPES
+from ringattn.parallel.documents import check_cu_seqlens
+from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
+from tests.utils import DEVICE, DTYPES, make_qkv
 
 DTYPE = DTYPES[0]
 COMMUNICATION = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "barrier")
@@ -138,3 +141,93 @@ def test_good_input_reaches_the_agreement_exchange(ring_of_two_without_communica
     q, k, v, _ = _inputs({})
     with pytest.raises(AssertionError, match="communication started before the inputs were validated"):
         ringattn.ring_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("causal", ["False", "no", torch.tensor([True, False])], ids=["False", "no", "tensor-2"])
+def test_causal_that_is_not_a_bool_raises_naming_causal(causal, ring_of_two_without_communication):
+    """Regression: causal="False" or "no" was read as bool(causal), i.e. causal attention, by flash_attn_func,
+    ring_attn_func and RingAttention; a 2-element tensor gave torch's ambiguous-truth error, naming no argument."""
+    q, k, v, _ = _inputs({})
+    match = re.escape(f"causal must be a bool, got {causal!r}")
+    with pytest.raises(TypeError, match=match):
+        ringattn.flash_attn_func(q, k, v, causal=causal)
+    with pytest.raises(TypeError, match=match):
+        ringattn.ring_attn_func(q, k, v, causal=causal)
+    with pytest.raises(TypeError, match=match):
+        ringattn.nn.RingAttention(causal=causal)
+
+
+def test_positional_varlen_call_cannot_set_softmax_scale():
+    """Regression: ring_attn_varlen_func(q, k, v, cu_seqlens, 44), a flash-attn varlen call's max_seqlen in
+    position 5, took 44 as the softmax scale; every argument after cu_seqlens is keyword-only."""
+    q = torch.zeros(8, 2, 32, device=DEVICE, dtype=DTYPE)
+    cu_seqlens = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="takes 4 positional arguments but 5 were given"):
+        ringattn.ring_attn_varlen_func(q, q, q, cu_seqlens, 44)
+
+
+@pytest.mark.parametrize(
+    "name,value", [("softmax_scale", 1e39), ("softmax_scale", 3e38), ("softmax_scale", 1e-46), ("softcap", 1e39),
+                   ("softcap", 1e-39)],
+)  # fmt: skip
+def test_scale_and_softcap_outside_float32_raise_naming_them(name, value, ring_of_two_without_communication):
+    """Regression: softmax_scale = 1e39 passed validation (finite in float64) and gave an all-NaN output, the kernels
+    taking it in float32; so did scales and softcaps that float32 (times log2(e)) turns into inf or 0."""
+    q, k, v, _ = _inputs({})
+    expected = "from 1.18e-38 to 2.36e+38: the kernels take it in float32, times log2(e)"
+    match = re.escape(f"{name} must be {expected}; got {value}")
+    with pytest.raises(ValueError, match=match):
+        ringattn.flash_attn_func(q, k, v, **{name: value})
+    with pytest.raises(ValueError, match=match):
+        ringattn.ring_attn_func(q, k, v, **{name: value})
+    with pytest.raises(ValueError, match=match):
+        ringattn.nn.RingAttention(**{name: value})
+
+
+DOUBLE_BACKWARD = "ringattn's attention is differentiable once: double backward"
+
+
+def _double_backward_raises(rank, world_size, backend, dtype):
+    q, k, v, _ = make_qkv(1, 8, 8, 2, 2, 16, dtype, device=rank_device(rank, backend), seed=rank)
+    q.requires_grad_()
+    out = ringattn.ring_attn_func(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    return True
+
+
+def test_double_backward_raises_a_clear_error():
+    """Regression: a double backward through flash_attn_func gave torch's "no autograd formula was registered" for
+    ringattn::attn_bwd, naming nothing of ringattn (through the ring: "does not have a grad_fn")."""
+    q, k, v, _ = make_qkv(1, 8, 8, 2, 2, 16, DTYPE)
+    q.requires_grad_()
+    out = ringattn.flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+
+
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS[:2])
+def test_double_backward_through_the_ring_raises_on_every_rank(backend, dtype):
+    """Regression: a double backward through the ring gave torch's "does not have a grad_fn"; now every rank
+    raises the same clear error, before any communication."""
+    skip_without_gpus(backend, 2)
+    assert run_ranks(_double_backward_raises, 2, backend, dtype, backend=backend) == [True, True]
+
+
+def test_meta_tensors_give_meta_outputs_and_meta_boundaries_raise_naming_them():
+    """Regression: cu_seqlens on the meta device gave torch's "Cannot copy out of meta tensor", naming no argument;
+    flash_attn_func on meta tensors gave meta outputs where the docs promised a RuntimeError (they are what its
+    custom ops' fake implementations give torch.compile, and the docs now say so)."""
+    q = torch.zeros(2, 8, 4, 16, device="meta", requires_grad=True)
+    k = torch.zeros(2, 12, 2, 16, device="meta", requires_grad=True)
+    out, lse = ringattn.flash_attn_func(q, k, k, causal=True, return_lse=True)
+    out.sum().backward()
+    assert (out.device.type, out.shape, lse.shape, lse.dtype) == ("meta", q.shape, (2, 4, 8), torch.float32)
+    assert (q.grad.device.type, q.grad.shape, k.grad.shape) == ("meta", q.shape, k.shape)
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device="meta")
+    meta_boundaries = "must hold values (they are read on the host), got a tensor on the meta device"
+    with pytest.raises(ValueError, match=re.escape(f"cu_seqlens_q {meta_boundaries}")):
+        ringattn.flash_attn_varlen_func(q[0], k[0, :8], k[0, :8], cu, cu, 5, 5)
+    with pytest.raises(ValueError, match=re.escape(f"cu_seqlens {meta_boundaries}")):
+        check_cu_seqlens(cu, 8)

@@ -17,7 +17,6 @@ from ringattn.sequence_parallel import (
     IGNORE_INDEX,
     cross_entropy,
     document_positions,
-    packed_cu_seqlens,
     shift_labels,
     sync_gradients,
 )
@@ -113,15 +112,29 @@ def test_loss_and_gradients_equal_unsharded(backend, world_size, seqlen):
     assert ranks == [True] * world_size
 
 
-def test_document_positions_and_packed_cu_seqlens():
+def test_document_positions_and_their_boundaries():
     cu = torch.tensor([0, 3, 4, 6], dtype=torch.int32)
     assert document_positions(cu).tolist() == [0, 1, 2, 0, 0, 1]
-    assert packed_cu_seqlens(torch.tensor([[0, 1, 2, 0, 0, 1]])).tolist() == [0, 3, 4, 6]
-    assert packed_cu_seqlens(torch.arange(5)).tolist() == [0, 5]
-    with pytest.raises(ValueError, match="token 4 has position 3 after 0"):
-        packed_cu_seqlens(torch.tensor([0, 1, 2, 0, 3]))  # e.g. positions sharded in another layout
-    with pytest.raises(ValueError, match="must start a document"):
-        packed_cu_seqlens(torch.tensor([1, 2, 3]))
+    assert ringattn.cu_seqlens_from_position_ids(document_positions(cu)[None]).tolist() == [0, 3, 4, 6]
+
+
+def _packing_is_checked_once(rank, world_size):
+    sp = ringattn.SequenceParallel()
+    for pos in ([0, 1, 5, 9, 0, 1, 2, 3], [0, 1, -1, 0, 1], [0, 1, 2, 1, 2, 3], [1, 2, 0, 1]):
+        pos = torch.tensor(pos)
+        with pytest.raises(ValueError) as by_function:
+            ringattn.cu_seqlens_from_position_ids(pos)
+        with pytest.raises(ValueError) as by_shard_batch:
+            sp.shard_batch(torch.zeros(1, len(pos), dtype=torch.int64), position_ids=pos)
+        assert str(by_shard_batch.value) == str(by_function.value), pos
+    return True
+
+
+def test_position_ids_are_checked_alike_by_shard_batch_and_cu_seqlens_from_position_ids():
+    """Regression: cu_seqlens_from_position_ids read position ids with gaps, negatives or decreases without a 0 as
+    document boundaries ([0, 1, 5, 9, 0, 1, 2, 3] -> [0, 4, 8]) that SequenceParallel.shard_batch refused; both
+    now use the one check, with the same message."""
+    assert run_ranks(_packing_is_checked_once, 1) == [True]
 
 
 # packed documents: length 1, shorter than W, crossing rank and chunk boundaries; 29 tokens, padded to a multiple

@@ -2,7 +2,7 @@
 
     from ringattn.integrations import hf
     hf.register(layout="zigzag")                     # once per process, before the model runs
-    model.set_attn_implementation("ringattn")        # or from_pretrained(..., attn_implementation="ringattn")
+    hf.prepare(model)                                # attn_implementation="ringattn", and each call checked
     sp = ringattn.SequenceParallel(layout="zigzag")  # the same group and layout
     batch = sp.shard_batch(input_ids, labels)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
@@ -17,6 +17,13 @@ K/V heads, passed on unrepeated) and runs ring_attn_func (ring_attn_varlen_func 
 over the group. The mask function makes the model build no mask at all: a dense (S_local, S_local)
 causal mask over local positions would be wrong for a shard, and the ring applies the causal mask (and
 the document boundaries) over global positions itself.
+
+`prepare` selects the implementation for a model and checks each call of it (a forward pre-hook on each
+transformers model in it), on every rank alike and before any computation: position_ids are required (without
+them the model numbers each rank's shard from 0; an encoder that does not hand them to its attention layers
+could not even be checked there), and labels= is refused unless shift_labels and num_items_in_batch come with it
+(transformers would shift the labels inside the shard and average over this rank's tokens alone): the loss of
+the whole sequence is SequenceParallel.cross_entropy's. The attention function refuses a model not prepared.
 
 Contract: every rank of the group calls the model on its shard of input_ids with the matching position_ids
 (ShardedBatch.position_ids) and gets the logits the unsharded model gives at those positions. The position
@@ -45,17 +52,18 @@ transformers' cu_seq_lens_q and cu_seq_lens_k keyword arguments instead, holding
 model(..., cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens).
 """
 
+import inspect
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from ..functional import ring_attn_func, ring_attn_varlen_func
+from ..parallel.documents import cu_seqlens_from_position_ids
 from ..parallel.layout import check_layout, check_local_seqlen, shard_indices
-from ..sequence_parallel import packed_cu_seqlens
 
 try:
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -63,6 +71,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 NAME = "ringattn"
+PREPARED = "_ringattn_prepared"  # set by prepare() on every module of a model
 
 # keyword arguments some models pass to the attention function for features the ring does not compute
 _UNSUPPORTED_KWARGS = {
@@ -99,6 +108,12 @@ class RingAttentionForTransformers:
         dropout: float = 0.0,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        if not getattr(module, PREPARED, False):
+            raise ValueError(
+                f"attn_implementation={self.name!r} runs in models prepared with ringattn.integrations.hf.prepare"
+                "(model), on every rank: it checks that each call gives the ranks' position_ids, and no labels= "
+                "whose loss would be this rank's shard's alone"
+            )
         self._refuse_unsupported(module, query, key, attention_mask, dropout, kwargs)
         is_causal = kwargs.get("is_causal")
         is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
@@ -210,7 +225,7 @@ class RingAttentionForTransformers:
             cu_seqlens = None
         else:
             try:
-                cu_seqlens = packed_cu_seqlens(positions)
+                cu_seqlens = cu_seqlens_from_position_ids(positions)
             except ValueError as e:
                 raise ValueError(
                     f"attn_implementation={self.name!r}: position_ids must be this rank's global positions in "
@@ -260,11 +275,79 @@ def no_mask(*args, attention_mask: torch.Tensor | None = None, use_vmap: bool = 
     return None
 
 
+def _is_ring(implementation) -> bool:
+    """Whether an attn_implementation name selects a RingAttentionForTransformers."""
+    return isinstance(AttentionInterface().get(implementation), RingAttentionForTransformers)
+
+
+def _check_call(model: torch.nn.Module):
+    """prepare's forward pre-hook for `model` (a transformers model): raises ValueError, while ring attention is
+    selected, for a call without position_ids, or with labels but without shift_labels and num_items_in_batch."""
+    positional = [
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+    def check(module, args, kwargs) -> None:
+        implementation = module.config._attn_implementation
+        if not _is_ring(implementation):
+            return
+        call = {**dict(zip(positional, args, strict=False)), **kwargs}
+        where = f"attn_implementation={implementation!r}"
+        if call.get("position_ids") is None:
+            raise ValueError(
+                f"{where} needs position_ids in every call: each rank's tokens' positions "
+                "(SequenceParallel.shard_batch(...).position_ids); without them the model numbers each rank's shard "
+                "from 0"
+            )
+        if call.get("labels") is not None and (
+            call.get("shift_labels") is None or call.get("num_items_in_batch") is None
+        ):
+            raise ValueError(
+                f"{where}: with labels= alone the model's loss is this rank's shard's (transformers shifts the labels "
+                "inside the shard and averages over its tokens). Compute the loss with sp.cross_entropy(logits, "
+                "batch.labels) (ringattn.SequenceParallel), or pass labels with shift_labels (batch.labels, shifted "
+                "on the full sequence) and num_items_in_batch (the group's count of labels that are not -100) for "
+                "this rank's share"
+            )
+
+    return check
+
+
+def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
+    """Run `model` with the ring attention registered as `name`, checking each of its calls.
+
+    Sets the model's attn_implementation to `name` (model.set_attn_implementation) and installs, once, a forward
+    pre-hook on each transformers model in it (the model and, e.g., its base model) that raises ValueError
+    while a ring attention is selected: for a call without position_ids, and for labels= without shift_labels
+    and num_items_in_batch (see the module docstring). Call it on every rank, after `register`.
+
+    Returns:
+        model.
+    Raises:
+        ValueError: `name` is not registered as ring attention (`register`).
+    """
+    if not _is_ring(name):
+        raise ValueError(
+            f"{name!r} is not a ring attention registered with transformers: call "
+            f"ringattn.integrations.hf.register({name!r}, ...) first"
+        )
+    model.set_attn_implementation(name)
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not getattr(module, PREPARED, False):
+            module.register_forward_pre_hook(_check_call(module), with_kwargs=True)
+    for module in model.modules():
+        setattr(module, PREPARED, True)
+    return model
+
+
 def register(name: str = NAME, *, layout: str = "zigzag", group: dist.ProcessGroup | None = None) -> str:
     """Register ring attention with transformers under `name` (global to the process; registering again replaces).
 
-    After this, `model.set_attn_implementation(name)` or `from_pretrained(..., attn_implementation=name)`
-    selects it. Shard inputs with the same group and layout (ringattn.SequenceParallel(group, layout)).
+    After this, `prepare(model, name)` selects it for a model (or `from_pretrained(..., attn_implementation=name)`,
+    then `prepare(model, name)`). Shard inputs with the same group and layout (ringattn.SequenceParallel(group,
+    layout)).
     Register two names to use two layouts or groups side by side.
 
     Args:

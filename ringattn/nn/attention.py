@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..functional import ring_attn_func
-from ..ops.validation import check_flag
+from ..ops.validation import check_flash_attn_options, check_softmax_scale
 from ..parallel.layout import check_layout
 
 
@@ -22,9 +22,9 @@ class RingAttention(nn.Module):
         layout: "contiguous" (default, as ring_attn_func) or "zigzag".
         group: the process group forming the ring (default: the world).
         window_size, softcap: a sliding window and logit soft-capping, as ring_attn_func's.
-    Raises:
-        ValueError: unknown layout.
-        TypeError: a causal that is not a bool.
+    Raises (here, not at the first forward):
+        ValueError: unknown layout; a softmax_scale, window_size or softcap out of range (as ring_attn_func).
+        TypeError: a causal that is not a bool; a softmax_scale, window_size or softcap of the wrong type.
     """
 
     def __init__(
@@ -38,12 +38,9 @@ class RingAttention(nn.Module):
     ):
         super().__init__()
         check_layout(layout)
-        self.causal, self.softmax_scale, self.layout, self.group = (
-            check_flag(causal, "causal"),
-            softmax_scale,
-            layout,
-            group,
-        )
+        check_softmax_scale(softmax_scale)
+        causal = check_flash_attn_options(0.0, causal, window_size, softcap, None, False, False)[0]
+        self.causal, self.softmax_scale, self.layout, self.group = causal, softmax_scale, layout, group
         self.window_size, self.softcap = tuple(window_size), softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False):

@@ -1,9 +1,12 @@
 """Input checks shared by the launchers and the public functions: clear errors, raised early."""
 
+import math
 import os
 
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
+from ..kernels.portable.attn_fwd import _attn_fwd_kernel
 from .dispatch import kernel_override
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -51,15 +54,28 @@ def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
         raise ValueError(f"head dim must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}")
 
 
-# Triton picks interpreter or compiler when a kernel is decorated, i.e. when ringattn is imported.
-KERNELS_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton picks interpreter or compiler when a kernel is decorated, i.e. when ringattn is imported, from
+# $TRITON_INTERPRET: which values it reads as on depends on its version ("1"; recent ones also "true", "on", ...), so
+# the kernel is asked what it became.
+KERNELS_INTERPRETED = isinstance(_attn_fwd_kernel, InterpretedFunction)
+_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
+
+
+def interpreter_hint() -> str:
+    """How to run the kernels on the CPU, and what $TRITON_INTERPRET was when ringattn was imported."""
+    was = "unset" if _INTERPRET_AT_IMPORT is None else f"{_INTERPRET_AT_IMPORT!r}, which this Triton reads as off"
+    return (
+        "turn Triton's interpreter on in the environment before ringattn is imported: TRITON_INTERPRET=1 (when "
+        f"ringattn was imported, TRITON_INTERPRET was {was})"
+    )
 
 
 def check_runnable_device(t: torch.Tensor) -> None:
     """Raise when the Triton kernels cannot run on t in this process, or the kernels' setting is bad.
 
     Raises:
-        RuntimeError: t is not a CUDA tensor and the kernels were not built for the interpreter.
+        RuntimeError: t is not a CUDA tensor and the kernels were not built for the interpreter, or a CUDA tensor
+            and they were.
         TypeError: a bfloat16 CPU tensor (the Triton interpreter computes bfloat16 wrongly).
         ValueError: a bad $RINGATTN_KERNELS (ops/dispatch.py).
     """
@@ -72,19 +88,24 @@ def check_runnable_device(t: torch.Tensor) -> None:
         return
     if KERNELS_INTERPRETED:
         raise RuntimeError(
-            f"ringattn was imported with TRITON_INTERPRET=1: its kernels take CPU tensors, got {t.device}"
+            f"ringattn's kernels run in Triton's interpreter (TRITON_INTERPRET={_INTERPRET_AT_IMPORT} when ringattn "
+            f"was imported): they take CPU tensors, got {t.device}"
         )
     raise RuntimeError(
-        f"ringattn's Triton kernels need CUDA tensors, got a tensor on {t.device}; to run them on the "
-        "CPU set TRITON_INTERPRET=1 in the environment before ringattn is imported"
+        f"ringattn's Triton kernels need CUDA tensors, got a tensor on {t.device}; to run them on the CPU, "
+        + interpreter_hint()
     )
 
 
-def default_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
-    """softmax_scale, or 1 / sqrt(head_dim) when None; raises TypeError for a non-number (a bool, a string, a
-    tensor of more than one element) and ValueError for a non-positive or non-finite scale."""
+def check_softmax_scale(softmax_scale) -> float | None:
+    """softmax_scale as a float, or None (the default, 1 / sqrt(headdim)).
+
+    Raises:
+        TypeError: not a number (a bool, a string, a tensor of more than one element).
+        ValueError: not positive and finite, or outside the float32 range of the kernels (check_float32_factor).
+    """
     if softmax_scale is None:
-        return head_dim**-0.5
+        return None
     try:
         if isinstance(softmax_scale, bool | str | bytes):
             raise TypeError
@@ -93,7 +114,29 @@ def default_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
         raise TypeError(f"softmax_scale must be a number or None, got {type(softmax_scale).__name__}") from None
     if not (scale > 0.0 and scale != float("inf")):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    check_float32_factor(scale, "softmax_scale")
     return scale
+
+
+def default_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """softmax_scale checked (check_softmax_scale), or 1 / sqrt(head_dim) when None."""
+    scale = check_softmax_scale(softmax_scale)
+    return head_dim**-0.5 if scale is None else scale
+
+
+# The kernels take softmax_scale and softcap as float32 factors, times log2(e) (their softmax is base 2). Outside
+# this range a positive factor would become 0 (below float32's smallest normal number: GPUs flush subnormals to
+# zero) or inf there, and every output NaN.
+FLOAT32_FACTOR_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max / math.log2(math.e))
+
+
+def check_float32_factor(value: float, name: str) -> None:
+    """Raise ValueError naming `name` unless the positive `value` lies in FLOAT32_FACTOR_RANGE."""
+    low, high = FLOAT32_FACTOR_RANGE
+    if not low <= value <= high:
+        raise ValueError(
+            f"{name} must be from {low:.3g} to {high:.3g}: the kernels take it in float32, times log2(e); got {value}"
+        )
 
 
 def check_window(window) -> tuple[int | None, int | None]:
@@ -115,13 +158,16 @@ def check_softcap(softcap) -> float:
 
     Raises:
         TypeError: not a real number.
-        ValueError: negative, NaN or infinite.
+        ValueError: negative, NaN or infinite, or positive outside the float32 range of the kernels
+            (check_float32_factor).
     """
     if isinstance(softcap, bool) or not isinstance(softcap, int | float):
         raise TypeError(f"softcap must be a number (0 for none), got {type(softcap).__name__}")
     value = float(softcap)
     if not (value >= 0.0 and value != float("inf")):
         raise ValueError(f"softcap must be 0 (none) or a positive finite number, got {softcap}")
+    if value:
+        check_float32_factor(value, "softcap")
     return value
 
 

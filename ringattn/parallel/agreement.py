@@ -158,7 +158,8 @@ def _show(value) -> str:
 
 def describe_disagreement(signatures: list[RingSignature]) -> str | None:
     """None when all signatures (one per group rank, in group-rank order) are equal; otherwise a message
-    naming every field that differs and each rank's value, the same text on every rank."""
+    naming the function called (ring_attn_varlen_func when some rank passed documents), every field that differs
+    and each rank's value, the same text on every rank."""
     if all(s == signatures[0] for s in signatures):
         return None
     parts = []
@@ -167,8 +168,9 @@ def describe_disagreement(signatures: list[RingSignature]) -> str | None:
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {_show(v)}" for r, v in enumerate(values))
             parts.append(f"{FIELD_LABELS[field]} ({per_rank})")
+    function = "ring_attn_varlen_func" if any(s.documents for s in signatures) else "ring_attn_func"
     return (
-        "ring_attn_func: the ranks of the group disagree on " + "; ".join(parts) + ". Every rank of the ring "
+        f"{function}: the ranks of the group disagree on " + "; ".join(parts) + ". Every rank of the ring "
         "must pass the same shapes, dtype, softmax_scale, causal and layout (and all or none need gradients)."
     )
 

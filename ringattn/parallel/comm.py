@@ -23,9 +23,12 @@ GROUP_TIMEOUT_ENV = "RINGATTN_TIMEOUT"  # ringattn.distributed's process-group t
 DEFAULT_P2P_TIMEOUT_S = 300.0
 
 
-def p2p_timeout_s(timeout_s: float | None = None) -> float:
+def p2p_timeout_s(
+    timeout_s: float | None = None, variables: tuple[str, ...] = (P2P_TIMEOUT_ENV, GROUP_TIMEOUT_ENV)
+) -> float:
     """Seconds a rank waits for its ring peers on gloo: `timeout_s`, else $RINGATTN_P2P_TIMEOUT_S, else
     $RINGATTN_TIMEOUT (the process-group timeout of ringattn.distributed.init_distributed), else 300.
+    `variables`: the environment variables read, in turn (init_distributed reads $RINGATTN_TIMEOUT alone).
 
     Raises:
         ValueError: a value (argument or environment) that is not a positive finite number.
@@ -33,7 +36,7 @@ def p2p_timeout_s(timeout_s: float | None = None) -> float:
     """
     source = "timeout_s"
     if timeout_s is None:
-        name = next((n for n in (P2P_TIMEOUT_ENV, GROUP_TIMEOUT_ENV) if os.environ.get(n, "").strip()), None)
+        name = next((n for n in variables if os.environ.get(n, "").strip()), None)
         if name is None:
             return DEFAULT_P2P_TIMEOUT_S
         raw, source = os.environ[name], f"${name}"

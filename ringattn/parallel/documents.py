@@ -22,8 +22,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
 
     Raises:
         TypeError: not a tensor, or not int32 or int64.
-        ValueError: not 1-D with at least 2 entries, not starting at 0, not strictly increasing
-            (an empty document), or not ending at `total`.
+        ValueError: not 1-D with at least 2 entries, on the meta device (no values to read), not starting at 0,
+            not strictly increasing (an empty document), or not ending at `total`.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -31,7 +31,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must be 1-D with n_docs + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    bounds = cu_seqlens.cpu()
+    bounds = host_values(cu_seqlens, name)
     if bounds[0].item() != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0].item()}")
     if not bool((bounds[1:] > bounds[:-1]).all()):
@@ -53,23 +53,47 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document boundaries of a packed sequence whose positions restart at 0 at each document.
+    """Document boundaries of a packed sequence from its position ids, checking that they count 0, 1, 2, ...
+    inside every document: each token's position is its predecessor's + 1, or 0 where the next document starts.
 
     Args:
         position_ids: (S,) or (1, S) integer positions, as packed-sequence trainers pass them.
     Returns:
         cu_seqlens (n_docs + 1,) int32 on position_ids' device.
     Raises:
-        ValueError: not one sequence, or not starting a document at the first token (position 0).
+        TypeError: not an integer tensor.
+        ValueError: not one sequence of S > 0 positions, or on the meta device; a first position other than 0, or
+            a later one that is neither 0 nor its predecessor's + 1 (named: its token, its position, the one before).
     """
+    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex():
+        raise TypeError(f"position_ids must be an integer tensor, got {getattr(position_ids, 'dtype', position_ids)}")
     pos = position_ids.reshape(-1) if position_ids.dim() == 2 and position_ids.shape[0] == 1 else position_ids
     if pos.dim() != 1 or pos.numel() == 0:
         raise ValueError(f"position_ids must be (S,) or (1, S) with S > 0, got shape {tuple(position_ids.shape)}")
-    if pos[0].item() != 0:
-        raise ValueError(f"position_ids must start a document at the first token (0), got {pos[0].item()}")
+    pos = host_values(pos, "position_ids").to(torch.int64)
+    follows = torch.cat([pos.new_zeros(1), pos[:-1] + 1])  # each token's position if it continues its document
+    bad = torch.nonzero((pos != 0) & (pos != follows)).flatten()
+    if bad.numel():
+        t = int(bad[0])
+        if t == 0:
+            raise ValueError(f"position_ids must start at 0 (the first document's first token), got {int(pos[0])}")
+        raise ValueError(
+            "position_ids must count 0, 1, 2, ... inside each document and restart at 0 at the next one; token "
+            f"{t} has position {int(pos[t])} after {int(pos[t - 1])} (expected {int(pos[t - 1]) + 1}, or 0)"
+        )
     starts = torch.nonzero(pos == 0).flatten()
-    end = torch.tensor([pos.numel()], device=pos.device)
-    return torch.cat([starts, end]).to(torch.int32)
+    return torch.cat([starts, torch.tensor([pos.numel()])]).to(device=position_ids.device, dtype=torch.int32)
+
+
+def host_values(t: torch.Tensor, name: str) -> torch.Tensor:
+    """t on the CPU, to read its values on the host.
+
+    Raises:
+        ValueError: t is on the meta device (it holds no values), naming `name`.
+    """
+    if t.is_meta:
+        raise ValueError(f"{name} must hold values (they are read on the host), got a tensor on the meta device")
+    return t.cpu()
 
 
 def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:

@@ -85,8 +85,7 @@ def _hf_matches_eager(rank, world_size, backend, layouts):
     for layout in layouts:
         name = hf.register(f"ringattn-{layout}", layout=layout)
         sp = ringattn.SequenceParallel(layout=layout)
-        model = _tiny_llama(0, seqlen, device)
-        model.set_attn_implementation(name)
+        model = hf.prepare(_tiny_llama(0, seqlen, device), name)
         batch = sp.shard_batch(input_ids, labels)
         pos = batch.position_ids[0]  # (S_local,) this rank's global positions
 
@@ -139,6 +138,7 @@ def _packed_matches_per_document(rank, world_size, name, sp, device):
     """Packed documents through position ids: the attention function recovers the boundaries (one all-gather
     per forward, not per layer) and keeps attention inside each document."""
     import ringattn
+    from ringattn.integrations import hf
 
     lengths = DOCUMENTS[world_size]
     total = sum(lengths)
@@ -151,8 +151,7 @@ def _packed_matches_per_document(rank, world_size, name, sp, device):
     plain = _per_document(_tiny_llama(1, total, device), input_ids, labels, cu_seqlens, torch.float32)
     ref = _per_document(_tiny_llama(1, total, device), input_ids, labels, cu_seqlens, torch.float64)
 
-    model = _tiny_llama(1, total, device)
-    model.set_attn_implementation(name)
+    model = hf.prepare(_tiny_llama(1, total, device), name)
     batch = sp.shard_batch(input_ids, labels, position_ids=position_ids)
     fn = transformers.AttentionInterface._global_mapping[name]
     gathers = []
@@ -215,8 +214,8 @@ def test_llama_ring_matches_eager(backend, world_size):
 
 
 def test_attn_implementation_selected_by_name(tmp_path):
-    """from_pretrained(..., attn_implementation="ringattn") and set_attn_implementation select it; no process
-    group is needed until the model runs."""
+    """from_pretrained(..., attn_implementation="ringattn") and hf.prepare select it; no process group is needed
+    until the model runs."""
     from ringattn.integrations import hf
 
     assert hf.register() == "ringattn"
@@ -224,9 +223,51 @@ def test_attn_implementation_selected_by_name(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="ringattn")
     assert loaded.config._attn_implementation == "ringattn"
-    model.set_attn_implementation("ringattn")
+    assert hf.prepare(model) is model
     assert model.config._attn_implementation == "ringattn"
+    with pytest.raises(ValueError, match="'eager' is not a ring attention registered with transformers"):
+        hf.prepare(model, "eager")
     fn = transformers.AttentionInterface._global_mapping["ringattn"]
     assert fn.layout == "zigzag" and fn.group is None
     with pytest.raises(ValueError, match="layout must be one of"):
         hf.register("ringattn-bad", layout="striped")
+
+
+def _calls_that_were_silently_wrong_raise(rank, world_size):
+    import ringattn
+    from ringattn.integrations import hf
+    from tests.integrations.test_hf_models import _model
+
+    seqlen = 32 * world_size
+    input_ids, labels = _batch(seqlen, "cpu")
+    input_ids, labels = input_ids[:1], labels[:1]  # batch 1: the contiguous layout read each shard as a document
+    for layout in LAYOUTS:
+        name = hf.register(f"ringattn-{layout}", layout=layout)
+        batch = ringattn.SequenceParallel(layout=layout).shard_batch(input_ids, labels)
+        ids, pos = batch.input_ids, batch.position_ids
+        llama = _tiny_llama(0, seqlen)
+        llama.set_attn_implementation(name)
+        with pytest.raises(ValueError, match=r"runs in models prepared with ringattn.integrations.hf.prepare\(model"):
+            llama(input_ids=ids, position_ids=pos, use_cache=False)
+        hf.prepare(llama, name)
+        for call in (llama, llama.model):  # the model, and its base model called alone
+            with pytest.raises(ValueError, match=f"attn_implementation='{name}' needs position_ids in every call"):
+                call(input_ids=ids, use_cache=False)
+        for given in (dict(labels=batch.labels), dict(labels=batch.labels, shift_labels=batch.labels)):
+            with pytest.raises(ValueError, match=r"with labels= alone .* Compute the loss with sp.cross_entropy"):
+                llama(input_ids=ids, position_ids=pos, use_cache=False, **given)
+        bert = hf.prepare(_model("modernbert", 0, seqlen), name)  # an encoder: no position_ids reach its attention
+        with pytest.raises(ValueError, match="needs position_ids in every call"):
+            bert(input_ids=ids)
+    assert llama(ids, None, pos, use_cache=False).logits.shape == (1, seqlen // world_size, VOCAB)  # positional
+    llama.set_attn_implementation("eager")
+    llama(input_ids=ids, use_cache=False)  # the checks are ring attention's only
+    return True
+
+
+def test_calls_that_were_silently_wrong_raise_on_every_rank():
+    """Regression: without position_ids the model numbered each rank's shard from 0, and in the contiguous layout
+    with batch 1 the ring read each shard as a document of its own (rank 1's logits off by 0.40, no error); an
+    encoder without position_ids (ModernBERT, which hands none to its attention layers) was wrong in both layouts;
+    model(labels=...) gave the loss of each rank's shard alone, slightly wrong, without a word."""
+    assert run_ranks(_calls_that_were_silently_wrong_raise, 2, timeout=300) == [True, True]

@@ -90,8 +90,7 @@ def _family_matches_eager(rank, world_size, families, layouts, packed):
         for layout in layouts:
             name = hf.register(f"ringattn-{layout}", layout=layout)
             sp = ringattn.SequenceParallel(layout=layout)
-            model = _model(family, 0, seqlen)
-            model.set_attn_implementation(name)
+            model = hf.prepare(_model(family, 0, seqlen), name)
             batch = sp.shard_batch(input_ids, labels)
             pos = batch.position_ids[0]
             out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
@@ -120,8 +119,7 @@ def _packed_family_matches_per_document(rank, world_size, family, layout):
 
     name = hf.register(f"ringattn-{layout}", layout=layout)
     sp = ringattn.SequenceParallel(layout=layout)
-    model = _model(family, 1, total)
-    model.set_attn_implementation(name)
+    model = hf.prepare(_model(family, 1, total), name)
     batch = sp.shard_batch(input_ids, labels, position_ids=position_ids)
     # ModernBERT hands its attention layers no position_ids: the boundaries go as transformers' packed kwargs
     given = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens) if family == "modernbert" else {}

@@ -1,5 +1,7 @@
 """Packed-document bookkeeping of the ring, as pure functions (no communication)."""
 
+import re
+
 import pytest
 import torch
 
@@ -24,8 +26,30 @@ def test_document_ids_follow_the_boundaries():
 def test_cu_seqlens_from_position_ids_of_packed_documents():
     pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])
     assert cu_seqlens_from_position_ids(pos).tolist() == [0, 3, 4, 8]
-    with pytest.raises(ValueError, match="must start a document"):
-        cu_seqlens_from_position_ids(torch.tensor([1, 2, 0]))
+    assert cu_seqlens_from_position_ids(torch.arange(5)).tolist() == [0, 5]
+
+
+COUNTING = "position_ids must count 0, 1, 2, ... inside each document and restart at 0 at the next one; "
+
+
+@pytest.mark.parametrize(
+    "pos,error,message",
+    [
+        ([0, 1, 5, 9, 0, 1, 2, 3], ValueError, COUNTING + "token 2 has position 5 after 1 (expected 2, or 0)"),
+        ([0, 1, -1, 0, 1], ValueError, COUNTING + "token 2 has position -1 after 1 (expected 2, or 0)"),
+        ([0, 1, 2, 1, 2, 3], ValueError, COUNTING + "token 3 has position 1 after 2 (expected 3, or 0)"),
+        ([0, 1, 2, 0, 3], ValueError, COUNTING + "token 4 has position 3 after 0 (expected 1, or 0)"),
+        ([1, 2, 0], ValueError, "position_ids must start at 0 (the first document's first token), got 1"),
+        ([[0, 1], [0, 1]], ValueError, "position_ids must be (S,) or (1, S) with S > 0, got shape (2, 2)"),
+        ([0.0, 1.0], TypeError, "position_ids must be an integer tensor, got torch.float32"),
+    ],
+    ids=["gap", "negative", "decrease", "restart-at-3", "first-not-0", "two-rows", "float"],
+)
+def test_position_ids_that_do_not_count_each_document_from_0_raise(pos, error, message):
+    """Regression: cu_seqlens_from_position_ids looked only at the zeros, so gaps, negatives and decreases without
+    a 0 became document boundaries ([0, 1, 5, 9, 0, 1, 2, 3] -> [0, 4, 8]) instead of an error."""
+    with pytest.raises(error, match=re.escape(message)):
+        cu_seqlens_from_position_ids(torch.tensor(pos))
 
 
 def test_padding_is_a_document_of_its_own():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ringattn
+from ringattn.parallel.agreement import RingSignature, describe_disagreement
 from ringattn.parallel.documents import document_ids
 from ringattn.testing import check_close, magnitude
 from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
@@ -98,7 +99,7 @@ def test_varlen_bad_inputs_raise_on_every_rank():
 def _ranks_disagree_on_cu_seqlens(rank, world_size):
     q = torch.zeros(8, 2, 32)
     cu = torch.tensor([0, 5 + rank, 16], dtype=torch.int32)  # each rank its own boundaries
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with pytest.raises(ValueError, match=r"^ring_attn_varlen_func: the ranks of the group disagree on cu_seqlens"):
         ringattn.ring_attn_varlen_func(q, q, q, cu)
     return True
 
@@ -106,3 +107,13 @@ def _ranks_disagree_on_cu_seqlens(rank, world_size):
 def test_cu_seqlens_that_differ_across_ranks_raise_on_every_rank():
     """Ranks with different document boundaries would compute with different masks: caught before the ring."""
     assert run_ranks(_ranks_disagree_on_cu_seqlens, 2) == [True, True]
+
+
+def test_disagreement_in_a_varlen_call_names_ring_attn_varlen_func():
+    """Regression: ranks that disagreed in a ring_attn_varlen_func call were told "ring_attn_func: the ranks of
+    the group disagree on ...", naming a function they did not call."""
+    sig = RingSignature(1, 8, 2, 2, 32, torch.float32, True, 32**-0.5, "zigzag", False, documents=7)
+    message = describe_disagreement([sig, sig._replace(causal=False)])
+    assert message.startswith("ring_attn_varlen_func: the ranks of the group disagree on causal"), message
+    dense = sig._replace(documents=0)
+    assert describe_disagreement([dense, dense._replace(causal=False)]).startswith("ring_attn_func: ")

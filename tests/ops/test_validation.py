@@ -1,0 +1,47 @@
+"""Checks of ops/validation.py that depend on how ringattn was imported: run in a fresh interpreter each."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Triton's own reading of $TRITON_INTERPRET (a kernel decorated now), then flash_attn_func on a CPU tensor
+PROBE = """
+import torch, triton
+from triton.runtime.interpreter import InterpretedFunction
+
+@triton.jit
+def kernel():
+    pass
+
+import ringattn
+print("triton interprets:", isinstance(kernel, InterpretedFunction))
+try:
+    ringattn.flash_attn_func(*(torch.zeros(1, 8, 2, 16) for _ in range(3)))
+    print("ran on the CPU")
+except RuntimeError as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU path; GPUs compile the kernels")
+@pytest.mark.parametrize("setting", ["true", "2"])
+def test_interpreter_on_exactly_when_triton_reads_it_on(setting, tmp_path):
+    """Regression: TRITON_INTERPRET=true turns Triton's interpreter on (recent Triton), but ringattn, looking for
+    "1" alone, refused CPU tensors and told the user to set 1; a value Triton reads as off is now named as such."""
+    probe = tmp_path / "probe.py"  # Triton compiles @jit functions from their source file
+    probe.write_text(PROBE)
+    env = dict(os.environ, TRITON_INTERPRET=setting, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    if "triton interprets: True" in proc.stdout:
+        assert "ran on the CPU" in proc.stdout, proc.stdout
+    else:
+        assert "triton interprets: False" in proc.stdout, proc.stdout
+        hint = f"TRITON_INTERPRET=1 (when ringattn was imported, TRITON_INTERPRET was '{setting}', which this Triton"
+        assert hint in proc.stdout, proc.stdout

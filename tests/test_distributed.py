@@ -1,0 +1,45 @@
+"""ringattn.distributed: bad settings give errors naming them, before any process group exists."""
+
+import re
+
+import pytest
+
+from ringattn.distributed import MULTICAST_OFF, init_distributed
+from ringattn.parallel.comm import GROUP_TIMEOUT_ENV, P2P_TIMEOUT_ENV, p2p_timeout_s
+
+BAD_SECONDS = [
+    ("abc", "must be a positive number of seconds, got 'abc'"),
+    ("nan", "must be a positive finite number of seconds, got nan"),
+    ("-5", "must be a positive finite number of seconds, got -5.0"),
+]
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    """A rank's environment as torchrun sets it; init_distributed's own writes are undone after the test."""
+    for name, value in dict(MULTICAST_OFF, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(P2P_TIMEOUT_ENV, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("value,message", BAD_SECONDS, ids=[v for v, _ in BAD_SECONDS])
+def test_timeouts_that_are_not_positive_seconds_raise_naming_the_variable(torchrun_env, value, message):
+    """Regression: init_distributed read RINGATTN_TIMEOUT with float(): "abc" and "nan" gave Python's conversion
+    errors, naming no variable, and -5 was accepted, the process group then timing out at -5000 ms."""
+    torchrun_env.setenv(GROUP_TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=re.escape(f"${GROUP_TIMEOUT_ENV} {message}")):
+        init_distributed("gloo")
+    torchrun_env.delenv(GROUP_TIMEOUT_ENV)
+    torchrun_env.setenv(P2P_TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=re.escape(f"${P2P_TIMEOUT_ENV} {message}")):
+        p2p_timeout_s()
+
+
+def test_bad_timeout_argument_and_local_rank_raise_naming_them(torchrun_env):
+    """Regression: a timeout_s of -5 reached the process group; LOCAL_RANK="abc" gave int()'s message alone."""
+    with pytest.raises(ValueError, match="timeout_s must be a positive finite number of seconds, got -5"):
+        init_distributed("gloo", timeout_s=-5)
+    torchrun_env.setenv("LOCAL_RANK", "abc")
+    with pytest.raises(ValueError, match="LOCAL_RANK must be this process's rank on its node, an int >= 0, got 'abc'"):
+        init_distributed("gloo")
