@@ -76,6 +76,8 @@ def test_help_prints_usage_and_exits_0(case, answers):
     assert "usage" in stdout.lower(), stdout + stderr
     if case.endswith(".py"):
         assert f"usage: {Path(case.split()[-1]).name}" in stdout, stdout
+    if case == "launch/setup.sh":
+        assert "python3 -m venv .venv && . .venv/bin/activate && bash launch/setup.sh" in stdout, stdout
     if case == THROUGH_TORCHRUN:
         assert "running launch/ring_check.py once, without ranks" in stderr
         assert stdout.count("usage: ring_check.py") == 1, stdout
