@@ -298,6 +298,25 @@ def test_a_rank_that_refuses_its_input_makes_every_rank_raise():
     assert results[0]["varlen"][1].startswith("ring_attn_varlen_func refused on group rank 2 of 3: cu_seqlens")
 
 
+def _another_collective(rank, world_size):
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        if rank == 0:
+            ringattn.ring_attn_func(*_qkv(), causal=True)
+        else:
+            ringattn.unshard(torch.zeros(1, 8, 2, 8))
+    return str(err.value), time.monotonic() - start
+
+
+def test_ranks_calling_different_collectives_all_raise():
+    """Regression: one rank calling ring_attn_func while another called unshard aborted rank 0 (gloo), and rank 1's
+    unshard returned a full tensor silently. Now both raise the same ValueError naming each rank's call."""
+    results = run_ranks(_another_collective, 2)
+    assert results[0][0] == results[1][0]
+    assert "different collective calls (rank 0: ring_attn_func, rank 1: unshard)" in results[0][0]
+    assert all(elapsed < 1.0 for _, elapsed in results)
+
+
 def _exchange_on_a_twin(rank, world_size):
     group = dist.new_group([1, 0], sort_ranks=False)  # group rank 0 is global rank 1
     real_backend, created = dist.get_backend, []
