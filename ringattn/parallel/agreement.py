@@ -320,9 +320,10 @@ def agreement_mode() -> str:
     return mode
 
 
-# per world (a new one after destroy_process_group): ring group -> (channel, the channel's rank of each group rank,
-# or None when they are the same), and the gloo twins by their ranks
-_channels: "weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[dist.ProcessGroup, list[int] | None]]"
+# ring group -> (its gloo twin, or None for the group itself: a value must not hold its key, which would then live
+# past destroy_process_group; the twin's rank of each group rank, or None when they are the same), and per world
+# (a new one after destroy_process_group) the gloo twins by their ranks
+_channels: "weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[dist.ProcessGroup | None, list[int] | None]]"
 _channels = weakref.WeakKeyDictionary()
 _twins: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]]"
 _twins = weakref.WeakKeyDictionary()
@@ -340,7 +341,7 @@ def cpu_channel(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, lis
     found = _channels.get(group)
     if found is None:
         if "gloo" in str(dist.get_backend(group)).lower():
-            found = (group, None)
+            found = (None, None)
         else:
             ranks = dist.get_process_group_ranks(group)  # in group-rank order
             twin_ranks = tuple(sorted(ranks))
@@ -348,45 +349,57 @@ def cpu_channel(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, lis
             if twin_ranks not in twins:
                 twins[twin_ranks] = dist.new_group(list(twin_ranks), backend="gloo", use_local_synchronization=True)
             order = [twin_ranks.index(r) for r in ranks]
-            found = (twins[twin_ranks], None if order == sorted(order) else order)
+            found = (twins[twin_ranks], None if order == list(range(len(order))) else order)
         _channels[group] = found
-    return found
+    return group if found[0] is None else found[0], found[1]
 
 
-def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> list[torch.Tensor]:
-    """Every group rank's `local` (a CPU tensor of the same size on every rank), in group-rank order, through
-    cpu_channel(group). Raises RuntimeError when a rank does not take part within the P2P timeout."""
+def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float, what: str) -> torch.Tensor:
+    """(W, n): every group rank's `local` (a CPU tensor of n elements on every rank), in group-rank order, through
+    cpu_channel(group). Raises RuntimeError when a rank does not take part within timeout_s."""
     channel, order = cpu_channel(group)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(channel))]
-    wait_all([dist.all_gather(gathered, local, group=channel, async_op=True)], p2p_timeout_s(), what)
-    return gathered if order is None else [gathered[i] for i in order]
+    gathered = local.new_empty(dist.get_world_size(channel), local.numel())  # one buffer, a row per rank
+    wait_all([dist.all_gather(list(gathered), local, group=channel, async_op=True)], timeout_s, what)
+    return gathered if order is None else gathered[order]
 
 
 def _exchanges(group: dist.ProcessGroup | None) -> bool:
     """Whether calls on `group` exchange headers: $RINGATTN_AGREEMENT is not "off", torch.distributed is
     initialised, and `group` is None or a ProcessGroup of 2 or more ranks. Raises ValueError for an unknown
-    $RINGATTN_AGREEMENT or a bad P2P timeout (the exchange's)."""
-    p2p_timeout_s()
+    $RINGATTN_AGREEMENT."""
     if agreement_mode() == "off" or not (dist.is_available() and dist.is_initialized()):
         return False
     return (group is None or isinstance(group, dist.ProcessGroup)) and dist.get_world_size(group) > 1
 
 
+@functools.lru_cache(maxsize=256)
+def _own_header(call: str, fields: tuple | None) -> tuple[torch.Tensor, list[int]]:
+    """encode_header(call, fields) as a tensor and a list (neither modified by their users): a rank's calls repeat
+    (every layer's alike), so each distinct call is encoded once. Raises ValueError as encode_header."""
+    header = encode_header(call, fields)
+    return header, header.tolist()
+
+
 def _exchange(call: str, fields: tuple | None, refusal: Exception | None, group) -> None:
-    """One exchange of headers on `group`, then the agreed error on every rank, if any (always, when refusing)."""
+    """One exchange of headers on `group`, then the agreed error on every rank, if any (always, when refusing).
+    Raises ValueError for a bad P2P timeout (the exchange's) before any communication."""
+    timeout_s = p2p_timeout_s()
     try:
-        header = encode_header(call, fields, refusal)
+        header, own = _own_header(call, fields) if refusal is None else (encode_header(call, None, refusal), None)
     except ValueError as err:  # a field that cannot travel (a shape of too many dims): refused like a local check
-        refusal, header = err, encode_header(call, None, err)
+        refusal, header, own = err, encode_header(call, None, err), None
     what = f"{call}'s agreement check (all_gather) on group rank {dist.get_rank(group)}"
     what += f" of {dist.get_world_size(group)}"
-    headers = [decode_header(h) for h in _all_gather(header, group, what)]
+    rows = _all_gather(header, group, timeout_s, what).tolist()
+    if all(row == own for row in rows):  # every rank sent this rank's header: no refusal, the same call
+        return
+    headers = [decode_header(row) for row in rows]
     if any(h.refusal is not None for h in headers):
-        local = torch.zeros(max(h.message_bytes for h in headers), dtype=torch.uint8)
-        mine = _message(refusal)
-        local[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
+        local = torch.zeros(max(1, *(h.message_bytes for h in headers)), dtype=torch.uint8)  # gloo: not empty
+        own_message = _message(refusal)
+        local[: len(own_message)] = torch.tensor(list(own_message), dtype=torch.uint8)
         texts = [bytes(t[: h.message_bytes].tolist()).decode("utf-8", "replace") for t, h in
-                 zip(_all_gather(local, group, what), headers, strict=True)]  # fmt: skip
+                 zip(_all_gather(local, group, timeout_s, what), headers, strict=True)]  # fmt: skip
         kind, message = describe_refusals(headers, texts)
         raise kind(message) from refusal
     message = describe_disagreement(headers, None if fields is None else type(fields))
