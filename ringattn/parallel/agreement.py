@@ -196,7 +196,7 @@ def _decode_value(kind, slots: list[int]):
     if kind == Shape:
         ndim = slots[0]
         if not 0 <= ndim <= MAX_DIMS:
-            raise ValueError(f"ring header with a shape of {ndim} dims: ranks run different ringattn")
+            raise ValueError(f"ringattn call header with a shape of {ndim} dims: ranks run different ringattn")
         return tuple(slots[1 : 1 + ndim]), 1 + MAX_DIMS
     if kind is float:
         return _bits_float(slots[0]), 1
@@ -214,13 +214,17 @@ def encode_header(call: str, fields: tuple | None = None, refusal: BaseException
 
     Raises:
         ValueError: a name of more than NAME_SLOTS * 8 bytes, a str field of more than TEXT_SLOTS * 8, a shape of
-            more than MAX_DIMS dims.
+            more than MAX_DIMS dims; fields taking more than FIELD_SLOTS slots.
     """
     values = [MAGIC, VERSION, *_encode_text(call, NAME_SLOTS, "the call's name")]
     values += [_refusal_kind(refusal), len(_message(refusal))]
     if fields is not None and refusal is None:
+        slots = []
         for name, kind in _kinds(type(fields)):
-            values += _encode_value(kind, getattr(fields, name), type(fields).labels[name])
+            slots += _encode_value(kind, getattr(fields, name), type(fields).labels[name])
+        if len(slots) > FIELD_SLOTS:
+            raise ValueError(f"{type(fields).__name__} takes {len(slots)} slots of a header's {FIELD_SLOTS}")
+        values += slots
     return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
 
 

@@ -5,6 +5,7 @@ the process or returning a wrong result."""
 import os
 import re
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -86,6 +87,14 @@ def test_encode_rejects_what_cannot_travel():
         encode_header("a" * 33)
     with pytest.raises(ValueError, match="layout must be at most 16 bytes"):
         encode_header("shard", SHARD._replace(layout="z" * 17))
+
+    class Wide(NamedTuple):
+        a: tuple[int, ...]
+        b: tuple[int, ...]
+        labels = {"a": "a", "b": "b"}
+
+    with pytest.raises(ValueError, match=r"Wide takes 34 slots of a header's 24"):
+        encode_header("wide", Wide((1,), (2,)))
 
 
 def test_scales_that_differ_in_the_last_bit_disagree():
