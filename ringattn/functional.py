@@ -20,7 +20,7 @@ from .ops.validation import (
     default_softmax_scale,
 )
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
-from .parallel.agreement import agreement_mode, check_agreement, ring_signature
+from .parallel.agreement import RingSignature, agreement_mode, check_agreement, ring_signature, shared_refusals
 from .parallel.comm import p2p_timeout_s
 from .parallel.documents import check_cu_seqlens, document_ids, fingerprint, shard_documents
 
@@ -268,22 +268,21 @@ def check_ring_inputs(
     window: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
     sink: torch.Tensor | None = None,
-) -> float:
-    """Every check of a ring call, all before the ring's first P2P op; returns the softmax scale to use.
+) -> tuple[float, RingSignature]:
+    """The local checks of a ring call (shapes, dtypes, devices, layout, scale, window, the group and its backend,
+    the environment); returns the softmax scale to use and the call's signature.
 
-    First the local checks (shapes, dtypes, devices, layout, scale, window, the group and its backend), then,
-    on rings of 2 or more ranks, the cross-rank agreement check (parallel/agreement.py): one small
-    all_gather on `group`, skipped per $RINGATTN_AGREEMENT, after which every rank raises the same
-    ValueError if the ranks' shapes, dtype, causal, softmax_scale, layout, window, softcap, whether they pass
-    sinks or (`documents`, the fingerprint of ring_attn_varlen_func's cu_seqlens) document boundaries differ.
+    The ring functions run them under agreement.shared_refusals, then agreement.check_agreement with the signature:
+    one small all_gather on a CPU channel of `group` before the ring's first P2P op (skipped with
+    $RINGATTN_AGREEMENT=off), after which every rank raises the same error if a rank's checks raised, or if the
+    ranks' shapes, dtype, causal, softmax_scale, layout, window, softcap, whether they pass sinks or (`documents`,
+    the fingerprint of ring_attn_varlen_func's cu_seqlens) document boundaries differ.
 
     Raises:
         ValueError, TypeError: bad local inputs, an unknown layout, an odd local length with "zigzag",
             a group that is not a ProcessGroup or does not contain this rank, a device the backend cannot carry,
-            a bad $RINGATTN_P2P_TIMEOUT_S, $RINGATTN_AGREEMENT or $RINGATTN_KERNELS; ranks that disagree (the same
-            message on every rank).
-        RuntimeError: torch.distributed is not initialised; a device the kernels cannot run on;
-            a rank that does not arrive for the agreement check within the P2P timeout (gloo).
+            a bad $RINGATTN_P2P_TIMEOUT_S, $RINGATTN_AGREEMENT or $RINGATTN_KERNELS.
+        RuntimeError: torch.distributed is not initialised; a device the kernels cannot run on.
     """
     check_attn_inputs(q, k, v)
     check_runnable_device(q)
@@ -311,10 +310,7 @@ def check_ring_inputs(
         raise ValueError(f"q, k, v are on {q.device} but the group's backend is nccl; move them to the rank's GPU")
     p2p_timeout_s()  # the environment's settings, checked before the first collective (the kernels' in
     agreement_mode()  # check_runnable_device)
-    if dist.get_world_size(group) > 1:
-        signature = ring_signature(q, k, v, scale, causal, layout, documents, window, softcap, sink is not None)
-        check_agreement(signature, group, q.device)
-    return scale
+    return scale, ring_signature(q, k, v, scale, causal, layout, documents, window, softcap, sink is not None)
 
 
 def ring_attn_func(
@@ -371,19 +367,22 @@ def ring_attn_func(
         out (batch, S_local, nheads, headdim) in q's dtype, this rank's shard of the global
         attention output; with return_lse also lse (batch, nheads, S_local) fp32, natural log.
     Raises:
-        ValueError, TypeError: bad local inputs, raised before any communication; ranks whose
-            shapes, dtype, softmax_scale, causal, window_size, softcap or layout differ (the same message on every
-            rank, from one small all_gather before the ring; $RINGATTN_AGREEMENT=once|always|off).
+        ValueError, TypeError: bad local inputs on any rank, or ranks whose shapes, dtype, softmax_scale, causal,
+            window_size, softcap or layout differ: the same error on every rank, from one small all_gather before
+            the ring ($RINGATTN_AGREEMENT=always|off; with off, bad local inputs raise on their own rank only).
         RuntimeError: torch.distributed not initialised; tensors on a device the kernels cannot
             run on (CPU tensors need TRITON_INTERPRET=1 before ringattn is imported); on gloo, a
             peer that dies or does not arrive within $RINGATTN_P2P_TIMEOUT_S (default 300 s), in the
             forward or the backward, naming the peer and the ring step. On NCCL the process group's
             timeout and watchdog apply instead. In the backward, create_graph=True (no double backward).
     """
-    causal, window, softcap, deterministic = check_flash_attn_options(
-        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
-    )
-    scale = check_ring_inputs(q, k, v, group, layout, softmax_scale, causal, 0, window, softcap, learnable_sink)
+    with shared_refusals("ring_attn_func", group):  # a rank's refusal raised by every rank, before the ring
+        causal, window, softcap, deterministic = check_flash_attn_options(
+            dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        )
+        scale, signature = check_ring_inputs(q, k, v, group, layout, softmax_scale, causal, 0, window, softcap,
+                                             learnable_sink)  # fmt: skip
+    check_agreement("ring_attn_func", signature, group)
     out, lse = RingAttnFunction.apply(q, k, v, scale, causal, group, layout, None, window, softcap, deterministic,
                                       learnable_sink)  # fmt: skip
     return (out, lse) if return_lse else out
@@ -433,16 +432,18 @@ def ring_attn_varlen_func(
         ValueError, TypeError: as ring_attn_func, and for q, k, v that are not 3-D or a bad cu_seqlens.
         RuntimeError: as ring_attn_func.
     """
-    causal, window, softcap, deterministic = check_flash_attn_options(
-        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
-    )
-    _check_3d(q, k, v, "total_local_tokens")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_attn_varlen_func needs torch.distributed initialised (dist.init_process_group)")
-    seqlen_local, world_size = q.shape[0], dist.get_world_size(group)
-    check_cu_seqlens(cu_seqlens, seqlen_local * world_size)
-    scale = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, causal, fingerprint(cu_seqlens),
-                              window, softcap, learnable_sink)  # fmt: skip
+    with shared_refusals("ring_attn_varlen_func", group):  # a rank's refusal raised by every rank, before the ring
+        causal, window, softcap, deterministic = check_flash_attn_options(
+            dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        )
+        _check_3d(q, k, v, "total_local_tokens")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ring_attn_varlen_func needs torch.distributed initialised (dist.init_process_group)")
+        seqlen_local, world_size = q.shape[0], dist.get_world_size(group)
+        check_cu_seqlens(cu_seqlens, seqlen_local * world_size)
+        scale, signature = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, causal,
+                                             fingerprint(cu_seqlens), window, softcap, learnable_sink)  # fmt: skip
+    check_agreement("ring_attn_varlen_func", signature, group)
     docs = shard_documents(cu_seqlens, seqlen_local, world_size, layout, q.device)
     out, lse = RingAttnFunction.apply(q[None], k[None], v[None], scale, causal, group, layout, docs, window, softcap,
                                       deterministic, learnable_sink)  # fmt: skip

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .functional import ring_attn_func, ring_attn_varlen_func
+from .parallel.agreement import shared_refusals
 from .parallel.documents import check_cu_seqlens, cu_seqlens_from_position_ids, document_ids, pad_cu_seqlens
 from .parallel.layout import check_layout, chunks_per_rank, pad_to_multiple, shard, shard_indices, unshard
 
@@ -213,7 +214,7 @@ class SequenceParallel:
         return shard_indices(seqlen, self.rank, self.world_size, self.layout, device=device)
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's shard of a full tensor along `dim` (differentiable; see ringattn.shard)."""
+        """This rank's shard of a full tensor along `dim`; a collective, differentiable (ringattn.shard)."""
         return shard(x, dim=dim, group=self.group, layout=self.layout)
 
     def gather(self, x_local: torch.Tensor, dim: int = 1, seqlen: int | None = None) -> torch.Tensor:
@@ -223,6 +224,8 @@ class SequenceParallel:
             x_local: this rank's shard, e.g. logits (batch, S_local, vocab).
             dim: the sequence dim.
             seqlen: keep only the first `seqlen` positions (e.g. ShardedBatch.unpadded_seqlen).
+        Raises:
+            ValueError: as ringattn.unshard, on every rank alike.
         """
         full = unshard(x_local, dim=dim, group=self.group, layout=self.layout)
         return full if seqlen is None else full.narrow(dim % full.dim(), 0, seqlen)
@@ -238,7 +241,7 @@ class SequenceParallel:
         ignore_index: int = IGNORE_INDEX,
         pad_id: int = 0,
     ) -> ShardedBatch:
-        """This rank's shard of a batch that every rank holds in full.
+        """This rank's shard of a batch that every rank holds in full; a collective (ringattn.shard).
 
         Labels are shifted (shift_labels) on the full sequence first; then tokens are padded with `pad_id`
         and labels with `ignore_index` at the end up to a multiple of `self.multiple`, and both are sharded.
@@ -262,18 +265,20 @@ class SequenceParallel:
         Returns:
             ShardedBatch with input_ids, labels (batch, S_pad / W), position_ids (batch, S_pad / W) and,
             for packed documents, cu_seqlens.
-        Raises:
+        Raises (on every rank alike when any rank raises them):
             ValueError: labels' (batch, S) differ from input_ids'; both position_ids and cu_seqlens given;
                 packed documents with batch != 1; position_ids or cu_seqlens that do not describe documents
-                of the S tokens (cu_seqlens_from_position_ids, check_cu_seqlens).
+                of the S tokens (cu_seqlens_from_position_ids, check_cu_seqlens); ranks whose batches differ in shape.
             TypeError: position_ids or cu_seqlens of the wrong type (as above).
         """
-        if labels is not None and labels.shape[:2] != input_ids.shape[:2]:
-            raise ValueError(
-                f"labels must have input_ids' (batch, seqlen) {tuple(input_ids.shape[:2])}, got {tuple(labels.shape)}"
-            )
-        batch, unpadded = input_ids.shape[0], input_ids.shape[1]
-        docs = self._documents(batch, unpadded, position_ids, cu_seqlens)  # int32 (n_docs + 1,) or None
+        with shared_refusals("SequenceParallel.shard_batch", self.group):
+            if labels is not None and labels.shape[:2] != input_ids.shape[:2]:
+                raise ValueError(
+                    f"labels must have input_ids' (batch, seqlen) {tuple(input_ids.shape[:2])}, "
+                    f"got {tuple(labels.shape)}"
+                )
+            batch, unpadded = input_ids.shape[0], input_ids.shape[1]
+            docs = self._documents(batch, unpadded, position_ids, cu_seqlens)  # int32 (n_docs + 1,) or None
         input_ids, _ = pad_to_multiple(input_ids, dim=1, multiple=self.multiple, value=pad_id)
         seqlen = input_ids.shape[1]
         if labels is not None:
@@ -345,18 +350,19 @@ class SequenceParallel:
         Returns:
             out (batch, S_local, nheads, headdim) in q's dtype, and lse with return_lse.
         Raises:
-            ValueError: q, k or v not of batch 1 with cu_seqlens; otherwise as ring_attn_func and
-                ring_attn_varlen_func.
+            ValueError: q, k or v not of batch 1 with cu_seqlens (on every rank alike); otherwise as ring_attn_func
+                and ring_attn_varlen_func.
         """
         kwargs = dict(softmax_scale=softmax_scale, causal=causal, group=self.group, layout=self.layout)
         if cu_seqlens is None:
             return ring_attn_func(q, k, v, return_lse=return_lse, **kwargs)
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dim() != 4 or t.shape[0] != 1:
-                raise ValueError(
-                    f"attention over packed documents needs {name} of shape (1, S_local, heads, headdim) (batch 1), "
-                    f"got {tuple(t.shape)}"
-                )
+        with shared_refusals("SequenceParallel.attention", self.group):
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if t.dim() != 4 or t.shape[0] != 1:
+                    raise ValueError(
+                        f"attention over packed documents needs {name} of shape (1, S_local, heads, headdim) "
+                        f"(batch 1), got {tuple(t.shape)}"
+                    )
         out, lse = ring_attn_varlen_func(q[0], k[0], v[0], cu_seqlens, return_lse=True, **kwargs)
         return (out[None], lse[None]) if return_lse else out[None]
 

@@ -4,6 +4,7 @@ shows the bookkeeping alone); packed documents, with a small attention model, ag
 document alone."""
 
 import functools
+import time
 
 import pytest
 import torch
@@ -241,3 +242,38 @@ def test_packed_documents_loss_and_gradients_equal_per_document(backend, world_s
     skip_without_gpus(backend, world_size)
     ranks = run_ranks(_packed_toolkit_matches_per_document, world_size, backend, PACKED, backend=backend)
     assert ranks == [True] * world_size
+
+
+def _toolkit_refusals_on_one_rank(rank, world_size):
+    """Each call is good on every rank but rank 1; returns {case: (message, seconds)}."""
+    sp = ringattn.SequenceParallel()
+    input_ids = torch.zeros(2, 12, dtype=torch.int64)
+    q = torch.zeros(1 if rank != 1 else 2, 4, 2, 8)
+    cu_seqlens = torch.tensor([0, 3, 4 * world_size], dtype=torch.int32)
+    cases = {
+        "shard_batch-labels": lambda: sp.shard_batch(input_ids, input_ids[:, : 11 if rank == 1 else 12]),
+        "attention-batch": lambda: sp.attention(q, q[:, :, :1], q[:, :, :1], cu_seqlens, causal=True),
+    }
+    results = {}
+    for name, call in cases.items():
+        start = time.monotonic()
+        with pytest.raises(ValueError) as err:
+            call()
+        results[name] = (str(err.value), time.monotonic() - start)
+    return results
+
+
+def test_a_refusal_of_the_toolkit_on_one_rank_is_raised_by_every_rank():
+    """Regression: SequenceParallel.shard_batch's and attention's input checks raised only on the rank whose input
+    was bad (labels of another length, a batch of 2 with documents), while its peers waited in the next collective
+    until the timeout. Now every rank raises the same ValueError, naming the refusing rank, within a second."""
+    results = run_ranks(_toolkit_refusals_on_one_rank, 2)
+    expected = {
+        "shard_batch-labels": "SequenceParallel.shard_batch refused on group rank 1 of 2: labels must have "
+        "input_ids' (batch, seqlen) (2, 12), got (2, 11)",
+        "attention-batch": "SequenceParallel.attention refused on group rank 1 of 2: attention over packed "
+        "documents needs q of shape (1, S_local, heads, headdim) (batch 1), got (2, 4, 2, 8)",
+    }
+    for name, text in expected.items():
+        assert results[0][name][0] == results[1][name][0] and text in results[0][name][0], results
+        assert all(r[name][1] < 1.0 for r in results), results

@@ -52,6 +52,7 @@ transformers' cu_seq_lens_q and cu_seq_lens_k keyword arguments instead, holding
 model(..., cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens).
 """
 
+import functools
 import inspect
 import weakref
 
@@ -59,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ..functional import ring_attn_func, ring_attn_varlen_func
+from ..parallel.agreement import check_agreement, shared_refusals
 from ..parallel.documents import cu_seqlens_from_position_ids
 from ..parallel.layout import check_layout, check_local_seqlen, shard_indices
 
@@ -255,23 +257,33 @@ def _preview(t: torch.Tensor, n: int = 8) -> str:
     return str(flat) if len(flat) <= n else f"[{', '.join(map(str, flat[:n]))}, ...] ({len(flat)} positions)"
 
 
-def no_mask(*args, attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs) -> None:
-    """The mask function registered in AttentionMaskInterface: build no mask.
+def no_mask(
+    *args,
+    attention_mask: torch.Tensor | None = None,
+    use_vmap: bool = False,
+    group: dist.ProcessGroup | None = None,
+    **kwargs,
+) -> None:
+    """The mask function registered in AttentionMaskInterface, bound to the registered group: build no mask.
 
     Returns None for no mask or an all-ones 2-D padding mask. Raises ValueError for a padding mask with
     zeros, and when the model adds its own mask pattern on top of the causal one (transformers then
-    asks for a vmap-built mask): the ring could not apply either.
+    asks for a vmap-built mask): the ring could not apply either. A collective on `group` (every rank
+    builds its masks in each forward), so that a refusal on one rank (padding in its shard only) is
+    raised by every rank, before the first layer.
     """
-    if use_vmap:
-        raise ValueError(
-            "ring attention computes causal (or full) attention with the layer's sliding window: this model adds "
-            "its own mask pattern on top of it, which is not supported"
-        )
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "ring attention does not support padding masks: pass attention_mask=None and put padding at the end "
-            "of the sequence with its labels set to the ignore index (SequenceParallel.shard_batch does)"
-        )
+    with shared_refusals("hf attention mask", group):
+        if use_vmap:
+            raise ValueError(
+                "ring attention computes causal (or full) attention with the layer's sliding window: this model adds "
+                "its own mask pattern on top of it, which is not supported"
+            )
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError(
+                "ring attention does not support padding masks: pass attention_mask=None and put padding at the end "
+                "of the sequence with its labels set to the ignore index (SequenceParallel.shard_batch does)"
+            )
+    check_agreement("hf attention mask", None, group)
     return None
 
 
@@ -361,5 +373,5 @@ def register(name: str = NAME, *, layout: str = "zigzag", group: dist.ProcessGro
     """
     fn = RingAttentionForTransformers(group, layout, name)
     AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, no_mask)
+    AttentionMaskInterface.register(name, functools.partial(no_mask, group=group))
     return name

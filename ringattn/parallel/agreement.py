@@ -1,23 +1,29 @@
-"""Cross-rank agreement: every rank of a ring must call it with the same shapes, dtype, causal,
-softmax_scale and layout, or the P2P ops hang or exchange garbage (docs/design.md, section 7).
+"""Cross-rank agreement: every collective call of ringattn starts by comparing the ranks' calls, so that a rank
+that calls differently, or refuses its input, makes every rank raise the same error instead of a hang, a gloo abort
+or a silently wrong result (docs/design.md, section 7).
 
-Before the ring, each rank encodes its call as a fixed-size int64 vector (`encode_signature`)
-and one all_gather on the ring's group gives every rank every rank's vector; if they differ,
-every rank raises the same ValueError naming what differs and each rank's value
-(`describe_disagreement`). Encoding, decoding and the comparison are pure functions, tested
-without communication; `check_agreement` is the one exchange.
+Each rank encodes its call as a header of HEADER_LEN int64 (`encode_header`): the call's name (ring_attn_func,
+unshard, ...), whether this rank refuses the call (its local checks raised) and the fields every rank must pass
+alike (a NamedTuple per call: RingSignature, ShardSignature, UnshardSignature). One all_gather of the headers on a
+CPU channel of the group (`cpu_channel`) gives every rank every header before any of the call's data moves: the
+same size for every call, it can neither abort gloo on a size mismatch nor be mistaken for data. Every rank then
+decides from the same headers, so all raise the same error:
+- a rank refused: a second all_gather carries the refusals' messages, and every rank raises the first refusing
+  rank's exception type with every refusal's message (`describe_refusals`);
+- the ranks make different calls, or the same call with different fields: a ValueError naming what differs and each
+  rank's value (`describe_disagreement`).
+Encoding, decoding and the descriptions are pure functions, tested without communication.
 
-$RINGATTN_AGREEMENT picks how often the exchange runs (read at every call):
-- "once" (default): once per distinct signature per group, then cached on every rank. A rank
-  whose signature changes exchanges again; if only some ranks change it, the others skip the
-  exchange, and the mismatch surfaces as the P2P timeout of RingComm instead of this error.
-- "always": every call (one small all_gather each; on NCCL it also syncs the host with the
-  current stream, as the result must be read back).
-- "off": never.
+$RINGATTN_AGREEMENT (read at every call): "always" (default), or "off": no exchange at all, a local refusal raises on
+its own rank only and ranks that differ are not caught. Set it alike on every rank.
 """
 
+import contextlib
+import functools
+import hashlib
 import os
 import struct
+import typing
 import weakref
 from typing import NamedTuple
 
@@ -25,14 +31,19 @@ import torch
 import torch.distributed as dist
 
 from .comm import p2p_timeout_s, wait_all
-from .layout import LAYOUTS
 
 AGREEMENT_ENV = "RINGATTN_AGREEMENT"
-AGREEMENT_MODES = ("once", "always", "off")
-MAGIC = 0x52_49_4E_47  # "RING": a vector that does not start with it did not come from encode_signature
-VERSION = 3
-SIGNATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MAX_CACHED_PER_GROUP = 64
+AGREEMENT_MODES = ("always", "off")
+MAGIC = 0x52_49_4E_47  # "RING": a vector that does not start with it did not come from encode_header
+VERSION = 4
+HEADER_LEN = 32  # int64, the same for every call
+NAME_SLOTS = 4  # the call's name: up to 32 bytes of UTF-8
+FIELD_SLOTS = HEADER_LEN - 4 - NAME_SLOTS  # after magic, version, the name, the refusal and its message's length
+MAX_DIMS = 16  # a shape field: its number of dims, then up to MAX_DIMS sizes
+TEXT_SLOTS = 2  # a str field (a layout): up to 16 bytes of UTF-8
+MAX_MESSAGE_BYTES = 4096
+REFUSALS = (ValueError, TypeError, RuntimeError)  # what local checks raise; every rank raises the same type
+Shape = tuple[int, ...]
 
 
 class RingSignature(NamedTuple):
@@ -54,26 +65,46 @@ class RingSignature(NamedTuple):
     softcap: float = 0.0
     sinks: bool = False  # whether learnable_sink is given
 
+    labels = {  # how each field is named in errors: the argument it comes from
+        "batch": "batch size (q.shape[0])",
+        "seqlen_local": "local sequence length (q.shape[1])",
+        "heads_q": "query heads (q.shape[2])",
+        "heads_k": "key/value heads (k.shape[2])",
+        "head_dim": "head dim (q.shape[3])",
+        "dtype": "dtype",
+        "causal": "causal",
+        "softmax_scale": "softmax_scale",
+        "layout": "layout",
+        "requires_grad": "whether q, k or v require grad",
+        "documents": "cu_seqlens (fingerprint)",
+        "window_left": "window_size[0]",
+        "window_right": "window_size[1]",
+        "softcap": "softcap",
+        "sinks": "learnable_sink (given or None)",
+    }
+    expected = (
+        "Every rank of the ring must pass the same shapes, dtype, softmax_scale, causal, window_size, softcap, layout "
+        "and learnable_sink or None (and all or none need gradients)."
+    )
 
-# how each field is named in errors: the argument it comes from
-FIELD_LABELS = {
-    "batch": "batch size (q.shape[0])",
-    "seqlen_local": "local sequence length (q.shape[1])",
-    "heads_q": "query heads (q.shape[2])",
-    "heads_k": "key/value heads (k.shape[2])",
-    "head_dim": "head dim (q.shape[3])",
-    "dtype": "dtype",
-    "causal": "causal",
-    "softmax_scale": "softmax_scale",
-    "layout": "layout",
-    "requires_grad": "whether q, k or v require grad",
-    "documents": "cu_seqlens (fingerprint)",
-    "window_left": "window_size[0]",
-    "window_right": "window_size[1]",
-    "softcap": "softcap",
-    "sinks": "learnable_sink (given or None)",
-}
-SIGNATURE_LEN = 2 + len(RingSignature._fields)
+
+class ShardSignature(NamedTuple):
+    """What every rank of shard must agree on: the full tensor x's shape and dtype, dim (in [0, x.dim())), layout."""
+
+    shape: Shape
+    dtype: torch.dtype
+    dim: int
+    layout: str
+
+    labels = {"shape": "x.shape", "dtype": "x.dtype", "dim": "dim", "layout": "layout"}
+    expected = "Every rank must pass the same full tensor x, dim and layout."
+
+
+class UnshardSignature(ShardSignature):
+    """What every rank of unshard must agree on: the same fields, of its shard x_local."""
+
+    labels = {"shape": "x_local.shape", "dtype": "x_local.dtype", "dim": "dim", "layout": "layout"}
+    expected = "Every rank must pass a shard of the same shape and dtype, with the same dim and layout."
 
 
 def ring_signature(
@@ -98,6 +129,16 @@ def ring_signature(
     )  # fmt: skip
 
 
+class Header(NamedTuple):
+    """A decoded header: the call, the type a refusing rank raised (None: it does not refuse) with its message's
+    length in bytes, and the raw field slots (decode_fields reads them)."""
+
+    call: str
+    refusal: type[Exception] | None
+    message_bytes: int
+    fields: tuple[int, ...]
+
+
 def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
@@ -106,46 +147,127 @@ def _bits_float(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", b))[0]
 
 
-def encode_signature(sig: RingSignature) -> torch.Tensor:
-    """int64 (SIGNATURE_LEN,): MAGIC, VERSION, then the fields; dtype and layout as indices into
-    SIGNATURE_DTYPES and LAYOUTS, softmax_scale as its float64 bits (exact). Raises ValueError for
-    a dtype or layout outside those tables."""
-    if sig.dtype not in SIGNATURE_DTYPES:
-        raise ValueError(f"dtype must be one of {SIGNATURE_DTYPES}, got {sig.dtype}")
-    if sig.layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {sig.layout!r}")
-    values = [MAGIC, VERSION]
-    values += [sig.batch, sig.seqlen_local, sig.heads_q, sig.heads_k, sig.head_dim]
-    values += [SIGNATURE_DTYPES.index(sig.dtype), int(sig.causal), _float_bits(sig.softmax_scale)]
-    values += [LAYOUTS.index(sig.layout), int(sig.requires_grad), sig.documents]
-    values += [sig.window_left, sig.window_right, _float_bits(sig.softcap), int(sig.sinks)]
-    return torch.tensor(values, dtype=torch.int64)
+@functools.cache
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A stable int64 naming the dtype (ranks need not number dtypes alike)."""
+    return int.from_bytes(hashlib.blake2b(str(dtype).encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def decode_signature(encoded: torch.Tensor | list[int]) -> RingSignature:
-    """The inverse of encode_signature.
+_DTYPE_OF_CODE = {_dtype_code(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+@functools.cache
+def _kinds(cls: type) -> tuple[tuple[str, type], ...]:
+    """(field, type) of a signature class, in field order."""
+    hints = typing.get_type_hints(cls)
+    return tuple((name, hints[name]) for name in cls._fields)
+
+
+def _encode_text(text: str, slots: int, label: str) -> list[int]:
+    """`text` as UTF-8 in `slots` int64. Raises ValueError when longer than slots * 8 bytes."""
+    raw = text.encode()
+    if len(raw) > slots * 8:
+        raise ValueError(f"{label} must be at most {slots * 8} bytes of UTF-8, got {text!r}")
+    raw = raw.ljust(slots * 8, b"\0")
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+
+
+def _decode_text(slots: list[int]) -> str:
+    raw = b"".join(v.to_bytes(8, "little", signed=True) for v in slots)
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def _encode_value(kind, value, label: str) -> list[int]:
+    if kind == Shape:
+        if len(value) > MAX_DIMS:
+            raise ValueError(f"{label} must have at most {MAX_DIMS} dims, got {len(value)}")
+        return [len(value), *value, *[0] * (MAX_DIMS - len(value))]
+    if kind is float:
+        return [_float_bits(value)]
+    if kind is torch.dtype:
+        return [_dtype_code(value)]
+    if kind is str:
+        return _encode_text(value, TEXT_SLOTS, label)
+    return [int(value)]  # int, bool
+
+
+def _decode_value(kind, slots: list[int]):
+    """The value of one field from its slots (as many as _encode_value wrote), and how many slots it took."""
+    if kind == Shape:
+        ndim = slots[0]
+        if not 0 <= ndim <= MAX_DIMS:
+            raise ValueError(f"ringattn call header with a shape of {ndim} dims: ranks run different ringattn")
+        return tuple(slots[1 : 1 + ndim]), 1 + MAX_DIMS
+    if kind is float:
+        return _bits_float(slots[0]), 1
+    if kind is torch.dtype:
+        return _DTYPE_OF_CODE.get(slots[0], f"unknown dtype {slots[0]:#x}"), 1
+    if kind is str:
+        return _decode_text(slots[:TEXT_SLOTS]), TEXT_SLOTS
+    return kind(slots[0]), 1
+
+
+def encode_header(call: str, fields: tuple | None = None, refusal: BaseException | None = None) -> torch.Tensor:
+    """int64 (HEADER_LEN,): MAGIC, VERSION, the call's name, the refusal (0, or 1 + its index in REFUSALS) and its
+    message's length in bytes, then the fields (none when refusing): floats as their float64 bits (exact), dtypes
+    by name, strings (layouts) as UTF-8, shapes as their length and up to MAX_DIMS sizes.
 
     Raises:
-        ValueError: not a vector from encode_signature of this version (wrong length, magic or
-            version, or a dtype/layout index out of range), e.g. when ranks run different ringattn
-            versions or call different collectives.
+        ValueError: a name of more than NAME_SLOTS * 8 bytes, a str field of more than TEXT_SLOTS * 8, a shape of
+            more than MAX_DIMS dims; fields taking more than FIELD_SLOTS slots.
+    """
+    values = [MAGIC, VERSION, *_encode_text(call, NAME_SLOTS, "the call's name")]
+    values += [_refusal_kind(refusal), len(_message(refusal))]
+    if fields is not None and refusal is None:
+        slots = []
+        for name, kind in _kinds(type(fields)):
+            slots += _encode_value(kind, getattr(fields, name), type(fields).labels[name])
+        if len(slots) > FIELD_SLOTS:
+            raise ValueError(f"{type(fields).__name__} takes {len(slots)} slots of a header's {FIELD_SLOTS}")
+        values += slots
+    return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
+
+
+def _refusal_kind(refusal: BaseException | None) -> int:
+    if refusal is None:
+        return 0
+    return 1 + next(i for i, kind in enumerate(REFUSALS) if isinstance(refusal, kind))
+
+
+def _message(refusal: BaseException | None) -> bytes:
+    return b"" if refusal is None else str(refusal).encode()[:MAX_MESSAGE_BYTES]
+
+
+def decode_header(encoded: torch.Tensor | list[int]) -> Header:
+    """The inverse of encode_header, leaving the fields encoded.
+
+    Raises:
+        ValueError: not a vector from encode_header of this version (wrong length, magic, version or refusal),
+            e.g. when ranks run different ringattn versions, or one runs a collective of its own.
     """
     values = encoded.tolist() if isinstance(encoded, torch.Tensor) else list(encoded)
-    if len(values) != SIGNATURE_LEN or values[0] != MAGIC:
+    if len(values) != HEADER_LEN or values[0] != MAGIC:
         raise ValueError(
-            f"not a ring signature (length {len(values)}, expected {SIGNATURE_LEN} starting with {MAGIC:#x}): "
+            f"not a ringattn call header (length {len(values)}, expected {HEADER_LEN} starting with {MAGIC:#x}): "
             "ranks are running different collectives"
         )
     if values[1] != VERSION:
-        raise ValueError(f"ring signature version {values[1]}, expected {VERSION}: ranks run different ringattn")
-    batch, seqlen, heads_q, heads_k, head_dim, dtype_i, causal, scale_bits, layout_i, grad, documents = values[2:13]
-    window_left, window_right, softcap_bits, sinks = values[13:]
-    if not (0 <= dtype_i < len(SIGNATURE_DTYPES) and 0 <= layout_i < len(LAYOUTS)):
-        raise ValueError(f"ring signature with dtype index {dtype_i} or layout index {layout_i} out of range")
-    return RingSignature(
-        batch, seqlen, heads_q, heads_k, head_dim, SIGNATURE_DTYPES[dtype_i], bool(causal), _bits_float(scale_bits),
-        LAYOUTS[layout_i], bool(grad), documents, window_left, window_right, _bits_float(softcap_bits), bool(sinks),
-    )  # fmt: skip
+        raise ValueError(f"ringattn call header version {values[1]}, expected {VERSION}: ranks run different ringattn")
+    refusal, message_bytes = values[2 + NAME_SLOTS : 4 + NAME_SLOTS]
+    if not 0 <= refusal <= len(REFUSALS) or not 0 <= message_bytes <= MAX_MESSAGE_BYTES:
+        raise ValueError(f"ringattn call header with refusal {refusal} of {message_bytes} bytes out of range")
+    call = _decode_text(values[2 : 2 + NAME_SLOTS])
+    return Header(call, REFUSALS[refusal - 1] if refusal else None, message_bytes, tuple(values[4 + NAME_SLOTS :]))
+
+
+def decode_fields(cls: type, slots: tuple[int, ...]) -> tuple:
+    """The fields of signature class `cls` from a Header's field slots. Raises ValueError for slots out of range."""
+    values, offset = [], 0
+    for _, kind in _kinds(cls):
+        value, width = _decode_value(kind, list(slots[offset:]))
+        values.append(value)
+        offset += width
+    return cls(*values)
 
 
 def _show(value) -> str:
@@ -156,90 +278,171 @@ def _show(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def describe_disagreement(signatures: list[RingSignature]) -> str | None:
-    """None when all signatures (one per group rank, in group-rank order) are equal; otherwise a message
-    naming the function called (ring_attn_varlen_func when some rank passed documents), every field that differs
-    and each rank's value, the same text on every rank."""
-    if all(s == signatures[0] for s in signatures):
+def describe_disagreement(headers: list[Header], cls: type | None) -> str | None:
+    """None when every rank (one header per group rank, in group-rank order) makes the same call with the same
+    fields of signature class `cls` (None: a call without fields); otherwise a message naming the calls, or every
+    field that differs, with each rank's value: the same text on every rank."""
+    calls = [h.call for h in headers]
+    if any(c != calls[0] for c in calls):
+        per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+        return (
+            f"the ranks of the group make different collective calls ({per_rank}): every rank must make the same "
+            "ringattn calls in the same order"
+        )
+    if cls is None or all(h.fields == headers[0].fields for h in headers):
         return None
+    signatures = [decode_fields(cls, h.fields) for h in headers]
     parts = []
-    for field in RingSignature._fields:
+    for field in cls._fields:
         values = [getattr(s, field) for s in signatures]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {_show(v)}" for r, v in enumerate(values))
-            parts.append(f"{FIELD_LABELS[field]} ({per_rank})")
-    function = "ring_attn_varlen_func" if any(s.documents for s in signatures) else "ring_attn_func"
-    return (
-        f"{function}: the ranks of the group disagree on " + "; ".join(parts) + ". Every rank of the ring "
-        "must pass the same shapes, dtype, softmax_scale, causal and layout (and all or none need gradients)."
-    )
+            parts.append(f"{cls.labels[field]} ({per_rank})")
+    return f"{calls[0]}: the ranks of the group disagree on " + "; ".join(parts) + ". " + cls.expected
+
+
+def describe_refusals(headers: list[Header], messages: list[str]) -> tuple[type[Exception], str]:
+    """The error every rank raises when some refused (headers and messages in group-rank order): the type the
+    first refusing rank raised, and each refusal's call, group ranks and message."""
+    by_refusal: dict[tuple[str, str], list[int]] = {}
+    for rank, (header, message) in enumerate(zip(headers, messages, strict=True)):
+        if header.refusal is not None:
+            by_refusal.setdefault((header.call, message), []).append(rank)
+    parts = []
+    for (call, message), ranks in by_refusal.items():
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        parts.append(f"{call} refused on group {which} of {len(headers)}: {message}")
+    kind = next(h.refusal for h in headers if h.refusal is not None)
+    return kind, "; ".join(parts) + " (raised on every rank of the group)"
 
 
 def agreement_mode() -> str:
-    """$RINGATTN_AGREEMENT, default "once". Raises ValueError for a value not in AGREEMENT_MODES."""
-    mode = os.environ.get(AGREEMENT_ENV, "").strip().lower() or "once"
+    """$RINGATTN_AGREEMENT, default "always". Raises ValueError for a value not in AGREEMENT_MODES."""
+    mode = os.environ.get(AGREEMENT_ENV, "").strip().lower() or "always"
     if mode not in AGREEMENT_MODES:
         raise ValueError(f"${AGREEMENT_ENV} must be one of {AGREEMENT_MODES}, got {os.environ[AGREEMENT_ENV]!r}")
     return mode
 
 
-_validated: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[RingSignature, None]]" = weakref.WeakKeyDictionary()
+# ring group -> (its gloo twin, or None for the group itself: a value must not hold its key, which would then live
+# past destroy_process_group; the twin's rank of each group rank, or None when they are the same), and per world
+# (a new one after destroy_process_group) the gloo twins by their ranks
+_channels: "weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[dist.ProcessGroup | None, list[int] | None]]"
+_channels = weakref.WeakKeyDictionary()
+_twins: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, ...], dist.ProcessGroup]]"
+_twins = weakref.WeakKeyDictionary()
 
 
-def clear_agreement_cache() -> None:
-    """Forget every signature validated so far (the next call on each group exchanges again)."""
-    _validated.clear()
+def cpu_channel(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, list[int] | None]:
+    """Where `group`'s headers travel, as CPU tensors: (channel, the channel rank of each group rank, or None when
+    they are the same).
 
-
-def _exchange_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
-    """CPU when the group's backend carries CPU tensors (gloo, or a gloo+nccl group): no GPU sync."""
-    backend = str(dist.get_backend(group)).lower()
-    return torch.device("cpu") if "gloo" in backend else device
-
-
-def exchange_signatures(
-    sig: RingSignature, group: dist.ProcessGroup, device: torch.device, timeout_s: float | None = None
-) -> list[RingSignature]:
-    """All ranks' signatures, in group-rank order: one all_gather of SIGNATURE_LEN int64 per rank.
-
-    Raises:
-        RuntimeError: on CPU (gloo), the exchange did not complete within timeout_s (default as RingComm).
-        ValueError: a rank sent something that is not a signature (decode_signature).
+    The group itself when its backend carries CPU tensors (gloo, or "cpu:gloo,cuda:nccl"); otherwise (NCCL) a gloo
+    group of the same ranks, created at the first call on the group (only its ranks take part,
+    use_local_synchronization) and shared by the groups of the same ranks: no GPU work, no wait for the stream.
     """
-    world_size = dist.get_world_size(group)
-    device = _exchange_device(group, device)
-    local = encode_signature(sig).to(device)
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    work = dist.all_gather(gathered, local, group=group, async_op=True)
-    if device.type == "cpu":
-        what = f"ring_attn_func's agreement check (all_gather) on group rank {dist.get_rank(group)} of {world_size}"
-        wait_all([work], p2p_timeout_s(timeout_s), what)
-    else:
-        work.wait()
-    return [decode_signature(t.cpu()) for t in gathered]
-
-
-def check_agreement(
-    sig: RingSignature, group: dist.ProcessGroup | None, device: torch.device, timeout_s: float | None = None
-) -> None:
-    """Raise the same ValueError on every rank when the ranks of `group` called with different signatures.
-
-    A collective on `group` (every rank must call it) unless $RINGATTN_AGREEMENT is "off", or "once"
-    (the default) and `sig` was already validated on this group.
-    Raises:
-        ValueError: the ranks disagree (describe_disagreement), or $RINGATTN_AGREEMENT is invalid.
-        RuntimeError: a rank did not arrive within the timeout (gloo).
-    """
-    mode = agreement_mode()
-    if mode == "off":
-        return
     group = group if group is not None else dist.group.WORLD
-    cached = _validated.setdefault(group, {})
-    if mode == "once" and sig in cached:
+    found = _channels.get(group)
+    if found is None:
+        if "gloo" in str(dist.get_backend(group)).lower():
+            found = (None, None)
+        else:
+            ranks = dist.get_process_group_ranks(group)  # in group-rank order
+            twin_ranks = tuple(sorted(ranks))
+            twins = _twins.setdefault(dist.group.WORLD, {})
+            if twin_ranks not in twins:
+                twins[twin_ranks] = dist.new_group(list(twin_ranks), backend="gloo", use_local_synchronization=True)
+            order = [twin_ranks.index(r) for r in ranks]
+            found = (twins[twin_ranks], None if order == list(range(len(order))) else order)
+        _channels[group] = found
+    return group if found[0] is None else found[0], found[1]
+
+
+def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float, what: str) -> torch.Tensor:
+    """(W, n): every group rank's `local` (a CPU tensor of n elements on every rank), in group-rank order, through
+    cpu_channel(group). Raises RuntimeError when a rank does not take part within timeout_s."""
+    channel, order = cpu_channel(group)
+    gathered = local.new_empty(dist.get_world_size(channel), local.numel())  # one buffer, a row per rank
+    wait_all([dist.all_gather(list(gathered), local, group=channel, async_op=True)], timeout_s, what)
+    return gathered if order is None else gathered[order]
+
+
+def _exchanges(group: dist.ProcessGroup | None) -> bool:
+    """Whether calls on `group` exchange headers: $RINGATTN_AGREEMENT is not "off", torch.distributed is
+    initialised, and `group` is None or a ProcessGroup of 2 or more ranks. Raises ValueError for an unknown
+    $RINGATTN_AGREEMENT."""
+    if agreement_mode() == "off" or not (dist.is_available() and dist.is_initialized()):
+        return False
+    return (group is None or isinstance(group, dist.ProcessGroup)) and dist.get_world_size(group) > 1
+
+
+@functools.lru_cache(maxsize=256)
+def _own_header(call: str, fields: tuple | None) -> tuple[torch.Tensor, list[int]]:
+    """encode_header(call, fields) as a tensor and a list (neither modified by their users): a rank's calls repeat
+    (every layer's alike), so each distinct call is encoded once. Raises ValueError as encode_header."""
+    header = encode_header(call, fields)
+    return header, header.tolist()
+
+
+def _exchange(call: str, fields: tuple | None, refusal: Exception | None, group) -> None:
+    """One exchange of headers on `group`, then the agreed error on every rank, if any (always, when refusing).
+    Raises ValueError for a bad P2P timeout (the exchange's) before any communication."""
+    timeout_s = p2p_timeout_s()
+    try:
+        header, own = _own_header(call, fields) if refusal is None else (encode_header(call, None, refusal), None)
+    except ValueError as err:  # a field that cannot travel (a shape of too many dims): refused like a local check
+        refusal, header, own = err, encode_header(call, None, err), None
+    what = f"{call}'s agreement check (all_gather) on group rank {dist.get_rank(group)}"
+    what += f" of {dist.get_world_size(group)}"
+    rows = _all_gather(header, group, timeout_s, what).tolist()
+    if all(row == own for row in rows):  # every rank sent this rank's header: no refusal, the same call
         return
-    message = describe_disagreement(exchange_signatures(sig, group, device, timeout_s))
+    headers = [decode_header(row) for row in rows]
+    if any(h.refusal is not None for h in headers):
+        local = torch.zeros(max(1, *(h.message_bytes for h in headers)), dtype=torch.uint8)  # gloo: not empty
+        own_message = _message(refusal)
+        local[: len(own_message)] = torch.tensor(list(own_message), dtype=torch.uint8)
+        texts = [bytes(t[: h.message_bytes].tolist()).decode("utf-8", "replace") for t, h in
+                 zip(_all_gather(local, group, timeout_s, what), headers, strict=True)]  # fmt: skip
+        kind, message = describe_refusals(headers, texts)
+        raise kind(message) from refusal
+    message = describe_disagreement(headers, None if fields is None else type(fields))
     if message is not None:
         raise ValueError(message)
-    cached[sig] = None
-    if len(cached) > MAX_CACHED_PER_GROUP:  # bounded: the oldest signature is validated again if it returns
-        del cached[next(iter(cached))]
+
+
+def check_agreement(call: str, fields: tuple | None, group: dist.ProcessGroup | None) -> None:
+    """Raise the same ValueError on every rank when the ranks of `group` do not all make call `call` with the same
+    `fields` (a signature NamedTuple, or None for a call without fields).
+
+    A collective on `group` (every rank must call it, before the call's data moves) unless $RINGATTN_AGREEMENT is
+    "off", torch.distributed is not initialised or the group has one rank. A rank whose local checks refused the
+    call takes part through `shared_refusals` instead, and every rank then raises its error.
+    Raises:
+        ValueError: the ranks disagree (describe_disagreement), or $RINGATTN_AGREEMENT is invalid.
+        ValueError, TypeError, RuntimeError: another rank refused the call (describe_refusals).
+        RuntimeError: a rank did not take part within the P2P timeout.
+    """
+    if _exchanges(group):
+        _exchange(call, fields, None, group)
+
+
+@contextlib.contextmanager
+def shared_refusals(call: str, group: dist.ProcessGroup | None):
+    """Run the local checks of collective `call` on `group`: an error of REFUSALS they raise takes part in the
+    agreement exchange, so that every rank raises it (the same type and message) from the check_agreement it is in.
+
+    Usage: ``with shared_refusals("unshard", group): <local checks>`` then ``check_agreement("unshard", fields,
+    group)``. Where there is no exchange (agreement "off", one rank, or no valid group to exchange on: the error
+    names that) the error is raised on its own rank, unchanged.
+    """
+    try:
+        yield
+    except REFUSALS as refusal:
+        try:
+            exchanges = _exchanges(group)
+        except REFUSALS:  # the setting or the group is what is wrong: this rank cannot exchange
+            exchanges = False
+        if not exchanges:
+            raise
+        _exchange(call, None, refusal, group)

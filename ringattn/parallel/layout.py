@@ -9,12 +9,16 @@ In both layouts a rank's local tokens are in increasing global order.
 
 The index maps (`shard_ranges`, `shard_indices`) are pure functions of (seqlen, rank, world
 size, layout) and need no process group; `shard`, `unshard` and `position_ids` apply them to
-this process's rank in a group.
+this process's rank in a group. `shard` and `unshard` are collectives: every rank first
+compares its call with the others' (parallel/agreement.py), so ranks that pass different
+shapes, or call another collective, all raise the same ValueError before any data moves.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from .agreement import ShardSignature, UnshardSignature, check_agreement, shared_refusals
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -51,6 +55,13 @@ def check_local_seqlen(seqlen_local: int, layout: str, name: str = "seqlen_local
             f"{name} = {seqlen_local} must be divisible by {chunks} for layout {layout!r} "
             "(each rank holds two equal chunks of the sequence)"
         )
+
+
+def check_dim(dim: int, ndim: int, name: str = "dim") -> int:
+    """`dim` of a tensor of `ndim` dims as an index in [0, ndim). Raises ValueError unless -ndim <= dim < ndim."""
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name} must be in [-{ndim}, {ndim}) for a tensor of {ndim} dims, got {dim}")
+    return dim % ndim
 
 
 def check_rank(rank: int, world_size: int, name: str = "rank") -> None:
@@ -98,25 +109,31 @@ def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 def shard(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None, layout: str = "zigzag"):
     """This rank's shard of a full tensor, along `dim`.
 
-    Every rank holds the same full tensor x; the result is a new contiguous tensor holding the
-    tokens shard_indices(x.shape[dim], rank, W, layout) of x, in that order. Differentiable
-    (gradients flow back to x). Note that ring_attn_func's default layout is "contiguous":
-    pass the same `layout` to both.
+    A collective: every rank holds the same full tensor x and calls it (the ranks compare x's shape
+    and dtype, dim and layout first). The result is a new contiguous tensor holding the tokens
+    shard_indices(x.shape[dim], rank, W, layout) of x, in that order. Differentiable (gradients
+    flow back to x). Note that ring_attn_func's default layout is "contiguous": pass the same
+    `layout` to both.
 
     Args:
-        x: any shape; x.shape[dim] is the global length S, divisible by W ("contiguous") or 2W ("zigzag").
-        dim: the sequence dim (1 for (batch, seqlen, nheads, headdim); 2 for an lse (batch, nheads, seqlen)).
+        x: any shape (up to 16 dims); x.shape[dim] is the global length S, divisible by W ("contiguous") or 2W
+            ("zigzag").
+        dim: the sequence dim, in [-x.dim(), x.dim()) (1 for (batch, seqlen, nheads, headdim); 2 or -1 for an lse
+            (batch, nheads, seqlen)).
         group: the ring's process group (default: the world).
     Returns:
         x's shard, x.shape with S replaced by S / W.
     Raises:
-        ValueError: unknown layout; S not divisible by W or 2W.
+        ValueError: unknown layout; dim out of range; S not divisible by W or 2W; ranks whose x.shape, x.dtype, dim
+            or layout differ. On every rank alike when any rank raises it (parallel/agreement.py).
         RuntimeError: torch.distributed not initialised.
     """
-    check_layout(layout)
-    rank, world_size = _group_rank_and_size(group)
-    dim = dim % x.dim()
-    check_seqlen(x.shape[dim], world_size, layout, name=f"x.shape[{dim}]")
+    with shared_refusals("shard", group):
+        check_layout(layout)
+        rank, world_size = _group_rank_and_size(group)
+        dim = check_dim(dim, x.dim())
+        check_seqlen(x.shape[dim], world_size, layout, name=f"x.shape[{dim}]")
+    check_agreement("shard", ShardSignature(tuple(x.shape), x.dtype, dim, layout), group)
     pieces = [x.narrow(dim, r.start, len(r)) for r in shard_ranges(x.shape[dim], rank, world_size, layout)]
     return torch.cat(pieces, dim).contiguous()
 
@@ -125,24 +142,29 @@ def unshard(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None
     """Gather every rank's shard and reassemble the full tensor (the inverse of `shard`) along `dim`.
 
     A collective: every rank of the group calls it with its shard of the same shape, and every
-    rank gets the full tensor. Not differentiable: the result carries no autograd history (use it
+    rank gets the full tensor. The ranks compare their shards' shapes and dtypes, dim and layout
+    before any data moves. Not differentiable: the result carries no autograd history (use it
     for checks, logging and evaluation, not inside a loss).
 
     Args:
-        x_local: this rank's shard; x_local.shape[dim] = S / W (even for "zigzag").
-        dim: the sequence dim.
+        x_local: this rank's shard (up to 16 dims); x_local.shape[dim] = S / W (even for "zigzag").
+        dim: the sequence dim, in [-x_local.dim(), x_local.dim()).
         group: the ring's process group (default: the world).
     Returns:
         the full tensor, x_local.shape with S / W replaced by S, in global token order.
     Raises:
-        ValueError: unknown layout; an odd local length with "zigzag".
+        ValueError: unknown layout; dim out of range; an odd local length with "zigzag"; ranks whose
+            x_local.shape, x_local.dtype, dim or layout differ, or that call another collective. On every rank
+            alike when any rank raises it (parallel/agreement.py).
         RuntimeError: torch.distributed not initialised.
     """
-    check_layout(layout)
-    rank, world_size = _group_rank_and_size(group)
-    dim = dim % x_local.dim()
+    with shared_refusals("unshard", group):
+        check_layout(layout)
+        rank, world_size = _group_rank_and_size(group)
+        dim = check_dim(dim, x_local.dim())
+        check_local_seqlen(x_local.shape[dim], layout, name=f"x_local.shape[{dim}]")
+    check_agreement("unshard", UnshardSignature(tuple(x_local.shape), x_local.dtype, dim, layout), group)
     seqlen_local = x_local.shape[dim]
-    check_local_seqlen(seqlen_local, layout, name=f"x_local.shape[{dim}]")
     x_local = x_local.detach().contiguous()
     gathered = [torch.empty_like(x_local) for _ in range(world_size)]
     dist.all_gather(gathered, x_local, group=group)
@@ -190,11 +212,11 @@ def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) 
     Returns:
         (padded x, original length x.shape[dim]); x itself (no copy) when already a multiple.
     Raises:
-        ValueError: multiple < 1.
+        ValueError: multiple < 1; dim not in [-x.dim(), x.dim()).
     """
     if multiple < 1:
         raise ValueError(f"multiple must be a positive integer, got {multiple}")
-    dim = dim % x.dim()
+    dim = check_dim(dim, x.dim())
     length = x.shape[dim]
     extra = -length % multiple
     if extra == 0:

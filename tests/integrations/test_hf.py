@@ -11,6 +11,8 @@ Packed documents (batch 1, position ids restarting at 0 at each document) are ch
 eager model run on each document alone.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -211,6 +213,38 @@ def test_llama_ring_matches_eager(backend, world_size):
     layouts = LAYOUTS if world_size == 2 else ["zigzag"]  # the contiguous layout at W = 4: test_hf_models.py
     ranks = run_ranks(_hf_matches_eager, world_size, backend, layouts, backend=backend, timeout=600)
     assert ranks == [True] * world_size
+
+
+def _padding_in_one_shard(rank, world_size):
+    import ringattn
+    from ringattn.integrations import hf
+
+    name = hf.register("ringattn-padding", layout="zigzag")
+    sp = ringattn.SequenceParallel(layout="zigzag")
+    seqlen = 16 * world_size
+    model = _tiny_llama(0, seqlen)
+    model.set_attn_implementation(name)
+    batch = sp.shard_batch(*_batch(seqlen, "cpu"))
+    mask = torch.ones(BATCH, seqlen, dtype=torch.int64)
+    mask[:, -3:] = 0  # padding at the end: in zigzag, on rank 0's second chunk only
+    local_mask = sp.shard(mask)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=local_mask, use_cache=False)
+    return str(err.value), time.monotonic() - start, bool(local_mask.all())
+
+
+def test_a_padding_mask_in_one_shard_is_refused_by_every_rank():
+    """Regression: with a padding mask whose zeros lie in one rank's shard, only that rank raised the ValueError;
+    its peer went on into the first layer's collective and got gloo's "Connection closed by peer". Now the mask
+    function is agreed on: both ranks raise the same ValueError, naming the rank that holds the padding."""
+    results = run_ranks(_padding_in_one_shard, 2)
+    assert [all_ones for _, _, all_ones in results] == [False, True]
+    assert results[0][0] == results[1][0]
+    assert results[0][0].startswith(
+        "hf attention mask refused on group rank 0 of 2: ring attention does not support padding masks"
+    )
+    assert all(elapsed < 5.0 for _, elapsed, _ in results), results
 
 
 def test_attn_implementation_selected_by_name(tmp_path):

@@ -1,8 +1,11 @@
-"""Cross-rank agreement: the signature encoding as pure functions, and ranks that disagree all
-raising the same clear ValueError quickly instead of hanging (gloo, spawned ranks)."""
+"""Cross-rank agreement: the header encoding and the messages as pure functions, and, on spawned gloo ranks, ranks
+that call differently or refuse their input all raising the same clear error quickly, instead of hanging, aborting
+the process or returning a wrong result."""
 
 import os
+import re
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -12,80 +15,148 @@ import ringattn
 from ringattn.parallel import agreement
 from ringattn.parallel.agreement import (
     AGREEMENT_ENV,
-    SIGNATURE_LEN,
+    HEADER_LEN,
+    MAX_DIMS,
     RingSignature,
+    ShardSignature,
+    UnshardSignature,
     agreement_mode,
-    decode_signature,
+    check_agreement,
+    decode_fields,
+    decode_header,
     describe_disagreement,
-    encode_signature,
+    describe_refusals,
+    encode_header,
 )
 from tests.distributed import run_ranks
 
 SIG = RingSignature(2, 37, 4, 2, 40, torch.float32, True, 0.15811388300841897, "zigzag", True)
+SHARD = UnshardSignature((2, 8, 3, 16), torch.bfloat16, 1, "contiguous")
+
+
+def _header(call, fields=None, refusal=None):
+    return decode_header(encode_header(call, fields, refusal))
 
 
 @pytest.mark.parametrize(
-    "sig",
+    "call, sig",
     [
-        SIG,
-        SIG._replace(dtype=torch.bfloat16, causal=False, layout="contiguous", requires_grad=False),
-        SIG._replace(softmax_scale=1e-300, dtype=torch.float16, batch=65535, seqlen_local=2**40),
-        SIG._replace(softmax_scale=float.fromhex("0x1.fffffffffffffp+1023"), dtype=torch.float64),
+        ("ring_attn_func", SIG),
+        ("ring_attn_func", SIG._replace(dtype=torch.bfloat16, causal=False, layout="contiguous", requires_grad=False)),
+        ("ring_attn_func", SIG._replace(softmax_scale=1e-300, dtype=torch.float16, batch=65535, seqlen_local=2**40)),
+        ("ring_attn_func", SIG._replace(softmax_scale=float.fromhex("0x1.fffffffffffffp+1023"))),
+        ("ring_attn_varlen_func", SIG._replace(documents=-(2**63) + 1, window_left=3, softcap=30.0, sinks=True)),
+        ("shard", ShardSignature((), torch.int64, 0, "zigzag")),
+        ("unshard", SHARD),
+        ("unshard", SHARD._replace(shape=tuple(range(1, MAX_DIMS + 1)), dtype=torch.bool)),
     ],
-    ids=["fp32-zigzag", "bf16-contiguous", "tiny-scale", "huge-scale"],
+    ids=["fp32-zigzag", "bf16-contiguous", "tiny-scale", "huge-scale", "varlen", "shard-0d", "unshard", "16-dims"],
 )
-def test_signature_round_trips_exactly(sig):
-    encoded = encode_signature(sig)
-    assert encoded.dtype == torch.int64 and encoded.shape == (SIGNATURE_LEN,)
-    assert decode_signature(encoded) == sig
-    assert decode_signature(encoded.tolist()) == sig
+def test_header_round_trips_exactly(call, sig):
+    encoded = encode_header(call, sig)
+    assert encoded.dtype == torch.int64 and encoded.shape == (HEADER_LEN,)
+    for form in (encoded, encoded.tolist()):
+        header = decode_header(form)
+        assert header.call == call and header.refusal is None and header.message_bytes == 0
+        decoded = decode_fields(type(sig), header.fields)
+        assert decoded == sig and type(decoded) is type(sig)
 
 
-def test_decode_rejects_what_is_not_a_signature():
-    good = encode_signature(SIG).tolist()
-    with pytest.raises(ValueError, match="not a ring signature"):
-        decode_signature(good[:-1])
-    with pytest.raises(ValueError, match="not a ring signature"):
-        decode_signature([0] + good[1:])
+def test_a_refusal_travels_without_fields():
+    header = _header("hf attention mask", None, TypeError("q must be a torch.Tensor, got list"))
+    assert header == ("hf attention mask", TypeError, 34, (0,) * len(header.fields))
+    assert _header("shard", None, RuntimeError("x")).refusal is RuntimeError
+
+
+def test_decode_rejects_what_is_not_a_header():
+    good = encode_header("unshard", SHARD).tolist()
+    with pytest.raises(ValueError, match="not a ringattn call header"):
+        decode_header(good[:-1])
+    with pytest.raises(ValueError, match="not a ringattn call header"):
+        decode_header([0] + good[1:])
     with pytest.raises(ValueError, match="version 99"):
-        decode_signature(good[:1] + [99] + good[2:])
-    with pytest.raises(ValueError, match="out of range"):
-        decode_signature(good[:7] + [17] + good[8:])
+        decode_header(good[:1] + [99] + good[2:])
+    with pytest.raises(ValueError, match="refusal 9"):
+        decode_header(good[:6] + [9] + good[7:])
 
 
-def test_encode_rejects_unknown_dtype_and_layout():
-    with pytest.raises(ValueError, match="dtype must be one of"):
-        encode_signature(SIG._replace(dtype=torch.int32))
-    with pytest.raises(ValueError, match="layout must be one of"):
-        encode_signature(SIG._replace(layout="striped"))
+def test_encode_rejects_what_cannot_travel():
+    with pytest.raises(ValueError, match=f"x_local.shape must have at most {MAX_DIMS} dims, got 17"):
+        encode_header("unshard", SHARD._replace(shape=(1,) * 17))
+    with pytest.raises(ValueError, match="the call's name must be at most 32 bytes"):
+        encode_header("a" * 33)
+    with pytest.raises(ValueError, match="layout must be at most 16 bytes"):
+        encode_header("shard", SHARD._replace(layout="z" * 17))
+
+    class Wide(NamedTuple):
+        a: tuple[int, ...]
+        b: tuple[int, ...]
+        labels = {"a": "a", "b": "b"}
+
+    with pytest.raises(ValueError, match=r"Wide takes 34 slots of a header's 24"):
+        encode_header("wide", Wide((1,), (2,)))
 
 
 def test_scales_that_differ_in_the_last_bit_disagree():
     other = SIG._replace(softmax_scale=float.fromhex((SIG.softmax_scale).hex()[:-1] + "0"))
     assert other.softmax_scale != SIG.softmax_scale
-    message = describe_disagreement([SIG, SIG, other])
+    headers = [_header("ring_attn_func", s) for s in (SIG, SIG, other)]
+    message = describe_disagreement(headers, RingSignature)
     assert message is not None and "softmax_scale (rank 0: 0.15811388300841897" in message
 
 
 def test_disagreement_message_names_each_field_and_every_rank_value():
-    assert describe_disagreement([SIG] * 4) is None
+    assert describe_disagreement([_header("ring_attn_func", SIG)] * 4, RingSignature) is None
     sigs = [SIG, SIG._replace(seqlen_local=38, causal=False), SIG._replace(dtype=torch.float16)]
-    message = describe_disagreement(sigs)
+    message = describe_disagreement([_header("ring_attn_func", s) for s in sigs], RingSignature)
+    assert message.startswith("ring_attn_func: the ranks of the group disagree on ")
     assert "local sequence length (q.shape[1]) (rank 0: 37, rank 1: 38, rank 2: 37)" in message
     assert "dtype (rank 0: float32, rank 1: float32, rank 2: float16)" in message
     assert "causal (rank 0: True, rank 1: False, rank 2: True)" in message
     assert "batch size (" not in message and "layout (rank" not in message
+    shards = [SHARD, SHARD._replace(shape=(2, 6, 3, 16), layout="zigzag")]
+    message = describe_disagreement([_header("unshard", s) for s in shards], UnshardSignature)
+    assert "x_local.shape (rank 0: (2, 8, 3, 16), rank 1: (2, 6, 3, 16))" in message
+    assert "layout (rank 0: 'contiguous', rank 1: 'zigzag')" in message
+
+
+def test_different_calls_are_named_with_each_rank():
+    headers = [_header("ring_attn_func", SIG), _header("unshard", SHARD), _header("ring_attn_func", SIG)]
+    message = describe_disagreement(headers, RingSignature)
+    assert "make different collective calls (rank 0: ring_attn_func, rank 1: unshard, rank 2: ring_attn_func)" in (
+        message
+    )
+    assert describe_disagreement([_header("hf attention mask")] * 2, None) is None
+
+
+def test_refusals_name_each_refusing_rank_with_the_first_ones_type():
+    errors = [None, TypeError("q must be float16"), ValueError("bad cu_seqlens"), TypeError("q must be float16")]
+    headers = [_header("ring_attn_func", SIG if e is None else None, e) for e in errors]
+    kind, message = describe_refusals(headers, ["" if e is None else str(e) for e in errors])
+    assert kind is TypeError
+    assert message == (
+        "ring_attn_func refused on group ranks 1, 3 of 4: q must be float16; ring_attn_func refused on group rank 2 "
+        "of 4: bad cu_seqlens (raised on every rank of the group)"
+    )
 
 
 def test_agreement_mode_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv(AGREEMENT_ENV, raising=False)
-    assert agreement_mode() == "once"
-    for mode in ("once", "always", "off", " ALWAYS "):
+    assert agreement_mode() == "always"
+    for mode in ("always", "off", " OFF "):
         monkeypatch.setenv(AGREEMENT_ENV, mode)
         assert agreement_mode() == mode.strip().lower()
-    monkeypatch.setenv(AGREEMENT_ENV, "sometimes")
-    with pytest.raises(ValueError, match=r"\$RINGATTN_AGREEMENT must be one of"):
-        agreement_mode()
+    for mode in ("once", "sometimes"):  # "once" (a cache of validated calls) is gone: it could not be trusted
+        monkeypatch.setenv(AGREEMENT_ENV, mode)
+        with pytest.raises(ValueError, match=r"\$RINGATTN_AGREEMENT must be one of \('always', 'off'\)"):
+            agreement_mode()
+
+
+def _qkv(seqlen=8, heads_k=1, dtype=torch.float32, requires_grad=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, seqlen, 2, 8, generator=gen).to(dtype).requires_grad_(requires_grad)
+    k = torch.randn(1, seqlen, heads_k, 8, generator=gen).to(dtype).requires_grad_(requires_grad)
+    return q, k, k.detach().clone().requires_grad_(requires_grad)
 
 
 # (what differs, the keyword arguments of rank 1 (the others use the defaults), the expected text)
@@ -103,9 +174,8 @@ DISAGREEMENTS = [
 def _call(
     seqlen=8, heads_k=1, dtype=torch.float32, causal=True, softmax_scale=0.25, layout="zigzag", requires_grad=True
 ):
-    q = torch.randn(1, seqlen, 2, 8, dtype=dtype, requires_grad=requires_grad)
-    k = torch.randn(1, seqlen, heads_k, 8, dtype=dtype, requires_grad=requires_grad)
-    return ringattn.ring_attn_func(q, k, k, softmax_scale=softmax_scale, causal=causal, layout=layout)
+    q, k, v = _qkv(seqlen, heads_k, dtype, requires_grad)
+    return ringattn.ring_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, layout=layout)
 
 
 def _count_exchanges(fn):
@@ -132,11 +202,8 @@ def _ranks_that_disagree(rank, world_size):
         with pytest.raises(ValueError, match="the ranks of the group disagree") as err:
             _call(**(kwargs if rank == 1 else {}))
         elapsed[name], messages[name] = time.monotonic() - start, str(err.value)
-    # the exchange runs once per signature and group by default, every call with "always", never with "off"
-    agreement.clear_agreement_cache()
+    # one exchange every call by default, none with "off"
     exchanges = [_count_exchanges(_call), _count_exchanges(_call)]
-    os.environ[AGREEMENT_ENV] = "always"
-    exchanges += [_count_exchanges(_call), _count_exchanges(_call)]
     os.environ[AGREEMENT_ENV] = "off"
     exchanges += [_count_exchanges(_call)]
     return messages, elapsed, exchanges
@@ -153,4 +220,135 @@ def test_ranks_that_disagree_all_raise_the_same_clear_error():
         for rank, (_, elapsed, _) in enumerate(results):
             assert elapsed[name] < 1.0, f"{name}: rank {rank} took {elapsed[name]:.2f} s to raise"
     for _, _, exchanges in results:
-        assert exchanges == [1, 0, 1, 1, 0]
+        assert exchanges == [1, 1, 0]
+
+
+# both ranks call with A, then with B, then `odd` calls with B while the others call with A
+CHANGES = {
+    "equal-bytes": (dict(seqlen=16, heads_k=1), dict(seqlen=8, heads_k=2)),  # K/V shards of 512 bytes each
+    "unequal-bytes": (dict(seqlen=16, heads_k=1), dict(seqlen=8, heads_k=1)),
+}
+
+
+def _one_rank_changes_its_call(rank, world_size, change, odd):
+    a, b = CHANGES[change]
+    for kwargs in (a, b):  # every rank makes both calls: both are valid, and were cached as such before
+        q, k, v = _qkv(**kwargs, requires_grad=False, seed=rank)
+        ringattn.ring_attn_func(q, k, v, causal=True)
+    q, k, v = _qkv(**(b if rank == odd else a), requires_grad=False, seed=rank)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="the ranks of the group disagree") as err:
+        ringattn.ring_attn_func(q, k, v, causal=True)
+    return str(err.value), time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    "change, world_size, odd", [("equal-bytes", 2, 1), ("unequal-bytes", 2, 1), ("equal-bytes", 4, 2)]
+)
+def test_a_rank_that_changes_its_call_alone_is_caught(change, world_size, odd):
+    """Regression: under the default agreement mode (a cache of calls validated once), ranks that had all called
+    with A and with B, then called with A and B at once, were not compared again. With K/V shards of equal byte
+    size (S_local 16, Hkv 1 against S_local 8, Hkv 2) both ranks returned without an error, rank 1's output off by
+    1.43 relative; with unequal sizes gloo aborted the process (SIGABRT). Now every call is compared: every rank,
+    not only the odd rank's ring neighbours, raises the same ValueError at once."""
+    results = run_ranks(_one_rank_changes_its_call, world_size, change, odd)
+    assert len({message for message, _ in results}) == 1, results
+    message = results[0][0]
+    a, b = (kwargs["seqlen"] for kwargs in CHANGES[change])
+    seqlens = ", ".join(f"rank {r}: {b if r == odd else a}" for r in range(world_size))
+    assert f"local sequence length (q.shape[1]) ({seqlens})" in message
+    assert ("key/value heads (k.shape[2])" in message) == (change == "equal-bytes")
+    assert all(elapsed < 2.0 for _, elapsed in results), results
+
+
+# rank 1's bad input (the others' is good): the error type, and the message its own checks give
+REFUSALS = {
+    "q-3d": (dict(q=torch.zeros(8, 2, 8)), ValueError, r"q must have 4 dimensions"),
+    "int-dtype": (dict(dtype=torch.int32), TypeError, r"q must be float16, bfloat16 or float32, got torch.int32"),
+    "dropout": (dict(dropout_p=0.1), ValueError, r"dropout_p"),
+    "zigzag-odd": (dict(seqlen=7), ValueError, r"q.shape\[1\] = 7 must be divisible by 2 for layout 'zigzag'"),
+}
+
+
+def _a_rank_refuses(rank, world_size):
+    results = {}
+    for name, (bad, _, _) in REFUSALS.items():
+        bad = dict(bad) if rank == 1 else {}
+        q, k, v = _qkv(seqlen=bad.pop("seqlen", 8), dtype=bad.pop("dtype", torch.float32), requires_grad=False)
+        q = bad.pop("q", q)
+        start = time.monotonic()
+        try:
+            ringattn.ring_attn_func(q, k, v, causal=True, layout="zigzag", **bad)
+        except (ValueError, TypeError) as err:
+            results[name] = (type(err), str(err), time.monotonic() - start)
+    # packed documents: rank 2's boundaries do not end at the global length
+    cu_seqlens = torch.tensor([0, 5, 8 * world_size - (rank == 2)], dtype=torch.int32)
+    q, k, v = (t[0] for t in _qkv(seqlen=8, requires_grad=False))
+    with pytest.raises(ValueError) as err:
+        ringattn.ring_attn_varlen_func(q, k, v, cu_seqlens, causal=True)
+    results["varlen"] = (type(err.value), str(err.value), 0.0)
+    return results
+
+
+def test_a_rank_that_refuses_its_input_makes_every_rank_raise():
+    """Regression: a ring call's local input checks (shapes, dtype, options, cu_seqlens) raised only on the rank
+    whose input was bad; its peers went on into the exchange and waited until the P2P timeout (or gloo's
+    "Connection closed by peer"). Now every rank raises the refusing rank's error type, naming that rank and its
+    message, within a second (3 ranks: rank 0 is not the next rank of rank 2's)."""
+    results = run_ranks(_a_rank_refuses, 3)
+    for name, (_, kind, pattern) in REFUSALS.items():
+        assert len({r[name][:2] for r in results}) == 1, f"{name}: ranks raised different errors {results}"
+        got_kind, message, _ = results[0][name]
+        assert got_kind is kind and message.startswith("ring_attn_func refused on group rank 1 of 3: "), message
+        assert message.endswith("(raised on every rank of the group)")
+        assert re.search(pattern, message), message
+        assert all(r[name][2] < 1.0 for r in results), f"{name}: {[r[name][2] for r in results]}"
+    assert len({r["varlen"] for r in results}) == 1
+    assert results[0]["varlen"][1].startswith("ring_attn_varlen_func refused on group rank 2 of 3: cu_seqlens")
+
+
+def _another_collective(rank, world_size):
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        if rank == 0:
+            ringattn.ring_attn_func(*_qkv(), causal=True)
+        else:
+            ringattn.unshard(torch.zeros(1, 8, 2, 8))
+    return str(err.value), time.monotonic() - start
+
+
+def test_ranks_calling_different_collectives_all_raise():
+    """Regression: one rank calling ring_attn_func while another called unshard aborted rank 0 (gloo), and rank 1's
+    unshard returned a full tensor silently. Now both raise the same ValueError naming each rank's call."""
+    results = run_ranks(_another_collective, 2)
+    assert results[0][0] == results[1][0]
+    assert "different collective calls (rank 0: ring_attn_func, rank 1: unshard)" in results[0][0]
+    assert all(elapsed < 1.0 for _, elapsed in results)
+
+
+def _exchange_on_a_twin(rank, world_size):
+    group = dist.new_group([1, 0], sort_ranks=False)  # group rank 0 is global rank 1
+    real_backend, created = dist.get_backend, []
+    dist.get_backend = lambda g=None: "nccl" if g is group else real_backend(g)  # a group of no CPU tensors
+    real_new_group = dist.new_group
+    dist.new_group = lambda *a, **kw: created.append(kw) or real_new_group(*a, **kw)
+    try:
+        for _ in range(3):
+            check_agreement("unshard", SHARD, group)
+        with pytest.raises(ValueError) as err:
+            check_agreement("unshard", SHARD._replace(dim=2 if rank == 1 else 1), group)
+    finally:
+        dist.get_backend, dist.new_group = real_backend, real_new_group
+    channel, order = agreement.cpu_channel(group)
+    return created, real_backend(channel), order, str(err.value)
+
+
+def test_a_group_without_cpu_tensors_exchanges_on_a_gloo_twin():
+    """A group whose backend carries no CPU tensors (NCCL) exchanges its headers on a gloo group of the same ranks,
+    created once, with only those ranks taking part: no GPU work and no wait for the stream. The headers come back in
+    the group's rank order even when it is not the global order."""
+    results = run_ranks(_exchange_on_a_twin, 2)
+    for created, backend, order, message in results:
+        assert created == [dict(backend="gloo", use_local_synchronization=True)]
+        assert backend == "gloo" and order == [1, 0]
+        assert "dim (rank 0: 2, rank 1: 1)" in message

@@ -1,5 +1,7 @@
 """Sequence layouts: the pure index maps, padding, and shard / unshard / position_ids on spawned ranks."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,6 +66,8 @@ def test_pad_to_multiple():
     assert same is y and length == 5
     with pytest.raises(ValueError, match="multiple must be a positive integer"):
         ringattn.pad_to_multiple(y, 1, 0)
+    with pytest.raises(ValueError, match=r"dim must be in \[-4, 4\) for a tensor of 4 dims, got 4"):
+        ringattn.pad_to_multiple(y, 4, 6)
 
 
 def test_helpers_without_process_group_raise():
@@ -99,9 +103,64 @@ def _shard_unshard_round_trip(rank, world_size):
         ringattn.unshard(torch.zeros(1, 3), layout="zigzag")
     with pytest.raises(ValueError, match="layout must be one of"):
         ringattn.position_ids(8, layout="striped")
+    # a dim out of range is refused, not taken modulo the number of dims
+    with pytest.raises(ValueError, match=r"dim must be in \[-4, 4\) for a tensor of 4 dims, got 7"):
+        ringattn.shard(x, dim=7)
+    with pytest.raises(ValueError, match=r"dim must be in \[-4, 4\) for a tensor of 4 dims, got -5"):
+        ringattn.unshard(ringattn.shard(x), dim=-5)
+    assert torch.equal(ringattn.shard(x, dim=-3), ringattn.shard(x, dim=1))
     return True
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shard_unshard_round_trip_on_ranks(world_size):
     assert run_ranks(_shard_unshard_round_trip, world_size) == [True] * world_size
+
+
+def _helpers_that_disagree(rank, world_size):
+    """Each case: every rank's call, which only differs on rank 1; returns {case: (message, seconds)}."""
+    sp = ringattn.SequenceParallel()
+    cases = {
+        "unshard-lengths": lambda: ringattn.unshard(torch.zeros(1, 6 if rank == 1 else 8, 2, 8)),
+        "unshard-dtype": lambda: ringattn.unshard(torch.zeros(1, 8, 2, 8, dtype=torch.int32 if rank else None)),
+        "unshard-dim": lambda: ringattn.unshard(torch.zeros(4, 4), dim=rank),
+        "unshard-zigzag-odd": lambda: ringattn.unshard(torch.zeros(1, 3 if rank == 1 else 4)),
+        "shard-lengths": lambda: ringattn.shard(torch.zeros(1, 24 if rank == 1 else 16)),
+        "shard-dim": lambda: ringattn.shard(torch.zeros(8, 8, 2), dim=9 if rank == 1 else 1),
+        "gather-lengths": lambda: sp.gather(torch.zeros(2, 6 if rank == 1 else 8, 97)),
+        "shard-or-unshard": lambda: (ringattn.unshard if rank == 1 else ringattn.shard)(torch.zeros(1, 8)),
+    }
+    results = {}
+    for name, call in cases.items():
+        start = time.monotonic()
+        with pytest.raises(ValueError) as err:
+            call()
+        results[name] = (str(err.value), time.monotonic() - start)
+    return results
+
+
+EXPECTED = {
+    "unshard-lengths": "unshard: the ranks of the group disagree on x_local.shape (rank 0: (1, 8, 2, 8), rank 1: "
+    "(1, 6, 2, 8))",
+    "unshard-dtype": "x_local.dtype (rank 0: float32, rank 1: int32)",
+    "unshard-dim": "dim (rank 0: 0, rank 1: 1)",
+    "unshard-zigzag-odd": "unshard refused on group rank 1 of 2: x_local.shape[1] = 3 must be divisible by 2",
+    "shard-lengths": "shard: the ranks of the group disagree on x.shape (rank 0: (1, 16), rank 1: (1, 24))",
+    "shard-dim": "shard refused on group rank 1 of 2: dim must be in [-3, 3) for a tensor of 3 dims, got 9",
+    "gather-lengths": "x_local.shape (rank 0: (2, 8, 97), rank 1: (2, 6, 97))",
+    "shard-or-unshard": "different collective calls (rank 0: shard, rank 1: unshard)",
+}
+
+
+def test_helpers_that_disagree_raise_on_every_rank():
+    """Regression: unshard with shard lengths that differ across ranks (8 against 6) aborted the process (gloo:
+    "Received data size doesn't match expected size"); with equal byte sizes (another dtype or dim) it returned a
+    wrong tensor silently; shard(x, dim=7) on a 4-D tensor sharded dim 3. Now shard, unshard and
+    SequenceParallel.gather compare the ranks' shapes, dtypes, dim and layout (and which helper each rank calls)
+    before any data moves, and a local refusal on one rank is raised by every rank: the same ValueError on both
+    ranks, within a second."""
+    results = run_ranks(_helpers_that_disagree, 2)
+    for name, expected in EXPECTED.items():
+        assert results[0][name][0] == results[1][name][0], f"{name}: {results[0][name]} vs {results[1][name]}"
+        assert expected in results[0][name][0], results[0][name][0]
+        assert all(r[name][1] < 1.0 for r in results), f"{name}: {[r[name][1] for r in results]}"
