@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ringattn
-from ringattn.parallel.agreement import RingSignature, describe_disagreement
+from ringattn.parallel.agreement import RingSignature, decode_header, describe_disagreement, encode_header
 from ringattn.parallel.documents import document_ids
 from ringattn.testing import check_close, magnitude
 from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
@@ -113,7 +113,11 @@ def test_disagreement_in_a_varlen_call_names_ring_attn_varlen_func():
     """Regression: ranks that disagreed in a ring_attn_varlen_func call were told "ring_attn_func: the ranks of
     the group disagree on ...", naming a function they did not call."""
     sig = RingSignature(1, 8, 2, 2, 32, torch.float32, True, 32**-0.5, "zigzag", False, documents=7)
-    message = describe_disagreement([sig, sig._replace(causal=False)])
-    assert message.startswith("ring_attn_varlen_func: the ranks of the group disagree on causal"), message
+
+    def message(call, signatures):
+        return describe_disagreement([decode_header(encode_header(call, s)) for s in signatures], RingSignature)
+
+    got = message("ring_attn_varlen_func", [sig, sig._replace(causal=False)])
+    assert got.startswith("ring_attn_varlen_func: the ranks of the group disagree on causal"), got
     dense = sig._replace(documents=0)
-    assert describe_disagreement([dense, dense._replace(causal=False)]).startswith("ring_attn_func: ")
+    assert message("ring_attn_func", [dense, dense._replace(causal=False)]).startswith("ring_attn_func: ")
