@@ -23,6 +23,7 @@ from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_back
 from .parallel.agreement import RingSignature, agreement_mode, check_agreement, ring_signature, shared_refusals
 from .parallel.comm import p2p_timeout_s
 from .parallel.documents import check_cu_seqlens, document_ids, fingerprint, shard_documents
+from .parallel.groups import Group, ring_group
 
 
 def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, dtype: torch.dtype):
@@ -294,8 +295,6 @@ def check_ring_inputs(
         )
     check_local_seqlen(q.shape[1], layout, name="q.shape[1]")
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "ring_attn_func needs torch.distributed initialised (dist.init_process_group); "
@@ -326,7 +325,7 @@ def ring_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     layout: str = "contiguous",
     return_lse: bool = False,
     learnable_sink: torch.Tensor | None = None,
@@ -359,8 +358,9 @@ def ring_attn_func(
             sync_gradients does for every parameter the ranks hold alike).
         deterministic: gradients with the same bits in every run, as in flash_attn_func (the ring's own order of
             accumulation is always fixed).
-        group: the process group forming the ring (default: the world). NCCL for CUDA
-            tensors, gloo for CPU tensors (with TRITON_INTERPRET=1).
+        group: the process group forming the ring (default: the world), or a 1-D DeviceMesh (a (dp, cp) mesh's
+            mesh["cp"]: its ranks form the ring in the mesh's order). NCCL for CUDA tensors, gloo for CPU tensors
+            (with TRITON_INTERPRET=1).
         layout: "contiguous" or "zigzag" (S_local must then be even); all ranks pass the same.
         return_lse: also return this shard's lse.
     Returns:
@@ -376,6 +376,7 @@ def ring_attn_func(
             forward or the backward, naming the peer and the ring step. On NCCL the process group's
             timeout and watchdog apply instead. In the backward, create_graph=True (no double backward).
     """
+    group = ring_group(group)
     with shared_refusals("ring_attn_func", group):  # a rank's refusal raised by every rank, before the ring
         causal, window, softcap, deterministic = check_flash_attn_options(
             dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
@@ -402,7 +403,7 @@ def ring_attn_varlen_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     layout: str = "zigzag",
     return_lse: bool = False,
     learnable_sink: torch.Tensor | None = None,
@@ -432,6 +433,7 @@ def ring_attn_varlen_func(
         ValueError, TypeError: as ring_attn_func, and for q, k, v that are not 3-D or a bad cu_seqlens.
         RuntimeError: as ring_attn_func.
     """
+    group = ring_group(group)
     with shared_refusals("ring_attn_varlen_func", group):  # a rank's refusal raised by every rank, before the ring
         causal, window, softcap, deterministic = check_flash_attn_options(
             dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs

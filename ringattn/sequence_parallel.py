@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from .functional import ring_attn_func, ring_attn_varlen_func
 from .parallel.agreement import shared_refusals
 from .parallel.documents import check_cu_seqlens, cu_seqlens_from_position_ids, document_ids, pad_cu_seqlens
+from .parallel.groups import Group, ring_group
 from .parallel.layout import check_layout, chunks_per_rank, pad_to_multiple, shard, shard_indices, unshard
 
 IGNORE_INDEX = -100
@@ -79,7 +80,7 @@ class _GlobalMean(torch.autograd.Function):
 def cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     ignore_index: int = IGNORE_INDEX,
     grad_reduction: str = "sum",
 ) -> torch.Tensor:
@@ -99,7 +100,7 @@ def cross_entropy(
     Args:
         logits: (..., vocab), any float dtype; computed in fp32 (or float64 for float64 logits).
         labels: (...) integer targets, logits.shape[:-1].
-        group: the sequence-parallel group (default: the world).
+        group: the sequence-parallel group (default: the world), or a 1-D DeviceMesh.
         ignore_index: label of tokens left out of the loss and the count.
         grad_reduction: "sum" or "mean", how the parameter gradients will be combined over the group.
     Returns:
@@ -108,6 +109,7 @@ def cross_entropy(
         ValueError: labels' shape does not match logits' leading dims; unknown grad_reduction.
         RuntimeError: torch.distributed not initialised.
     """
+    group = ring_group(group)
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
     if labels.shape != logits.shape[:-1]:
@@ -128,7 +130,7 @@ def cross_entropy(
     return _GlobalMean.apply(local_sum, total, count, grad_scale)
 
 
-def sync_gradients(parameters, group: dist.ProcessGroup | None = None) -> None:
+def sync_gradients(parameters, group: Group = None) -> None:
     """Sum each parameter's .grad over the group, in place (parameters without a gradient are skipped).
 
     Each rank's gradients cover its own tokens; their sum is the unsharded gradient (pair it with
@@ -136,7 +138,9 @@ def sync_gradients(parameters, group: dist.ProcessGroup | None = None) -> None:
 
     Args:
         parameters: an nn.Module or an iterable of parameters.
+        group: the sequence-parallel group (default: the world), or a 1-D DeviceMesh.
     """
+    group = ring_group(group)
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -187,14 +191,17 @@ class SequenceParallel:
     ringattn.integrations.hf.register): a layout mismatch gives wrong results silently.
 
     Args:
-        group: the process group (default: the world); torch.distributed must be initialised.
+        group: the process group (default: the world), or a 1-D DeviceMesh (a (dp, cp) mesh's mesh["cp"]);
+            torch.distributed must be initialised.
         layout: "zigzag" (default; balanced causal work) or "contiguous".
     Raises:
-        ValueError: unknown layout.
+        ValueError: unknown layout; a DeviceMesh of more than one dimension.
+        TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
         RuntimeError: torch.distributed not initialised.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, layout: str = "zigzag"):
+    def __init__(self, group: Group = None, layout: str = "zigzag"):
+        group = ring_group(group)
         check_layout(layout)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("SequenceParallel needs torch.distributed initialised (dist.init_process_group)")

@@ -77,7 +77,7 @@ CASES = [
     Case("ring-zigzag-odd", dict(q_shape=(1, 7, 4, 32), k_shape=(1, 7, 2, 32), v_shape=(1, 7, 2, 32), layout="zigzag"),
          ValueError, r"q.shape\[1\] = 7 must be divisible by 2 for layout 'zigzag'", ring_only=True),
     Case("ring-group-type", dict(group="world"), TypeError,
-         "group must be a torch.distributed.ProcessGroup or None, got str", ring_only=True),
+         "group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got str", ring_only=True),
     Case("ring-agreement-env", dict(), ValueError, r"\$RINGATTN_AGREEMENT must be one of", ring_only=True,
          env={AGREEMENT_ENV: "sometimes"}),
     Case("ring-timeout-env", dict(), ValueError, r"\$RINGATTN_P2P_TIMEOUT_S must be a positive", ring_only=True,

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from ..functional import ring_attn_func, ring_attn_varlen_func
 from ..parallel.agreement import check_agreement, shared_refusals
 from ..parallel.documents import cu_seqlens_from_position_ids
+from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout, check_local_seqlen, shard_indices
 
 try:
@@ -354,7 +355,7 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
     return model
 
 
-def register(name: str = NAME, *, layout: str = "zigzag", group: dist.ProcessGroup | None = None) -> str:
+def register(name: str = NAME, *, layout: str = "zigzag", group: Group = None) -> str:
     """Register ring attention with transformers under `name` (global to the process; registering again replaces).
 
     After this, `prepare(model, name)` selects it for a model (or `from_pretrained(..., attn_implementation=name)`,
@@ -365,12 +366,15 @@ def register(name: str = NAME, *, layout: str = "zigzag", group: dist.ProcessGro
     Args:
         name: the attn_implementation name.
         layout: "zigzag" (default) or "contiguous".
-        group: the sequence-parallel process group (default: the world); looked up at call time.
+        group: the sequence-parallel process group (default: the world), or a 1-D DeviceMesh (a (dp, cp) mesh's
+            mesh["cp"]).
     Returns:
         name.
     Raises:
-        ValueError: unknown layout.
+        ValueError: unknown layout; a DeviceMesh of more than one dimension.
+        TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
     """
+    group = ring_group(group)
     fn = RingAttentionForTransformers(group, layout, name)
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, functools.partial(no_mask, group=group))

@@ -6,6 +6,7 @@ from torch import nn
 
 from ..functional import ring_attn_func
 from ..ops.validation import check_flash_attn_options, check_softmax_scale
+from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout
 
 
@@ -20,11 +21,14 @@ class RingAttention(nn.Module):
         causal: causal over global positions.
         softmax_scale: defaults to 1 / sqrt(headdim).
         layout: "contiguous" (default, as ring_attn_func) or "zigzag".
-        group: the process group forming the ring (default: the world).
+        group: the process group forming the ring (default: the world), or a 1-D DeviceMesh (a (dp, cp) mesh's
+            mesh["cp"]).
         window_size, softcap: a sliding window and logit soft-capping, as ring_attn_func's.
     Raises (here, not at the first forward):
-        ValueError: unknown layout; a softmax_scale, window_size or softcap out of range (as ring_attn_func).
-        TypeError: a causal that is not a bool; a softmax_scale, window_size or softcap of the wrong type.
+        ValueError: unknown layout; a softmax_scale, window_size or softcap out of range (as ring_attn_func); a
+            DeviceMesh of more than one dimension.
+        TypeError: a causal that is not a bool; a softmax_scale, window_size or softcap of the wrong type; a group
+            that is not a ProcessGroup, a DeviceMesh or None.
     """
 
     def __init__(
@@ -32,11 +36,12 @@ class RingAttention(nn.Module):
         causal: bool = False,
         softmax_scale: float | None = None,
         layout: str = "contiguous",
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
         window_size: tuple[int, int] = (-1, -1),
         softcap: float = 0.0,
     ):
         super().__init__()
+        group = ring_group(group)
         check_layout(layout)
         check_softmax_scale(softmax_scale)
         causal = check_flash_attn_options(0.0, causal, window_size, softcap, None, False, False)[0]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .agreement import ShardSignature, UnshardSignature, check_agreement, shared_refusals
+from .groups import Group, ring_group
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -106,7 +107,7 @@ def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def shard(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None, layout: str = "zigzag"):
+def shard(x: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zigzag"):
     """This rank's shard of a full tensor, along `dim`.
 
     A collective: every rank holds the same full tensor x and calls it (the ranks compare x's shape
@@ -120,14 +121,17 @@ def shard(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None,
             ("zigzag").
         dim: the sequence dim, in [-x.dim(), x.dim()) (1 for (batch, seqlen, nheads, headdim); 2 or -1 for an lse
             (batch, nheads, seqlen)).
-        group: the ring's process group (default: the world).
+        group: the ring's process group (default: the world), or a 1-D DeviceMesh (parallel/groups.py).
     Returns:
         x's shard, x.shape with S replaced by S / W.
     Raises:
         ValueError: unknown layout; dim out of range; S not divisible by W or 2W; ranks whose x.shape, x.dtype, dim
-            or layout differ. On every rank alike when any rank raises it (parallel/agreement.py).
+            or layout differ; a DeviceMesh of more than one dimension. On every rank alike when any rank raises it
+            (parallel/agreement.py).
+        TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
         RuntimeError: torch.distributed not initialised.
     """
+    group = ring_group(group)
     with shared_refusals("shard", group):
         check_layout(layout)
         rank, world_size = _group_rank_and_size(group)
@@ -138,7 +142,7 @@ def shard(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None,
     return torch.cat(pieces, dim).contiguous()
 
 
-def unshard(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None, layout: str = "zigzag"):
+def unshard(x_local: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zigzag"):
     """Gather every rank's shard and reassemble the full tensor (the inverse of `shard`) along `dim`.
 
     A collective: every rank of the group calls it with its shard of the same shape, and every
@@ -149,15 +153,17 @@ def unshard(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None
     Args:
         x_local: this rank's shard (up to 16 dims); x_local.shape[dim] = S / W (even for "zigzag").
         dim: the sequence dim, in [-x_local.dim(), x_local.dim()).
-        group: the ring's process group (default: the world).
+        group: the ring's process group (default: the world), or a 1-D DeviceMesh.
     Returns:
         the full tensor, x_local.shape with S / W replaced by S, in global token order.
     Raises:
         ValueError: unknown layout; dim out of range; an odd local length with "zigzag"; ranks whose
-            x_local.shape, x_local.dtype, dim or layout differ, or that call another collective. On every rank
-            alike when any rank raises it (parallel/agreement.py).
+            x_local.shape, x_local.dtype, dim or layout differ, or that call another collective; a DeviceMesh of
+            more than one dimension. On every rank alike when any rank raises it (parallel/agreement.py).
+        TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
         RuntimeError: torch.distributed not initialised.
     """
+    group = ring_group(group)
     with shared_refusals("unshard", group):
         check_layout(layout)
         rank, world_size = _group_rank_and_size(group)
@@ -181,7 +187,7 @@ def unshard(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None
 
 def position_ids(
     seqlen: int,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     layout: str = "zigzag",
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
@@ -189,14 +195,15 @@ def position_ids(
 
     Args:
         seqlen: the global sequence length S, divisible by W ("contiguous") or 2W ("zigzag").
-        group: the ring's process group (default: the world).
+        group: the ring's process group (default: the world), or a 1-D DeviceMesh.
         device: where to create the tensor.
     Raises:
-        ValueError: unknown layout; S not divisible.
+        ValueError: unknown layout; S not divisible; a DeviceMesh of more than one dimension.
+        TypeError: a group that is none of those.
         RuntimeError: torch.distributed not initialised.
     """
     check_layout(layout)
-    rank, world_size = _group_rank_and_size(group)
+    rank, world_size = _group_rank_and_size(ring_group(group))
     return shard_indices(seqlen, rank, world_size, layout, device=device)
 
 

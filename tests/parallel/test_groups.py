@@ -64,3 +64,31 @@ def test_two_rings_on_a_device_mesh_dimension(backend, dtype):
     skip_without_gpus(backend, 4)
     ranks = run_ranks(_two_rings_by_device_mesh, 4, backend, dtype, "zigzag", True, backend=backend)
     assert ranks == [0, 1, 2, 3]
+
+
+def _mesh_dimension_as_the_group(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))  # cp rings: {0, 1} and {2, 3}
+    cp, group = mesh["cp"], mesh.get_group("cp")
+    q, k, v, _ = make_qkv(1, 32, 32, 4, 2, 32, torch.float32, seed=200 + rank // 2)
+    shards = [ringattn.shard(t, group=cp) for t in (q, k, v)]
+    assert all(torch.equal(s, ringattn.shard(t, group=group)) for s, t in zip(shards, (q, k, v), strict=True))
+    out = ringattn.ring_attn_func(*shards, causal=True, group=cp, layout="zigzag")
+    assert torch.equal(out, ringattn.ring_attn_func(*shards, causal=True, group=group, layout="zigzag"))
+    layer = ringattn.nn.RingAttention(causal=True, layout="zigzag", group=cp)
+    assert torch.equal(layer(*shards), out)
+    sp = ringattn.SequenceParallel(group=cp)
+    assert (sp.rank, sp.world_size) == (rank % 2, 2) and torch.equal(sp.gather(out), ringattn.unshard(out, group=cp))
+    assert torch.equal(ringattn.position_ids(32, group=cp), ringattn.position_ids(32, group=group))
+    with pytest.raises(ValueError, match=r"group must be a 1-D DeviceMesh, got one of 2 dimensions \('dp', 'cp'\)"):
+        ringattn.ring_attn_func(*shards, group=mesh)
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None"):
+        ringattn.SequenceParallel(group=[0, 1])
+    return True
+
+
+def test_a_device_mesh_dimension_is_taken_wherever_a_group_is():
+    """mesh["cp"] of a (dp, cp) mesh as the group of shard, unshard, position_ids, ring_attn_func, RingAttention and
+    SequenceParallel: the same results as its ProcessGroup; a 2-D mesh and other objects refused naming the group."""
+    assert run_ranks(_mesh_dimension_as_the_group, 4) == [True] * 4
