@@ -50,8 +50,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ..sequence_parallel import IGNORE_INDEX, SequenceParallel, ShardedBatch, cross_entropy
 from . import hf
 
-# batch keys compute_loss feeds the model through sp.shard_batch, and packing metadata it recomputes from position_ids
-# (TRL's padding-free collator adds the latter)
+# batch keys RingTrainerMixin.shard passes to sp.shard_batch, and packing metadata that shard_batch recomputes from
+# position_ids (TRL's padding-free collator adds it)
 INPUT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 RECOMPUTED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 SHARDED = "ringattn_sharded"  # the key get_batch_samples adds to each batch
