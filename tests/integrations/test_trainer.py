@@ -181,9 +181,7 @@ def _sft(rank, world_size, out_dir, dtype, ring):
     gen = torch.Generator().manual_seed(2)
     lengths = [1, 13, 5, 22, 4, 2, 17, 9, 11, 3, 8, 19, 6, 7, 14]  # 1 to 22 tokens; 141 in all, 6 rows
     dataset = Dataset.from_dict({"input_ids": [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in lengths]})
-    args = _args(
-        out_dir, 1, SFTConfig, packing=True, max_length=PACKED_LENGTH, bf16=False, gradient_checkpointing=False
-    )
+    args = _args(out_dir, 1, SFTConfig, packing=True, max_length=PACKED_LENGTH, bf16=False)  # checkpointing on
     model = _tiny_llama(dtype)
     if ring:
         sp = ringattn.SequenceParallel()
@@ -197,8 +195,9 @@ def _sft(rank, world_size, out_dir, dtype, ring):
 
 def test_trl_sft_trainer_with_packing_matches_single_process_training(tmp_path):
     """TRL's SFTTrainer through RingTrainerMixin, packed documents (batch 1 rows, position ids restarting at 0 at
-    each document), on 2 ranks against SFTTrainer in one process with eager attention (which keeps each document
-    to itself from the same position ids)."""
+    each document) and SFTConfig's gradient checkpointing (each layer's ring attention runs again in the backward),
+    on 2 ranks against SFTTrainer in one process with eager attention (which keeps each document to itself from the
+    same position ids)."""
     pytest.importorskip("trl", reason="TRL is not installed")
     single = [run_ranks(_sft, 1, str(tmp_path), dtype, False)[0] for dtype in (torch.float32, torch.float64)]
     check_training(run_ranks(_sft, 2, str(tmp_path), torch.float32, True, timeout=240), single, STEPS)  # 1 row a step
