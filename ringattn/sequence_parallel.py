@@ -273,9 +273,10 @@ class SequenceParallel:
             ShardedBatch with input_ids, labels (batch, S_pad / W), position_ids (batch, S_pad / W) and,
             for packed documents, cu_seqlens.
         Raises (on every rank alike when any rank raises them):
-            ValueError: labels' (batch, S) differ from input_ids'; both position_ids and cu_seqlens given;
-                packed documents with batch != 1; position_ids or cu_seqlens that do not describe documents
-                of the S tokens (cu_seqlens_from_position_ids, check_cu_seqlens); ranks whose batches differ in shape.
+            ValueError: the ranks were not all given the same batch (a collective: one all_gather of a few int64
+                per rank, the shape and a digest of each argument); labels' (batch, S) differ from input_ids'; both
+                position_ids and cu_seqlens given; packed documents with batch != 1; position_ids or cu_seqlens that
+                do not describe documents of the S tokens (cu_seqlens_from_position_ids, check_cu_seqlens).
             TypeError: position_ids or cu_seqlens of the wrong type (as above).
         """
         with shared_refusals("SequenceParallel.shard_batch", self.group):
@@ -286,6 +287,7 @@ class SequenceParallel:
                 )
             batch, unpadded = input_ids.shape[0], input_ids.shape[1]
             docs = self._documents(batch, unpadded, position_ids, cu_seqlens)  # int32 (n_docs + 1,) or None
+        self._check_same_batch(input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu_seqlens)
         input_ids, _ = pad_to_multiple(input_ids, dim=1, multiple=self.multiple, value=pad_id)
         seqlen = input_ids.shape[1]
         if labels is not None:
@@ -308,6 +310,45 @@ class SequenceParallel:
             unpadded_seqlen=unpadded,
             cu_seqlens=docs,
         )
+
+    def _check_same_batch(self, **tensors: torch.Tensor | None) -> None:
+        """Raise ValueError on every rank unless every rank of the group passed equal tensors (None counts as a value).
+
+        One all_gather over the group of (numel, batch, seqlen, digest) int64 per tensor: a data pipeline that gives
+        each rank its own samples would otherwise mix them in one sequence and train on the mix silently.
+        """
+        if self.world_size == 1:
+            return
+        device = tensors["input_ids"].device
+        local = torch.stack([self._fingerprint(t, device) for t in tensors.values()])  # (n_tensors, 4) int64
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        gathered = torch.stack(gathered).cpu()  # (W, n_tensors, 4)
+        differ = (gathered != gathered[:1]).any(dim=2)  # (W, n_tensors): differs from group rank 0's
+        if bool(differ.any()):
+            names = [name for name, d in zip(tensors, differ.any(dim=0).tolist(), strict=True) if d]
+            ranks = torch.nonzero(differ.any(dim=1)).flatten().tolist()
+            raise ValueError(
+                f"shard_batch needs the same full batch on every rank of the group: {', '.join(names)} of group "
+                f"ranks {ranks} differ from group rank 0's. A data pipeline that gives each rank its own samples (e.g. "
+                "a sampler sharding the data over every rank, not only over the sequence-parallel replicas) would mix "
+                "different samples in one sequence"
+            )
+
+    @staticmethod
+    def _fingerprint(x: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """int64 (4,) on `device`: numel, sizes of dims 0 and 1, and a position-weighted sum of x's values (of their
+        bit patterns for floats; wrapping int64 arithmetic: exact, so equal on every rank for equal tensors); -1s for
+        None."""
+        if x is None:
+            return torch.full((4,), -1, dtype=torch.int64, device=device)
+        flat = x.detach().reshape(-1)
+        if flat.is_floating_point():
+            flat = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+        weights = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) * 2654435761 + 1  # (numel,)
+        digest = (flat.to(torch.int64) * weights).sum().reshape(1)
+        dims = torch.tensor([x.numel(), *(tuple(x.shape) + (1, 1))[:2]], dtype=torch.int64, device=device)
+        return torch.cat([dims, digest.to(device)])
 
     @staticmethod
     def _documents(batch: int, seqlen: int, position_ids, cu_seqlens) -> torch.Tensor | None:

@@ -277,3 +277,38 @@ def test_a_refusal_of_the_toolkit_on_one_rank_is_raised_by_every_rank():
     for name, text in expected.items():
         assert results[0][name][0] == results[1][name][0] and text in results[0][name][0], results
         assert all(r[name][1] < 1.0 for r in results), results
+
+
+def _different_batches_raise_on_every_rank(rank, world_size, backend):
+    device = rank_device(rank, backend)
+    sp = ringattn.SequenceParallel()
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 11, (2, 17), generator=gen).to(device)
+    embeds = torch.randn(2, 17, 8, generator=gen).to(device)  # (batch, S, ...) inputs: only dim 1 is the sequence
+    position_ids = torch.arange(17, device=device)[None]
+    sp.shard_batch(input_ids, input_ids.clone())  # the same batch everywhere: passes
+    last = rank == world_size - 1
+    mistakes = {  # argument -> what the last rank is given instead of every other rank's value
+        "labels": dict(input_ids=input_ids[:1], labels=input_ids[:1].roll(1, dims=1) if last else input_ids[:1]),
+        "input_ids": dict(input_ids=input_ids.roll(1, dims=0) if last else input_ids),  # same values, rows swapped
+        "position_ids": dict(input_ids=input_ids[:1], position_ids=None if last else position_ids),
+    }
+    for name, kwargs in mistakes.items():
+        with pytest.raises(ValueError, match=rf"same full batch.*: {name} of group ranks \[{world_size - 1}\]"):
+            sp.shard_batch(**kwargs)
+    wrong = embeds.clone()
+    wrong[1, 16, 7] = wrong[1, 16, 7].nextafter(torch.tensor(1.0)) if last else wrong[1, 16, 7]  # one ulp on one rank
+    with pytest.raises(ValueError, match="input_ids of group ranks"):
+        sp.shard_batch(wrong)
+    return True
+
+
+@pytest.mark.parametrize("backend,world_size", [("gloo", 3), ("nccl", 2)], ids=["gloo-W3", "nccl-W2"])
+def test_different_batches_on_the_ranks_raise_on_every_rank(backend, world_size):
+    """Regression: with each rank given its own samples (transformers.Trainer's default sampler over every rank),
+    shard_batch mixed the ranks' samples into one sequence and training went on silently wrong. Now one all_gather
+    of a fingerprint (shapes, a digest of the values) makes it a ValueError on every rank, naming the argument and
+    the ranks; the last rank differs here in labels, row order, a missing position_ids, one ulp of a float input."""
+    skip_without_gpus(backend, world_size)
+    ranks = run_ranks(_different_batches_raise_on_every_rank, world_size, backend, backend=backend)
+    assert ranks == [True] * world_size

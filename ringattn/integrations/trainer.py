@@ -1,0 +1,260 @@
+"""transformers.Trainer with each sequence split over a ring of ranks, and data parallelism across the rings.
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from ringattn.integrations import hf
+    from ringattn.integrations.trainer import RingTrainer
+    mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))  # dp rings of cp ranks, W = dp * cp
+    sp = ringattn.SequenceParallel(mesh.get_group("cp"), layout="zigzag")  # or SequenceParallel(): one ring of all
+    hf.register(layout=sp.layout, group=sp.group)
+    model = hf.prepare(model)
+    RingTrainer(model=model, args=TrainingArguments(...), train_dataset=dataset, sp=sp).train()
+
+Launched with torchrun, transformers.Trainer (through accelerate) gives each of the W ranks its own batch and wraps
+the model in DistributedDataParallel over the W ranks, which averages the gradients. RingTrainer keeps the wrapping
+and changes what each rank computes:
+
+- Data: the dataloader is sharded over the rings, not over the ranks (accelerate's shard of the batch sampler, or of
+  an iterable dataset, is told the number of rings and this ring's index), so every rank of a ring reads the same
+  batch. SequenceParallel.shard_batch checks that it did (a ValueError on every rank otherwise).
+- Loss: the batches of an optimizer step (Trainer's get_batch_samples: gradient_accumulation_steps of them) are
+  sharded on each rank (sp.shard_batch: labels shifted on the full sequence, padded to the layout's multiple; packed
+  documents from the batch's position_ids), and their counted targets are all-reduced over the world once.
+  compute_loss runs the model on this rank's shard with its position_ids and takes ringattn's cross_entropy over
+  the world (grad_reduction="mean"), scaled by the batch's share of the step's counted targets: the step's losses
+  sum, on every rank, to the mean over every counted token of the step's global batch (all rings, all accumulated
+  batches), as Trainer's average_tokens_across_devices defines it. Each rank's gradient is its share scaled by
+  W, and DistributedDataParallel's average over the W ranks gives the gradient of that
+  loss: that of single-process training on the global batch (summed within each ring, averaged across rings).
+  The logged loss is that loss.
+- Metrics: every rank of a ring sees the same samples, so Trainer's counts are divided by the ring size: the total
+  train batch size (per-device batch x accumulation steps x rings, not x ranks; train_samples_per_second comes
+  from it), the floating point operations (each rank runs 1 / cp of the tokens) and num_input_tokens_seen.
+
+Evaluation and prediction are not supported (evaluate and predict raise NotImplementedError). Works with
+subclasses of Trainer through RingTrainerMixin, e.g. TRL's SFTTrainer (`class RingSFTTrainer(RingTrainerMixin,
+SFTTrainer)`), whose compute_loss it replaces (TRL's token accuracy and entropy are not logged).
+"""
+
+import torch
+import torch.distributed as dist
+
+try:
+    import transformers
+    from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "ringattn.integrations.trainer needs transformers and accelerate: pip install 'ringattn[hf]' "
+        "(or pip install transformers accelerate)"
+    ) from e
+
+from ..sequence_parallel import IGNORE_INDEX, SequenceParallel, ShardedBatch, cross_entropy
+from . import hf
+
+# batch keys RingTrainerMixin.shard passes to sp.shard_batch, and packing metadata that shard_batch recomputes from
+# position_ids (TRL's padding-free collator adds it)
+INPUT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+RECOMPUTED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+SHARDED = "ringattn_sharded"  # the key get_batch_samples adds to each batch
+
+
+def _ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of a process group (None: the world)."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def ring_index(sp: SequenceParallel) -> tuple[int, int]:
+    """(number of rings, index of this rank's ring): the rings are the ranks' SequenceParallel groups; a collective.
+
+    One all_gather_object over the world of each rank's group (its global ranks); rings are numbered by their
+    lowest global rank.
+    Raises:
+        ValueError: the ranks' groups do not split the world into disjoint rings of one size.
+    """
+    mine = tuple(_ranks(sp.group))
+    world_size = dist.get_world_size()
+    groups: list = [None] * world_size
+    dist.all_gather_object(groups, mine)
+    rings = sorted(set(groups))
+    if sorted(r for ring in rings for r in ring) != list(range(world_size)) or len({len(r) for r in rings}) != 1:
+        raise ValueError(
+            "sp: the SequenceParallel groups of the ranks must split the world into disjoint rings of one size "
+            f"(e.g. one dimension of a DeviceMesh), got the rings {rings} over {world_size} ranks"
+        )
+    return len(rings), rings.index(mine)
+
+
+class RingTrainerMixin:
+    """Sequence-parallel training for transformers.Trainer and its subclasses (see the module docstring).
+
+    Put it first: `class MyTrainer(RingTrainerMixin, SomeTrainer)`; construct with the base's arguments plus `sp`,
+    on every rank. The model must be prepared for ring attention over sp's group in sp's layout
+    (hf.register(layout=sp.layout, group=sp.group), then hf.prepare(model)).
+
+    Args:
+        sp: the SequenceParallel of this rank's ring (keyword only).
+    Raises:
+        ValueError: the model is not prepared for ring attention in sp's layout over sp's group; the Trainer does not
+            run one process per rank of the world (accelerate's num_processes differs from the world size: launch
+            with torchrun); label_smoothing_factor or compute_loss_func given, or average_tokens_across_devices False
+            (the loss is ringattn's cross-entropy over every token); the SequenceParallel groups are not disjoint rings
+            of one size (ring_index).
+    """
+
+    def __init__(self, *args, sp: SequenceParallel, **kwargs):
+        self.sp = sp
+        super().__init__(*args, **kwargs)
+        self._check_setup()
+        self.rings, self.ring = ring_index(sp)
+        # the loss is computed here, not by the model, already normalised over the step's batches (get_batch_samples):
+        # Trainer counts no items for the model and does not divide by the number of accumulation steps
+        self.model_accepts_loss_kwargs, self.loss_is_scaled_for_ga = False, True
+
+    def _check_setup(self) -> None:
+        world_size = dist.get_world_size()
+        if self.accelerator.num_processes != world_size:
+            raise ValueError(
+                f"{type(self).__name__} needs one Trainer process per rank of the world ({world_size} ranks), got "
+                f"accelerate's num_processes={self.accelerator.num_processes}: launch with torchrun, which sets RANK, "
+                "WORLD_SIZE and LOCAL_RANK"
+            )
+        if self.args.label_smoothing_factor or self.compute_loss_func is not None:
+            raise ValueError(
+                f"{type(self).__name__} computes the loss with ringattn's cross_entropy: label_smoothing_factor "
+                f"must be 0 and compute_loss_func None, got {self.args.label_smoothing_factor} and "
+                f"{self.compute_loss_func!r}"
+            )
+        if not self.args.average_tokens_across_devices:
+            raise ValueError(
+                f"{type(self).__name__} averages the loss over every counted token of the global batch: "
+                "average_tokens_across_devices must be True (the default), got False"
+            )
+        name = self.model.config._attn_implementation
+        fn = transformers.AttentionInterface().get(name)
+        prepared = isinstance(fn, hf.RingAttentionForTransformers) and getattr(self.model, hf.PREPARED, False)
+        if not prepared or fn.layout != self.sp.layout or _ranks(fn.group) != _ranks(self.sp.group):
+            raise ValueError(
+                f"model: prepare it for ring attention over sp's group in sp's layout ({self.sp.layout!r}) on every "
+                "rank: hf.prepare(model, hf.register(name, layout=sp.layout, group=sp.group)); got "
+                f"attn_implementation={name!r}" + (f" ({fn!r})" if prepared else "")
+            )
+
+    def get_train_dataloader(self):
+        """Trainer's dataloader, sharded over the rings instead of the ranks: every rank of a ring reads the same
+        batches.
+
+        Raises:
+            ValueError: accelerate did not shard it by batch sampler or iterable dataset (e.g. dispatch_batches=True,
+                the default for an IterableDataset: pass accelerator_config={"dispatch_batches": False}).
+        """
+        loader = super().get_train_dataloader()
+        if self.accelerator.num_processes == 1:
+            return loader  # not sharded
+        shard = loader.batch_sampler if isinstance(loader.batch_sampler, BatchSamplerShard) else loader.dataset
+        if not isinstance(shard, BatchSamplerShard | IterableDatasetShard):
+            raise ValueError(
+                f"{type(self).__name__} shards accelerate's BatchSamplerShard or IterableDatasetShard over the rings; "
+                f"got a {type(loader).__name__} over a {type(loader.dataset).__name__}. For an IterableDataset pass "
+                'TrainingArguments(accelerator_config={"dispatch_batches": False})'
+            )
+        shard.num_processes, shard.process_index = self.rings, self.ring
+        return loader
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """Trainer's batches of one optimizer step, each sharded here, with its share of the step's counted tokens.
+
+        Adds to each batch (a dict every rank of the ring holds in full, see `shard`) the key SHARDED: (this rank's
+        ShardedBatch, 0-dim fp32 share): the batch's number of counted targets over every rank's shard (all
+        rings) / that of all the step's batches. One all_reduce of num_batches float64 over the world.
+        Returns:
+            (the batches, None): the count is in the shares, not in Trainer's num_items_in_batch.
+        """
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        sharded = [self.shard(inputs) for inputs in batch_samples]
+        counts = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in sharded]).double()  # (num_batches,)
+        dist.all_reduce(counts)  # counted targets of each batch over the world
+        shares = (counts / counts.sum().clamp(min=1.0)).float()  # (num_batches,)
+        for inputs, batch, share in zip(batch_samples, sharded, shares, strict=True):
+            inputs[SHARDED] = (batch, share)
+        return batch_samples, None
+
+    def shard(self, inputs) -> ShardedBatch:
+        """This rank's shard of a batch (sp.shard_batch); a collective over the ring.
+
+        Args:
+            inputs: the batch every rank of the ring holds in full: input_ids (batch, S) and labels (batch, S) (the
+                model's tokens, -100 where no loss is wanted; shifted by shard_batch), optional position_ids (1, S)
+                for packed documents, and an optional attention_mask (batch, S) that is all ones or right padding.
+        Raises:
+            ValueError: no labels; keys other than INPUT_KEYS and RECOMPUTED_KEYS; an attention_mask with zeros
+                that is not right padding or whose padded positions have labels other than -100; as shard_batch
+                (on every rank alike when the ranks of the ring were given different batches).
+        """
+        unknown = set(inputs) - set(INPUT_KEYS) - set(RECOMPUTED_KEYS) - {SHARDED}
+        labels = inputs.get("labels")
+        if unknown or labels is None:
+            raise ValueError(
+                f"inputs: {type(self).__name__} needs input_ids and labels, with optional position_ids (packed "
+                f"documents) and attention_mask (right padding); got keys {sorted(inputs)}"
+            )
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            right_padding = bool((mask[:, 1:] <= mask[:, :-1]).all())
+            if not right_padding or bool((labels[mask == 0] != IGNORE_INDEX).any()):
+                raise ValueError(
+                    "inputs: an attention_mask with zeros must be right padding (each row ones, then zeros) with "
+                    f"labels {IGNORE_INDEX} on the padding: the ring attends causally over global positions, "
+                    "without a mask"
+                )
+        return self.sp.shard_batch(inputs["input_ids"], labels, position_ids=inputs.get("position_ids"))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """This batch's part of the step's loss, from this rank's shard (see the module docstring); a collective.
+
+        Args:
+            inputs: a batch from get_batch_samples (with its SHARDED entry), or a batch as `shard` takes it (then
+                the loss is this batch's mean).
+            num_items_in_batch: unused (the counts are in the SHARDED shares).
+        Returns:
+            the 0-dim fp32 loss: sum of this batch's per-token losses over every rank's shard / the step's number
+            of counted targets; with return_outputs, also the model's outputs (this rank's logits).
+        Raises:
+            ValueError: as `shard`.
+        """
+        batch, share = inputs[SHARDED] if SHARDED in inputs else (self.shard(inputs), 1.0)
+        outputs = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        # the batch's mean over every rank's tokens, its gradient this rank's share x W for DDP's mean over W ranks
+        loss = cross_entropy(outputs.logits, batch.labels, grad_reduction="mean") * share
+        return (loss, outputs) if return_outputs else loss
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Samples per optimizer step: per-device batch x accumulation steps x rings (Trainer's x ranks / ring size)."""
+        return super().get_total_train_batch_size(args) // self.sp.world_size
+
+    def floating_point_ops(self, inputs) -> float:
+        """This rank's share of Trainer's estimate for the batch: each rank of a ring runs 1 / ring size of it."""
+        return super().floating_point_ops(inputs) / self.sp.world_size
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        # Trainer sums the batch's token count over the ranks, and every rank of a ring counts the same batch
+        seen = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        self.state.num_input_tokens_seen = seen + (self.state.num_input_tokens_seen - seen) // self.sp.world_size
+
+    def evaluate(self, *args, **kwargs):
+        raise NotImplementedError(NO_EVALUATION.format(type(self).__name__))
+
+    def predict(self, *args, **kwargs):
+        raise NotImplementedError(NO_EVALUATION.format(type(self).__name__))
+
+
+NO_EVALUATION = (
+    "{} trains only: evaluate on every rank with sp.shard_batch, the model and sp.cross_entropy (or gather the "
+    "logits with sp.gather), as in the ringattn guide"
+)
+
+
+class RingTrainer(RingTrainerMixin, transformers.Trainer):
+    """transformers.Trainer with each sequence split over the ring `sp` (RingTrainerMixin; the module docstring).
+
+    Construct it like Trainer, plus `sp=`: RingTrainer(model=model, args=args, train_dataset=dataset, sp=sp).
+    """

@@ -1,0 +1,246 @@
+"""ringattn.integrations.trainer.RingTrainer on W gloo ranks against plain transformers.Trainer in one process.
+
+A tiny random Llama (hidden 32, 2 layers, 2 heads, 1 KV head, vocab 97), built from a config with the same seed
+everywhere (no downloads), trained STEPS SGD steps (gradient clipping on) on the same global batches: by
+RingTrainer with ring attention over W ranks (one ring of W, or dp rings of cp), and by Trainer in one process with
+eager attention, in fp32 (the plain implementation) and float64 (the reference). The samples count different
+numbers of ignored labels, so the rings of a step average different token counts: only the mean over every counted
+token of the global batch (Trainer's average_tokens_across_devices) matches.
+
+SGD, not Trainer's default AdamW, so that the parameters after the steps can be held to the tolerance rule: Adam's
+first steps move each parameter by about lr * sign(gradient), so the rounding of a gradient near 0 (ring and plain
+fp32 alike) decides a whole step there; SGD's parameters are linear in the gradients.
+"""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'hf')")
+pytest.importorskip("accelerate", reason="accelerate is not installed (extra 'hf')")
+# imported here, once: the ranks fork from this process with them loaded (seconds each otherwise)
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+import ringattn  # noqa: E402
+from ringattn.integrations import hf  # noqa: E402
+from ringattn.integrations.trainer import RingTrainer, RingTrainerMixin  # noqa: E402
+from ringattn.testing import check_close  # noqa: E402
+
+VOCAB, SEQLEN, STEPS = 97, 21, 5  # 21: padded to a multiple of 2 * cp by shard_batch
+PACKED_LENGTH = 24  # TRL's packed rows: up to 24 tokens of documents back to back
+
+
+def _tiny_llama(dtype=torch.float32):
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=VOCAB, max_position_embeddings=64, attention_dropout=0.0, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def _dataset(n):
+    """n samples {input_ids, labels} (SEQLEN,), each with its own number of ignored labels."""
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for i in range(n):
+        input_ids = torch.randint(0, VOCAB, (SEQLEN,), generator=gen)
+        labels = input_ids.clone()
+        labels[: 3 * i % 11] = -100  # a prompt of 0 .. 10 tokens left out of the loss
+        samples.append({"input_ids": input_ids, "labels": labels})
+    return samples
+
+
+def _args(out_dir, batch_size, config=TrainingArguments, accumulation=1, **overrides):
+    return config(
+        output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=batch_size, optim="sgd", learning_rate=0.5,
+        gradient_accumulation_steps=accumulation,
+        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, train_sampling_strategy="sequential",
+        disable_tqdm=True, include_num_input_tokens_seen="all", **overrides,
+    )  # fmt: skip
+
+
+def _result(trainer, output):
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return losses, params, {**output.metrics, "total_flos": trainer.state.total_flos}  # the logger pops total_flos
+
+
+def _single_process(rank, world_size, out_dir, dtype, global_batch, accumulation):
+    """Plain Trainer, eager attention, the global batch in one process."""
+    model = _tiny_llama(dtype)
+    model.set_attn_implementation("eager")
+    args = _args(out_dir, global_batch, accumulation=accumulation)
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset(STEPS * global_batch * accumulation))
+    return _result(trainer, trainer.train())
+
+
+def _launched_by_torchrun(rank, world_size):
+    """The variables torchrun sets, which accelerate reads (the process group is already initialised)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+def _ring(world_size, cp):
+    """This rank's SequenceParallel: one ring of every rank, or rings of cp ranks on a (dp, cp) DeviceMesh."""
+    if cp == world_size:
+        return ringattn.SequenceParallel()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return ringattn.SequenceParallel(
+        init_device_mesh("cpu", (world_size // cp, cp), mesh_dim_names=("dp", "cp")).get_group("cp")
+    )
+
+
+def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation):
+    _launched_by_torchrun(rank, world_size)
+    sp, dp = _ring(world_size, cp), world_size // cp
+    model = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout, group=sp.group))
+    args = _args(out_dir, global_batch // dp, accumulation=accumulation)
+    dataset = _dataset(STEPS * global_batch * accumulation)
+    trainer = RingTrainer(model=model, args=args, train_dataset=dataset, sp=sp)
+    assert (trainer.rings, trainer.ring) == (dp, rank // cp)
+    return _result(trainer, trainer.train())
+
+
+def check_training(ranks, single_process, samples):
+    """Each rank's (losses, parameters, metrics) against the single-process (fp32, float64) runs; `samples` the
+    number trained on."""
+    (plain_losses, plain, plain_metrics), (_, ref, _) = single_process
+    for rank, (losses, params, metrics) in enumerate(ranks):
+        assert len(losses) == STEPS
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), rtol=0, atol=1e-5)
+        for name, p in params.items():
+            check_close(f"rank {rank} {name} after {STEPS} steps", p, plain[name], ref[name])
+        assert metrics["num_input_tokens_seen"] == plain_metrics["num_input_tokens_seen"]
+        assert metrics["total_flos"] == pytest.approx(plain_metrics["total_flos"], rel=1e-6)
+        counted = metrics["train_samples_per_second"] * metrics["train_runtime"]  # each rounded, to 1e-3 at most
+        assert counted == pytest.approx(samples, rel=1e-2), metrics
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """(global batch, accumulation steps) -> (fp32, float64) runs of plain Trainer, each in a process of its own
+    (accelerate's state is per process)."""
+    out_dir = str(tmp_path_factory.mktemp("single"))
+    runs = {}
+
+    def get(*key):
+        if key not in runs:
+            runs[key] = [run_ranks(_single_process, 1, out_dir, d, *key)[0] for d in (torch.float32, torch.float64)]
+        return runs[key]
+
+    return get
+
+
+# batches of 1 sample (1 per ring with dp 2: the two rings of a step count different numbers of targets); W2
+# accumulates 2 per step (the two batches of a step count different numbers of targets)
+@pytest.mark.parametrize(
+    "world_size,cp,global_batch,accumulation",
+    [(2, 2, 1, 2), (4, 4, 1, 1), (4, 2, 2, 1)],
+    ids=["W2-cp2-accumulate2", "W4-cp4", "W4-dp2xcp2"],
+)
+def test_ring_trainer_matches_single_process_training(
+    single_process, tmp_path, world_size, cp, global_batch, accumulation
+):
+    """Regression: transformers.Trainer under DDP gave each rank its own samples, the ring mixed them and training
+    went on silently wrong (logged losses off by 1e-2); and counted every sample W times in its throughput. With
+    RingTrainer every logged loss matches single-process training within 1e-5, the parameters after the steps
+    obey the tolerance rule, and samples, tokens and flops are counted once."""
+    ranks = run_ranks(_ring_trainer, world_size, str(tmp_path), cp, global_batch, accumulation, timeout=240)
+    samples = STEPS * global_batch * accumulation
+    check_training(ranks, single_process(global_batch, accumulation), samples)
+    assert ranks[0][2]["num_input_tokens_seen"] == samples * SEQLEN
+
+
+def _tokenizer():
+    """A word-level tokenizer over the model's vocabulary ("t0" .. "t96"), built here: no downloads."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    words = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
+
+
+def _sft(rank, world_size, out_dir, dtype, ring):
+    """TRL's SFTTrainer, packing documents into rows of PACKED_LENGTH tokens (position ids restarting at 0 at each
+    document): with ring attention over every rank, or plain with eager attention in one process."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    class RingSFTTrainer(RingTrainerMixin, SFTTrainer):
+        pass
+
+    if ring:
+        _launched_by_torchrun(rank, world_size)  # before the arguments: they set up accelerate's state
+    gen = torch.Generator().manual_seed(2)
+    lengths = [1, 13, 5, 22, 4, 2, 17, 9, 11, 3, 8, 19, 6, 7, 14]  # 1 to 22 tokens; 141 in all, 6 rows
+    dataset = Dataset.from_dict({"input_ids": [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in lengths]})
+    args = _args(out_dir, 1, SFTConfig, packing=True, max_length=PACKED_LENGTH, bf16=False)  # checkpointing on
+    model = _tiny_llama(dtype)
+    if ring:
+        sp = ringattn.SequenceParallel()
+        model = hf.prepare(model, hf.register("ringattn-sft", layout=sp.layout, group=sp.group))
+        trainer = RingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer(), sp=sp)
+    else:
+        model.set_attn_implementation("eager")
+        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer())
+    return _result(trainer, trainer.train())
+
+
+def test_trl_sft_trainer_with_packing_matches_single_process_training(tmp_path):
+    """TRL's SFTTrainer through RingTrainerMixin, packed documents (batch 1 rows, position ids restarting at 0 at
+    each document) and SFTConfig's gradient checkpointing (each layer's ring attention runs again in the backward),
+    on 2 ranks against SFTTrainer in one process with eager attention (which keeps each document to itself from the
+    same position ids)."""
+    pytest.importorskip("trl", reason="TRL is not installed")
+    single = [run_ranks(_sft, 1, str(tmp_path), dtype, False)[0] for dtype in (torch.float32, torch.float64)]
+    check_training(run_ranks(_sft, 2, str(tmp_path), torch.float32, True, timeout=240), single, STEPS)  # 1 row a step
+
+
+def _refusals(rank, world_size, out_dir):
+    sp, args, dataset = ringattn.SequenceParallel(), _args(out_dir, 1), _dataset(1)
+    with pytest.raises(ValueError, match="model: prepare it for ring attention"):
+        RingTrainer(model=_tiny_llama(), args=args, train_dataset=dataset, sp=sp)
+    contiguous = hf.prepare(_tiny_llama(), hf.register("ringattn-contiguous", layout="contiguous"))
+    with pytest.raises(ValueError, match=r"in sp's layout \('zigzag'\)"):
+        RingTrainer(model=contiguous, args=args, train_dataset=dataset, sp=sp)
+    model = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout))
+    with pytest.raises(ValueError, match="average_tokens_across_devices must be True"):
+        RingTrainer(model=model, args=_args(out_dir, 1, average_tokens_across_devices=False), sp=sp)
+    trainer = RingTrainer(model=model, args=args, train_dataset=dataset, sp=sp)
+    with pytest.raises(NotImplementedError, match="trains only"):
+        trainer.evaluate()
+    ids = dataset[0]["input_ids"][None]  # (1, S)
+    with pytest.raises(ValueError, match="needs input_ids and labels"):
+        trainer.shard({"input_ids": ids})
+    with pytest.raises(ValueError, match="needs input_ids and labels"):
+        trainer.shard({"input_ids": ids, "labels": ids, "token_type_ids": ids})
+    left_padded = torch.ones_like(ids)
+    left_padded[:, 0] = 0
+    labels = ids.masked_fill(left_padded == 0, -100)
+    with pytest.raises(ValueError, match="must be right padding"):
+        trainer.shard({"input_ids": ids, "labels": labels, "attention_mask": left_padded})
+    with pytest.raises(ValueError, match="with labels -100 on the padding"):
+        trainer.shard({"input_ids": ids, "labels": ids, "attention_mask": left_padded.flip(1)})
+    right_padded = trainer.shard({"input_ids": ids, "labels": labels.flip(1), "attention_mask": left_padded.flip(1)})
+    assert torch.equal(right_padded.input_ids[:, :SEQLEN], ids)  # a ring of one: every token; the mask dropped
+    return True
+
+
+def test_ring_trainer_refuses_what_it_would_train_wrongly(tmp_path):
+    """A model not prepared for this ring, a loss other than the mean over every token, evaluation, inputs the ring
+    cannot attend like the model (left padding, unknown per-token inputs): errors naming the argument, on 1 rank."""
+    assert run_ranks(_refusals, 1, str(tmp_path)) == [True]
+
+
+def test_missing_accelerate_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "accelerate.data_loader", None)  # import accelerate.data_loader fails
+    monkeypatch.delitem(sys.modules, "ringattn.integrations.trainer")
+    with pytest.raises(ImportError, match=r"needs transformers and accelerate: pip install 'ringattn\[hf\]'"):
+        importlib.import_module("ringattn.integrations.trainer")
