@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .functional import ring_attn_func, ring_attn_varlen_func
-from .parallel.agreement import shared_refusals
+from .parallel.agreement import check_agreement, shared_refusals
 from .parallel.documents import check_cu_seqlens, cu_seqlens_from_position_ids, document_ids, pad_cu_seqlens
 from .parallel.groups import Group, ring_group
 from .parallel.layout import check_layout, chunks_per_rank, pad_to_multiple, shard, shard_indices, unshard
@@ -287,6 +287,7 @@ class SequenceParallel:
                 )
             batch, unpadded = input_ids.shape[0], input_ids.shape[1]
             docs = self._documents(batch, unpadded, position_ids, cu_seqlens)  # int32 (n_docs + 1,) or None
+        check_agreement("SequenceParallel.shard_batch", None, self.group)  # any rank's refusal, raised by all
         self._check_same_batch(input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu_seqlens)
         input_ids, _ = pad_to_multiple(input_ids, dim=1, multiple=self.multiple, value=pad_id)
         seqlen = input_ids.shape[1]
