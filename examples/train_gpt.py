@@ -3,6 +3,7 @@
     bash launch/torchrun.sh examples/train_gpt.py                  # all GPUs (NCCL), or 4 CPU ranks (gloo)
     NPROC=2 bash launch/torchrun.sh examples/train_gpt.py --check  # the first steps vs one device
     bash launch/torchrun.sh examples/train_gpt.py --seqlen 65536 --steps 300   # GPUs: 64k tokens per sample
+    bash launch/torchrun.sh examples/train_gpt.py --compile       # the model under torch.compile
 
 The model: token embedding, `--layers` blocks of (RMSNorm, causal self-attention with RoPE at global
 positions and GQA (`--kv-heads` < `--heads`), RMSNorm, SwiGLU MLP), RMSNorm, output projection.
@@ -24,6 +25,10 @@ data from the same initial weights: ring-sharded over the ranks, single-device w
 dtype, and single-device in float64; each step's ring loss must obey the tolerance rule of
 ringattn.testing (error vs float64 at most 2x the plain single-device error, plus a floor). Exits with
 status 1 if not.
+
+--compile: trains (or checks) torch.compile(model): the ring runs as ringattn's custom ops, so the model compiles
+as one graph per direction; the first step includes the compilation (tokens/s from the second on compares with an
+eager run of the same options).
 
 Defaults: on GPUs seqlen 8192 x W, batch 1, dim 512, 4 layers, 8 heads (2 KV heads) of 64, bf16
 autocast, lr 1e-3, 200 steps; on CPU ranks (Triton interpreter) seqlen 32 x W, batch 2, dim 64,
@@ -176,6 +181,7 @@ def parse_args(world_size: int, on_gpu: bool, argv: list[str] | None = None) -> 
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("out/train_gpt"), help="history.json and loss.png go here")
     p.add_argument("--check", action="store_true", help="compare the first steps with single-device training")
+    p.add_argument("--compile", action="store_true", help="train torch.compile(model) (the ring: custom ops)")
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 3 if args.check else (200 if on_gpu else 70)
@@ -269,8 +275,9 @@ def single_device_loss(logits, labels):  # unsharded: labels (B, S) already shif
     return F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
-def run_check(args, env, sp, model, optimizer) -> bool:
-    """Ring-sharded vs single-device (plain attention, same dtype) vs float64 for the first steps (rank 0 checks)."""
+def run_check(args, env, sp, model, ring_model, optimizer) -> bool:
+    """Ring-sharded (ring_model: model, or it compiled) vs single-device (plain attention, same dtype) vs float64 for
+    the first steps (rank 0 checks)."""
     singles = {}
     if env.is_main:
         for name, dtype in (("plain", torch.float32), ("float64", torch.float64)):
@@ -280,7 +287,7 @@ def run_check(args, env, sp, model, optimizer) -> bool:
     rows = []
     for step in range(args.steps):
         tokens, labels = copy_task_batch(args.batch, args.seqlen, args.vocab, args.seed + step)
-        ring_loss, _, _ = ring_step(model, optimizer, step, args, sp, tokens, labels)
+        ring_loss, _, _ = ring_step(ring_model, optimizer, step, args, sp, tokens, labels)
         if env.is_main:
             losses = {
                 name: single_device_step(m, opt, step, args, tokens, labels)[0] for name, (m, opt) in singles.items()
@@ -341,10 +348,12 @@ def main() -> int:
     sp = ringattn.SequenceParallel(layout="zigzag")
     attention = ringattn.nn.RingAttention(causal=True, layout=sp.layout, group=sp.group)
     model = make_model(args, attention).to(env.device)
+    ring_model = torch.compile(model) if args.compile else model  # the same parameters
     optimizer = make_optimizer(model)
     params = sum(p.numel() for p in model.parameters())
     log(
-        f"train_gpt: {env.world_size} rank(s) ({env.backend}, {env.device.type}), {args.dtype}; "
+        f"train_gpt: {env.world_size} rank(s) ({env.backend}, {env.device.type}), {args.dtype}"
+        f"{', torch.compile' if args.compile else ''}; "
         f"{params / 1e6:.2f}M parameters ({args.layers} layers, dim {args.dim}, {args.heads} heads, "
         f"{args.kv_heads} KV heads); batch {args.batch} x {args.seqlen} tokens ({args.seqlen // env.world_size} "
         f"per rank, zigzag); {args.steps} steps"
@@ -352,7 +361,7 @@ def main() -> int:
     log(model.attention)
 
     if args.check:
-        ok = run_check(args, env, sp, model, optimizer)
+        ok = run_check(args, env, sp, model, ring_model, optimizer)
         destroy()
         return 0 if ok else 1
 
@@ -361,7 +370,7 @@ def main() -> int:
     for step in range(args.steps):
         t0 = time.perf_counter()
         tokens, labels = copy_task_batch(args.batch, args.seqlen, args.vocab, args.seed + step)
-        loss, logits, b = ring_step(model, optimizer, step, args, sp, tokens, labels)
+        loss, logits, b = ring_step(ring_model, optimizer, step, args, sp, tokens, labels)
         counted = b.labels != IGNORE_INDEX
         stats = torch.stack([((logits.argmax(-1) == b.labels) & counted).sum(), counted.sum()]).double()
         dist.all_reduce(stats)  # copy accuracy over the whole batch

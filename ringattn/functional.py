@@ -1,5 +1,11 @@
-"""Autograd Functions and the public functions `flash_attn_func`, `flash_attn_varlen_func`, `ring_attn_func` and
-`ring_attn_varlen_func`.
+"""Autograd Functions, the ring's custom ops and the public functions `flash_attn_func`, `flash_attn_varlen_func`,
+`ring_attn_func` and `ring_attn_varlen_func`.
+
+The ring runs as two torch.library custom ops with fake implementations, ringattn::ring_attn_fwd (differentiable:
+its backward runs ringattn::ring_attn_bwd), so that torch.compile, with fullgraph=True or not, sees one call per
+direction and never the collectives, the host-side schedule or the launchers (docs/design.md, section 7). The checks
+that read only Python values and tensor metadata run before the op, in Python; those that need the group, the
+environment or tensor values, and the agreement exchange, run inside it, at every call.
 
 Signatures follow flash-attn's (2.x), in its argument order: tensors are (batch, seqlen, nheads, headdim); GQA/MQA
 by passing fewer K/V heads; lse is (batch, nheads, seqlen) fp32 in natural log. flash-attn's dropout_p,
@@ -9,34 +15,41 @@ ignored); the ring functions take every argument after q, k, v (and cu_seqlens) 
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
-from .ops import KERNEL_OPS, add_sink_, capped_ops, kernel_ops, sink_grad
+from .ops import KERNEL_OPS, add_sink_, capped_ops, kernel_ops, kernel_override, sink_grad
 from .ops.custom_ops import attn_bwd_op, attn_fwd_op
 from .ops.validation import (
     check_attn_inputs,
     check_flash_attn_options,
-    check_runnable_device,
+    check_kernel_device,
     check_sink,
     default_softmax_scale,
 )
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
-from .parallel.agreement import RingSignature, agreement_mode, check_agreement, ring_signature, shared_refusals
+from .parallel.agreement import agreement_mode, check_agreement, ring_signature, shared_refusals
 from .parallel.comm import p2p_timeout_s
-from .parallel.documents import check_cu_seqlens, document_ids, fingerprint, shard_documents
+from .parallel.documents import (
+    check_cu_seqlens,
+    check_cu_seqlens_tensor,
+    document_ids,
+    fingerprint,
+    shard_documents,
+)
 from .parallel.groups import Group, ring_group
+from .parallel.ring import state_dtype
 
 
 def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, dtype: torch.dtype):
-    """(out, lse, the out the backward keeps): with sinks, the fp32 state out with the sinks merged in
-    (ops.add_sink_), rounded to dtype once, and for the backward the unrounded one when the sinks need their
-    gradient (it sums P_sink * rowsum(dout * out) over every row, where out's rounding would cost it up to twice
-    plain PyTorch's error); without sinks (out, lse, out)."""
+    """(out, lse, the unrounded out): with sinks, the fp32 state out with the sinks merged in (ops.add_sink_),
+    rounded to dtype once, and that unrounded out, which the backward keeps when the sinks need their gradient (it
+    sums P_sink * rowsum(dout * out) over every row, where out's rounding would cost it up to twice plain PyTorch's
+    error); without sinks (out, lse, out)."""
     if sink is None:
         return out, lse, out
     lse = lse.clone()
     add_sink_(out, lse, sink)
-    rounded = out.to(dtype)
-    return rounded, lse, out if sink.requires_grad else rounded
+    return out.to(dtype), lse, out
 
 
 def _check_not_double_backward() -> None:
@@ -59,8 +72,8 @@ class FlashAttnFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, softmax_scale, causal, window, softcap, deterministic, q_doc_ids, k_doc_ids, sink):
         out_dtype = None if sink is None else torch.promote_types(q.dtype, torch.float32)
         out, lse = attn_fwd_op(q, k, v, softmax_scale, causal, *window, softcap, q_doc_ids, k_doc_ids, out_dtype)
-        out, lse, kept = _with_sink(out, lse, sink, q.dtype)
-        ctx.save_for_backward(q, k, v, kept, lse, sink)
+        out, lse, state = _with_sink(out, lse, sink, q.dtype)
+        ctx.save_for_backward(q, k, v, state if sink is not None and sink.requires_grad else out, lse, sink)
         ctx.options = softmax_scale, causal, deterministic, *window, softcap, q_doc_ids, k_doc_ids
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -228,35 +241,6 @@ def _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
     return ids
 
 
-class RingAttnFunction(torch.autograd.Function):
-    """Ring attention over the ranks of a process group; forward and backward each go round the ring."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, docs, window, softcap, deterministic, sink):
-        ops = capped_ops(KERNEL_OPS, softcap)
-        out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout, docs, window,
-                                     keep_state=sink is not None)  # fmt: skip
-        out, lse, kept = _with_sink(out, lse, sink, q.dtype)  # once, after the ring: the global lse is complete
-        ctx.save_for_backward(q, k, v, kept, lse, sink)
-        ctx.softmax_scale, ctx.causal, ctx.group, ctx.layout, ctx.docs = softmax_scale, causal, group, layout, docs
-        ctx.window, ctx.softcap, ctx.deterministic = window, softcap, deterministic
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        _check_not_double_backward()  # on every rank alike, before the ring
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        ops = capped_ops(kernel_ops(deterministic=True) if ctx.deterministic else KERNEL_OPS, ctx.softcap)
-        dq, dk, dv = ring_attn_backward(
-            RingComm(ctx.group), ops, dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout, ctx.docs,
-            ctx.window,
-        )  # fmt: skip
-        # this rank's rows' share, as for any parameter the ranks hold alike (SequenceParallel.sync_gradients)
-        dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[11] else None
-        return dq, dk, dv, None, None, None, None, None, None, None, None, dsink
-
-
 def check_ring_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -264,29 +248,28 @@ def check_ring_inputs(
     group,
     layout: str,
     softmax_scale: float | None = None,
-    causal: bool = False,
-    documents: int = 0,
-    window: tuple[int | None, int | None] = (None, None),
-    softcap: float = 0.0,
     sink: torch.Tensor | None = None,
-) -> tuple[float, RingSignature]:
-    """The local checks of a ring call (shapes, dtypes, devices, layout, scale, window, the group and its backend,
-    the environment); returns the softmax scale to use and the call's signature.
+    call: str = "ring_attn_func",
+) -> tuple[float, str]:
+    """The local checks of a ring call that read only Python values and tensor metadata (shapes, dtypes, devices,
+    layout, scale, sinks, the group's type, torch.distributed initialised); returns the softmax
+    scale to use and the name of the group (the world's for None), which the ring's custom op takes.
 
-    The ring functions run them under agreement.shared_refusals, then agreement.check_agreement with the signature:
-    one small all_gather on a CPU channel of `group` before the ring's first P2P op (skipped with
-    $RINGATTN_AGREEMENT=off), after which every rank raises the same error if a rank's checks raised, or if the
-    ranks' shapes, dtype, causal, softmax_scale, layout, window, softcap, whether they pass sinks or (`documents`,
-    the fingerprint of ring_attn_varlen_func's cu_seqlens) document boundaries differ.
+    The ring functions run them, and check_flash_attn_options, under agreement.shared_refusals before calling the
+    custom op ringattn::ring_attn_fwd (under torch.compile: while tracing). The op runs, at every call, the checks
+    that need the group, the environment or tensor values (check_ring_group, the boundaries of
+    ring_attn_varlen_func), then agreement.check_agreement with the call's signature: one small all_gather on a CPU
+    channel of `group` before the ring's first P2P op (skipped with $RINGATTN_AGREEMENT=off), after which every rank
+    raises the same error if a rank's checks raised, or if the ranks' shapes, dtype, causal, softmax_scale, layout,
+    window, softcap, whether they pass sinks or (ring_attn_varlen_func's) document boundaries differ.
 
     Raises:
-        ValueError, TypeError: bad local inputs, an unknown layout, an odd local length with "zigzag",
-            a group that is not a ProcessGroup or does not contain this rank, a device the backend cannot carry,
-            a bad $RINGATTN_P2P_TIMEOUT_S, $RINGATTN_AGREEMENT or $RINGATTN_KERNELS.
-        RuntimeError: torch.distributed is not initialised; a device the kernels cannot run on.
+        ValueError, TypeError: bad local inputs, an unknown layout, an odd local length with "zigzag", a group that is
+            not a ProcessGroup.
+        RuntimeError: torch.distributed is not initialised (naming `call`); a device the kernels cannot run on.
     """
     check_attn_inputs(q, k, v)
-    check_runnable_device(q)
+    check_kernel_device(q)
     check_layout(layout)
     check_sink(sink, q)
     if q.shape[1] != k.shape[1]:
@@ -297,9 +280,18 @@ def check_ring_inputs(
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            "ring_attn_func needs torch.distributed initialised (dist.init_process_group); "
-            "for one device use flash_attn_func"
+            f"{call} needs torch.distributed initialised (dist.init_process_group); for one device use flash_attn_func"
         )
+    return scale, (group if group is not None else dist.group.WORLD).group_name
+
+
+def check_ring_group(q: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """The checks of a ring call that need its group or the environment, run by the ring's custom op at every call.
+
+    Raises:
+        ValueError: a group that does not contain this rank, a device the group's backend cannot carry, a bad
+            $RINGATTN_KERNELS, $RINGATTN_P2P_TIMEOUT_S or $RINGATTN_AGREEMENT.
+    """
     if dist.get_rank(group) < 0:
         raise ValueError(f"group must contain this process (global rank {dist.get_rank()}); it does not")
     backend = str(dist.get_backend(group)).lower()
@@ -307,9 +299,154 @@ def check_ring_inputs(
         raise ValueError(f"q, k, v are CUDA tensors but the group's backend {backend!r} cannot carry them; use nccl")
     if not q.is_cuda and backend == "nccl":
         raise ValueError(f"q, k, v are on {q.device} but the group's backend is nccl; move them to the rank's GPU")
-    p2p_timeout_s()  # the environment's settings, checked before the first collective (the kernels' in
-    agreement_mode()  # check_runnable_device)
-    return scale, ring_signature(q, k, v, scale, causal, layout, documents, window, softcap, sink is not None)
+    kernel_override()  # the environment's settings, checked before the first collective
+    p2p_timeout_s()
+    agreement_mode()
+
+
+def _keeps_state(q: torch.Tensor, sink: torch.Tensor | None) -> bool:
+    """Whether ringattn::ring_attn_fwd returns the unrounded output apart from out: with sinks, for inputs narrower
+    than the fp32 state (in fp32, out is that output)."""
+    return sink is not None and state_dtype(q) != q.dtype
+
+
+def _ring_documents(cu_seqlens: torch.Tensor | None, q: torch.Tensor, group: dist.ProcessGroup, layout: str):
+    """The ShardDocuments of checked global boundaries for a ring over `group` (cached: every layer passes the same
+    boundaries), or None."""
+    if cu_seqlens is None:
+        return None
+    return shard_documents(cu_seqlens, q.shape[1], dist.get_world_size(group), layout, q.device)
+
+
+@torch.library.custom_op("ringattn::ring_attn_fwd", mutates_args=())
+def ring_attn_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    learnable_sink: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float,
+    deterministic: bool,
+    group_name: str,
+    layout: str,
+    requires_grad: bool,
+    call: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ring's forward as one custom op, differentiable (its backward runs ringattn::ring_attn_bwd), so that
+    torch.compile sees one call and never the collectives, the host-side schedule or the launchers.
+
+    At every call, on the group named `group_name`: check_ring_group and the boundaries' values (cu_seqlens), as
+    shared refusals, then the agreement exchange of the call's signature (`call` names it: "ring_attn_func",
+    "ring_attn_varlen_func"; `requires_grad`: whether the call records a graph, so that every rank joins the
+    backward ring), then the ring, then the sinks merged once into the global result.
+
+    Args: q (B, S_local, Hq, D), k, v (B, S_local, Hkv, D), checked by check_ring_inputs; cu_seqlens
+        (n_docs + 1,) global document boundaries (B = 1) or None; learnable_sink (Hq,) or None; softmax_scale,
+        causal, the window's sides (None: no limit), softcap as the kernels take them; deterministic: for the
+        backward (saved by the autograd registration).
+    Returns:
+        out (B, S_local, Hq, D) in q's dtype, contiguous; lse (B, Hq, S_local) fp32 (with sinks, counting them);
+        and the fp32 out with the sinks merged in, for their gradient, where it is not out itself (_keeps_state),
+        else an empty tensor.
+    Raises:
+        ValueError, TypeError, RuntimeError: as ring_attn_func, on every rank alike.
+    """
+    group = _resolve_process_group(group_name)
+    window = (window_left, window_right)
+    with shared_refusals(call, group):
+        check_ring_group(q, group)
+        documents = 0
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, q.shape[1] * dist.get_world_size(group))
+            documents = fingerprint(cu_seqlens)
+    signature = ring_signature(q, k, v, softmax_scale, causal, layout, requires_grad, documents, window, softcap,
+                               learnable_sink is not None)  # fmt: skip
+    check_agreement(call, signature, group)
+    ops = capped_ops(KERNEL_OPS, softcap)
+    out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout,
+                                 _ring_documents(cu_seqlens, q, group, layout), window,
+                                 keep_state=learnable_sink is not None)  # fmt: skip
+    if learnable_sink is None:
+        return out, lse, out.new_empty(0)
+    out, lse, state = _with_sink(out, lse, learnable_sink, q.dtype)  # once, after the ring: the global lse is complete
+    return out, lse, state if _keeps_state(q, learnable_sink) else state.new_empty(0)
+
+
+@ring_attn_fwd_op.register_fake
+def _ring_attn_fwd_fake(q, k, v, cu_seqlens, learnable_sink, *options):
+    batch, seqlen, heads_q, _ = q.shape
+    lse = q.new_empty((batch, heads_q, seqlen), dtype=state_dtype(q))
+    state = q.new_empty(q.shape if _keeps_state(q, learnable_sink) else (0,), dtype=state_dtype(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse, state
+
+
+@torch.library.custom_op("ringattn::ring_attn_bwd", mutates_args=())
+def ring_attn_bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float,
+    deterministic: bool,
+    group_name: str,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ring's backward as one custom op: (dq, dk, dv) shaped like q, k, v, contiguous, in q's dtype, from the
+    forward's out (with sinks, merged in) and lse and the same arguments."""
+    group = _resolve_process_group(group_name)
+    ops = capped_ops(kernel_ops(deterministic=True) if deterministic else KERNEL_OPS, softcap)
+    grads = ring_attn_backward(RingComm(group), ops, dout, q, k, v, out, lse, softmax_scale, causal, layout,
+                               _ring_documents(cu_seqlens, q, group, layout), (window_left, window_right))  # fmt: skip
+    return tuple(g.contiguous() for g in grads)
+
+
+@ring_attn_bwd_op.register_fake
+def _ring_attn_bwd_fake(dout, q, k, v, *options):
+    return tuple(torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v))
+
+
+_SINK = 4  # learnable_sink's place among ringattn::ring_attn_fwd's arguments
+
+
+def _ring_attn_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens, sink, *options = inputs
+    out, lse, state = output
+    # with sinks that need their gradient, the backward runs on the unrounded out (see _with_sink)
+    kept = state if state.numel() and ctx.needs_input_grad[_SINK] else out
+    ctx.save_for_backward(q, k, v, kept, lse, cu_seqlens, sink)
+    ctx.options = options[:-2]  # softmax_scale .. layout, the backward's; not requires_grad, call
+    ctx.mark_non_differentiable(lse, state)
+
+
+def _ring_attn_backward(ctx, dout, _dlse, _dstate):
+    _check_not_double_backward()  # on every rank alike, before the ring
+    q, k, v, out, lse, cu_seqlens, sink = ctx.saved_tensors
+    dq, dk, dv = ring_attn_bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.options)
+    # this rank's rows' share, as for any parameter the ranks hold alike (SequenceParallel.sync_gradients)
+    dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[_SINK] else None
+    return dq, dk, dv, None, dsink, *(None,) * 10
+
+
+ring_attn_fwd_op.register_autograd(_ring_attn_backward, setup_context=_ring_attn_setup_context)
+
+
+def _ring_attn(call, q, k, v, cu_seqlens, sink, scale, causal, window, softcap, deterministic, group_name, layout):
+    """(out, lse) of ringattn::ring_attn_fwd for checked arguments."""
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    out, lse, _ = ring_attn_fwd_op(q, k, v, cu_seqlens, sink, scale, causal, *window, softcap, deterministic,
+                                   group_name, layout, requires_grad, call)  # fmt: skip
+    return out, lse
 
 
 def ring_attn_func(
@@ -340,6 +477,12 @@ def ring_attn_func(
     ringattn.unshard and ringattn.position_ids map between full tensors and shards.
     Every argument after q, k, v is keyword-only, so that a positional flash-attn call cannot land
     in the wrong one.
+
+    Under torch.compile (fullgraph=True or not) it is one call of the custom op ringattn::ring_attn_fwd, whose
+    backward is ringattn::ring_attn_bwd: the checks of the Python arguments and of the tensors' shapes, dtypes and
+    devices run while tracing; the agreement exchange and the checks of the group, the environment and (varlen)
+    cu_seqlens' values run inside the op, at every call. A check that fails while tracing raises as
+    agreement.shared_refusals says: on every rank without fullgraph (the frame runs eagerly), on its own rank with.
 
     Args:
         q: (batch, S_local, nheads, headdim), this rank's shard of the queries.
@@ -381,11 +524,9 @@ def ring_attn_func(
         causal, window, softcap, deterministic = check_flash_attn_options(
             dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
         )
-        scale, signature = check_ring_inputs(q, k, v, group, layout, softmax_scale, causal, 0, window, softcap,
-                                             learnable_sink)  # fmt: skip
-    check_agreement("ring_attn_func", signature, group)
-    out, lse = RingAttnFunction.apply(q, k, v, scale, causal, group, layout, None, window, softcap, deterministic,
-                                      learnable_sink)  # fmt: skip
+        scale, group_name = check_ring_inputs(q, k, v, group, layout, softmax_scale, learnable_sink)
+    out, lse = _ring_attn("ring_attn_func", q, k, v, None, learnable_sink, scale, causal, window, softcap,
+                          deterministic, group_name, layout)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -434,21 +575,17 @@ def ring_attn_varlen_func(
         RuntimeError: as ring_attn_func.
     """
     group = ring_group(group)
-    with shared_refusals("ring_attn_varlen_func", group):  # a rank's refusal raised by every rank, before the ring
+    call = "ring_attn_varlen_func"
+    with shared_refusals(call, group):  # a rank's refusal raised by every rank, before the ring
         causal, window, softcap, deterministic = check_flash_attn_options(
             dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
         )
         _check_3d(q, k, v, "total_local_tokens")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ring_attn_varlen_func needs torch.distributed initialised (dist.init_process_group)")
-        seqlen_local, world_size = q.shape[0], dist.get_world_size(group)
-        check_cu_seqlens(cu_seqlens, seqlen_local * world_size)
-        scale, signature = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, causal,
-                                             fingerprint(cu_seqlens), window, softcap, learnable_sink)  # fmt: skip
-    check_agreement("ring_attn_varlen_func", signature, group)
-    docs = shard_documents(cu_seqlens, seqlen_local, world_size, layout, q.device)
-    out, lse = RingAttnFunction.apply(q[None], k[None], v[None], scale, causal, group, layout, docs, window, softcap,
-                                      deterministic, learnable_sink)  # fmt: skip
+        scale, group_name = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, learnable_sink,
+                                              call)  # fmt: skip
+        check_cu_seqlens_tensor(cu_seqlens)  # its values: in the op, at every call
+    out, lse = _ring_attn(call, q[None], k[None], v[None], cu_seqlens, learnable_sink, scale, causal, window, softcap,
+                          deterministic, group_name, layout)  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
 
 

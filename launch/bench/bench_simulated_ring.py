@@ -18,7 +18,7 @@ block, in both layouts). Providers, each timed "fwd" and "fwd+bwd":
 - simulated_ring: testing/simulate.py with KERNEL_OPS, on shards split once outside the timed calls
   (shard_indices): simulate_ring_forward, then simulate_ring_backward (which takes the bf16 out), both
   returning bf16 as ring_attn_forward and ring_attn_backward do (out and dq rounded by the kernel of the
-  step that finishes each row, dK and dV with their last share): what RingAttnFunction does on every
+  step that finishes each row, dK and dV with their last share): what ringattn::ring_attn_fwd does on every
   rank, summed over the W ranks, without communication.
 --window LEFT gives every cell a sliding window of LEFT keys back (flash-attn's window_size (LEFT, 0) with causal,
 (LEFT, -1) without), the fused call the same window; --softcap soft-caps both. A ring record counts the ring's steps
@@ -151,7 +151,7 @@ def fused_calls(q, k, v, dout, scale: float, causal: bool, window, softcap: floa
 
 def ring_calls(shards, scale: float, causal: bool, layout: str, window, softcap: float):
     """(fwd, fwd+bwd) closures of the simulated ring on pre-split shards (q, k, v, dout lists), returning the
-    inputs' dtype as RingAttnFunction does; fwd+bwd returns (outs, dqs, dks, dvs), lists over the ranks."""
+    inputs' dtype as the ring's custom ops do; fwd+bwd returns (outs, dqs, dks, dvs), lists over the ranks."""
     qs, ks, vs, douts = shards
     dtype = qs[0].dtype
     ops = capped_ops(KERNEL_OPS, softcap)

@@ -7,8 +7,10 @@
     batch = sp.shard_batch(input_ids, labels)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     loss = sp.cross_entropy(logits, batch.labels)
-    # packed documents, batch 1: pos (1, S) restarting at 0 at each document start
-    batch = sp.shard_batch(input_ids, labels, position_ids=pos)  # then the same two calls
+    # packed documents, batch 1: pos (1, S) restarting at 0 at each document; their boundaries go to the model
+    batch = sp.shard_batch(input_ids, labels, position_ids=pos)
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
+                   cu_seq_lens_k=batch.cu_seqlens, use_cache=False).logits
 
 `register` adds an attention function under `name` to transformers' AttentionInterface and a mask
 function to its AttentionMaskInterface. The attention function is called by each attention layer with
@@ -23,17 +25,23 @@ transformers model in it), on every rank alike and before any computation: posit
 them the model numbers each rank's shard from 0; an encoder that does not hand them to its attention layers
 could not even be checked there), and labels= is refused unless shift_labels and num_items_in_batch come with it
 (transformers would shift the labels inside the shard and average over this rank's tokens alone): the loss of
-the whole sequence is SequenceParallel.cross_entropy's. The attention function refuses a model not prepared.
+the whole sequence is SequenceParallel.cross_entropy's. The hook of the base model (the innermost transformers
+model) then checks the call's values in the custom op ringattn::hf_checked_position_ids, once per forward, and
+hands the model the checked position ids: every row must hold this rank's positions in the registered layout
+(its global positions, or for packed documents its positions inside the documents of cu_seq_lens_q), the two
+boundary tensors must be equal, and a 2-D attention mask must hold no zeros (no padding). A refusal there is
+raised by every rank (agreement.shared_refusals). The attention function refuses a model not prepared.
 
 Contract: every rank of the group calls the model on its shard of input_ids with the matching position_ids
 (ShardedBatch.position_ids) and gets the logits the unsharded model gives at those positions. The position
 ids are either the tokens' global positions (one sequence per row) or, for packed documents (batch 1), their
-positions inside their documents, restarting at 0 at each document start, sharded in the registered layout
-(SequenceParallel.shard_batch(input_ids, labels, position_ids=...)). Once per forward, not per layer, the
-attention function gathers every rank's position ids: global positions 0 .. S-1 in global order mean one
-sequence (ring_attn_func); anything else must be packed documents, whose boundaries it recovers and passes
-to ring_attn_varlen_func, so attention stays inside each document (RoPE already uses the in-document
-positions, as Hugging Face's packed training does).
+positions inside their documents, restarting at 0 at each document start (RoPE uses them, as Hugging Face's
+packed training does), sharded in the registered layout, with the documents' global boundaries passed as
+transformers' cu_seq_lens_q and cu_seq_lens_k (ShardedBatch.cu_seqlens, from SequenceParallel.shard_batch(input_ids,
+labels, position_ids=...)): the attention function then runs ring_attn_varlen_func, so attention stays inside each
+document. The boundaries are computed once per batch, where the batch is sharded; the model's forward runs no
+collective of its own (the ring's custom ops hold every one), so torch.compile(model), with fullgraph=True or not,
+compiles it whole.
 
 What the model's attention layers pass on is computed as its eager attention computes it: the layer's
 `scaling` (Gemma's query_pre_attn_scalar), causal or not (the module's is_causal: encoders such as ModernBERT
@@ -45,25 +53,24 @@ other, summed over the ranks by SequenceParallel.sync_gradients).
 
 Refused with ValueError: dropout > 0, chunked attention, position biases, attention masks other than none/all-
 ones (padding, custom 4-D masks), a KV cache holding earlier tokens (generation), output_attentions,
-position_ids that are neither global positions nor packed documents in the registered layout (e.g. sharded in
-another layout), rows with different position ids, and packed documents in a batch of more than one row.
-Models that do not hand position_ids to their attention layers (ModernBERT) take packed documents as
-transformers' cu_seq_lens_q and cu_seq_lens_k keyword arguments instead, holding the global boundaries:
-model(..., cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens).
+position_ids that are not this rank's positions in the registered layout (e.g. sharded in another layout, rows
+that differ, or packed documents without their boundaries), cu_seq_lens_q without cu_seq_lens_k or different from
+it, and packed documents in a batch of more than one row.
 """
 
 import functools
 import inspect
-import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..functional import ring_attn_func, ring_attn_varlen_func
-from ..parallel.agreement import check_agreement, shared_refusals
-from ..parallel.documents import cu_seqlens_from_position_ids
+from ..parallel.agreement import shared_refusals
+from ..parallel.documents import check_cu_seqlens
 from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout, check_local_seqlen, shard_indices
+from ..sequence_parallel import document_positions
 
 try:
     from transformers import AttentionInterface, PreTrainedModel
@@ -94,8 +101,6 @@ class RingAttentionForTransformers:
     def __init__(self, group: dist.ProcessGroup | None, layout: str, name: str):
         check_layout(layout)
         self.group, self.layout, self.name = group, layout, name
-        # (weakref to position_ids, its _version, their documents): the layers of one forward share them
-        self._documents_of = None
 
     def __repr__(self) -> str:
         return f"RingAttentionForTransformers(name={self.name!r}, layout={self.layout!r})"
@@ -122,8 +127,11 @@ class RingAttentionForTransformers:
         is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         cu_seqlens = self._given_documents(kwargs)
         position_ids = kwargs.get("position_ids")
-        if cu_seqlens is None and position_ids is not None:
-            cu_seqlens = self._documents(position_ids, query.shape[2])
+        if position_ids is not None and position_ids.shape[-1] != query.shape[2]:
+            raise ValueError(
+                f"attn_implementation={self.name!r}: position_ids must hold {query.shape[2]} positions per row "
+                f"(this rank's tokens), got shape {tuple(position_ids.shape)}"
+            )
         # (B, H, S, D) -> (B, S, H, D): strided views, no copy
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         sink = kwargs.get("s_aux")
@@ -136,21 +144,21 @@ class RingAttentionForTransformers:
             return ring_attn_func(q, k, v, **ring), None
         if query.shape[0] != 1:
             raise ValueError(
-                f"attn_implementation={self.name!r}: packed documents (position_ids restarting at 0 inside the "
-                f"sequence) need batch size 1, got batch {query.shape[0]}; pack the samples into one row"
+                f"attn_implementation={self.name!r}: packed documents (cu_seq_lens_q and cu_seq_lens_k) need batch "
+                f"size 1, got batch {query.shape[0]}; pack the samples into one row"
             )
         return ring_attn_varlen_func(q[0], k[0], v[0], cu_seqlens, **ring)[None], None
 
     def _given_documents(self, kwargs: dict) -> torch.Tensor | None:
-        """The global document boundaries passed as transformers' cu_seq_lens_q (and cu_seq_lens_k, the same), or
-        None: for models that do not hand position_ids to their attention layers (ModernBERT)."""
+        """The global document boundaries passed as transformers' cu_seq_lens_q and cu_seq_lens_k, or None (one
+        sequence per row). prepare's check of each call compares their values."""
         cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
         if cu_q is None and cu_k is None:
             return None
-        if cu_q is None or cu_k is None or not torch.equal(cu_q, cu_k):
+        if cu_q is None or cu_k is None:
             raise ValueError(
-                f"attn_implementation={self.name!r}: cu_seq_lens_q and cu_seq_lens_k must both be the global "
-                "document boundaries (SequenceParallel.shard_batch(...).cu_seqlens), the same tensor values"
+                f"attn_implementation={self.name!r}: packed documents need both cu_seq_lens_q and cu_seq_lens_k, "
+                "the global document boundaries (SequenceParallel.shard_batch(...).cu_seqlens); got only one"
             )
         return cu_q
 
@@ -188,73 +196,112 @@ class RingAttentionForTransformers:
                 "call the model with use_cache=False"
             )
 
-    def _documents(self, position_ids: torch.Tensor, seqlen_local: int) -> torch.Tensor | None:
-        """None for global positions, else the int32 (n_docs + 1,) boundaries (on the CPU) of packed documents.
-
-        position_ids (batch or 1, S_local) hold, on every rank, that rank's positions. A collective the first
-        time a position_ids tensor is seen (one all-gather of S_local + 1 integers per rank); every layer of
-        one forward gets the same tensor and reuses the answer. Every rank decides from the same gathered
-        ids, so all take the same path or raise the same error.
+    def checked_position_ids(
+        self,
+        position_ids: torch.Tensor,
+        cu_seqlens_q: torch.Tensor | None,
+        cu_seqlens_k: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """position_ids (batch or 1, S_local), checked by ringattn::hf_checked_position_ids on this group, layout
+        and name: a copy, for the model to use in their place, so that the check stays in a compiled graph.
 
         Raises:
-            ValueError: the ids are neither the global positions nor packed documents in this layout, or
-                rows of the batch differ.
             RuntimeError: torch.distributed not initialised.
+            ValueError, TypeError: as hf_checked_position_ids, on every rank alike.
         """
-        cached = self._documents_of
-        if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
-            return cached[2]
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"attn_implementation={self.name!r} needs torch.distributed initialised")
-        world_size = dist.get_world_size(self.group)
-        check_local_seqlen(seqlen_local, self.layout, name="the local sequence length")
-        if position_ids.shape[-1] != seqlen_local:
-            raise ValueError(
-                f"attn_implementation={self.name!r}: position_ids must hold {seqlen_local} positions per row "
-                f"(this rank's tokens), got shape {tuple(position_ids.shape)}"
-            )
-        gathered = self._gather_positions(position_ids.reshape(-1, seqlen_local), world_size)
-        if bool(gathered[:, 0].any()):
-            ranks = torch.nonzero(gathered[:, 0]).flatten().tolist()
-            raise ValueError(
-                f"attn_implementation={self.name!r}: position_ids must be the same row for every sample "
-                f"(packed documents: batch size 1); they differ between rows on ranks {ranks}"
-            )
-        seqlen = seqlen_local * world_size
-        positions = torch.empty(seqlen, dtype=torch.int64)  # in global order
-        for r in range(world_size):
-            positions[shard_indices(seqlen, r, world_size, self.layout)] = gathered[r, 1:]
-        if torch.equal(positions, torch.arange(seqlen)):
-            cu_seqlens = None
-        else:
-            try:
-                cu_seqlens = cu_seqlens_from_position_ids(positions)
-            except ValueError as e:
-                raise ValueError(
-                    f"attn_implementation={self.name!r}: position_ids must be this rank's global positions in "
-                    f"layout {self.layout!r} (SequenceParallel.shard_batch(...).position_ids, or "
-                    "ringattn.position_ids), or, for packed documents, this rank's shard in that layout of "
-                    "positions restarting at 0 at each document (shard_batch(..., position_ids=...)). Put in "
-                    f"global order, the ranks' position_ids are {_preview(positions)}: {e}"
-                ) from None
-        self._documents_of = (weakref.ref(position_ids), position_ids._version, cu_seqlens)
-        return cu_seqlens
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            attention_mask = None  # a 4-D mask reaches the attention function, which refuses it
+        group = self.group if self.group is not None else dist.group.WORLD
+        return checked_position_ids_op(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, group.group_name,
+                                       self.layout, self.name)  # fmt: skip
 
-    def _gather_positions(self, rows: torch.Tensor, world_size: int) -> torch.Tensor:
-        """(W, 1 + S_local) int64 on the CPU: per rank, whether its rows differ, then its first row.
 
-        rows: (batch, S_local) this rank's position ids. One all_gather on the group.
-        """
-        rows = rows.to(torch.int64)
-        rows_differ = (rows != rows[:1]).any().to(torch.int64).reshape(1)
-        local = torch.cat([rows_differ, rows[0]])  # (1 + S_local,)
-        gathered = [torch.empty_like(local) for _ in range(world_size)]
-        dist.all_gather(gathered, local, group=self.group)
-        return torch.stack(gathered).cpu()
+@torch.library.custom_op("ringattn::hf_checked_position_ids", mutates_args=())
+def checked_position_ids_op(
+    position_ids: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    group_name: str,
+    layout: str,
+    name: str,
+) -> torch.Tensor:
+    """prepare's check of the values of a model call, as a custom op (torch.compile sees one call; the check runs at
+    every call): a copy of position_ids (batch or 1, S_local), contiguous, after checking, on the group named
+    `group_name`, that
+
+    - every row holds this rank's positions in `layout`: its global positions (one sequence per row), or, with
+      cu_seqlens_q and cu_seqlens_k (packed documents), the positions inside their documents;
+    - cu_seqlens_q and cu_seqlens_k, given together, are the same boundaries of the global sequence;
+    - a 2-D attention_mask holds no zeros (no padding).
+
+    A refusal is shared (agreement.shared_refusals): every rank raises it, from this op or from the first ring call.
+
+    Raises:
+        ValueError, TypeError: as above, naming the attention implementation `name`.
+    """
+    group = _resolve_process_group(group_name)
+    with shared_refusals("hf model call", group):
+        _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, group, layout, name)
+    return position_ids.contiguous().clone()
+
+
+@checked_position_ids_op.register_fake
+def _checked_position_ids_fake(position_ids, *args):
+    return torch.empty(position_ids.shape, dtype=position_ids.dtype, device=position_ids.device)
+
+
+def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, group, layout: str, name: str):
+    where = f"attn_implementation={name!r}"
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "ring attention does not support padding masks: pass attention_mask=None and put padding at the end "
+            "of the sequence with its labels set to the ignore index (SequenceParallel.shard_batch does)"
+        )
+    if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dim() not in (1, 2):
+        raise TypeError(f"{where}: position_ids must be integers (batch, S_local), got {position_ids.dtype} of "
+                        f"shape {tuple(position_ids.shape)}")  # fmt: skip
+    seqlen_local, world_size = position_ids.shape[-1], dist.get_world_size(group)
+    check_local_seqlen(seqlen_local, layout, name="the local sequence length")
+    seqlen = seqlen_local * world_size
+    expected = shard_indices(seqlen, dist.get_rank(group), world_size, layout)  # (S_local,) global positions
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError(f"{where}: packed documents need both cu_seq_lens_q and cu_seq_lens_k; got only one")
+        check_cu_seqlens(cu_seqlens_q, seqlen, name="cu_seq_lens_q")
+        check_cu_seqlens(cu_seqlens_k, seqlen, name="cu_seq_lens_k")
+        bounds = cu_seqlens_q.cpu()
+        if not torch.equal(bounds.to(torch.int64), cu_seqlens_k.cpu().to(torch.int64)):
+            raise ValueError(
+                f"{where}: cu_seq_lens_q and cu_seq_lens_k must be the same global document boundaries "
+                "(SequenceParallel.shard_batch(...).cu_seqlens)"
+            )
+        expected = document_positions(bounds)[expected]
+    rows = position_ids.reshape(-1, seqlen_local).cpu().to(torch.int64)
+    bad = torch.nonzero((rows != expected).any(dim=1)).flatten()
+    if not bad.numel():
+        return
+    row = int(bad[0])
+    got = f"row {row} is {_preview(rows[row])}, expected {_preview(expected)}"
+    if cu_seqlens_q is not None:
+        raise ValueError(
+            f"{where}: position_ids must be, in every row, this rank's positions inside the documents of "
+            f"cu_seq_lens_q, sharded in layout {layout!r} (SequenceParallel.shard_batch(..., position_ids=...)"
+            f".position_ids); {got}"
+        )
+    raise ValueError(
+        f"{where}: position_ids must be, in every row, this rank's global positions in layout {layout!r} "
+        f"(SequenceParallel.shard_batch(...).position_ids, or ringattn.position_ids); {got}. Packed documents "
+        "(positions restarting at 0 at each document) need their boundaries as well: model(..., "
+        "cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)"
+    )
 
 
 def _preview(t: torch.Tensor, n: int = 8) -> str:
-    flat = t.reshape(-1, t.shape[-1])[0].tolist()
+    flat = t.reshape(-1).tolist()
     return str(flat) if len(flat) <= n else f"[{', '.join(map(str, flat[:n]))}, ...] ({len(flat)} positions)"
 
 
@@ -267,11 +314,10 @@ def no_mask(
 ) -> None:
     """The mask function registered in AttentionMaskInterface, bound to the registered group: build no mask.
 
-    Returns None for no mask or an all-ones 2-D padding mask. Raises ValueError for a padding mask with
-    zeros, and when the model adds its own mask pattern on top of the causal one (transformers then
-    asks for a vmap-built mask): the ring could not apply either. A collective on `group` (every rank
-    builds its masks in each forward), so that a refusal on one rank (padding in its shard only) is
-    raised by every rank, before the first layer.
+    Returns None: the ring applies the causal mask (and the document boundaries) over global positions itself, and
+    prepare's check of each call has refused a padding mask with zeros (ringattn::hf_checked_position_ids). Raises
+    ValueError when the model adds its own mask pattern on top of the causal one (transformers then asks for a
+    vmap-built mask), which the ring could not apply; a refusal shared by every rank (agreement.shared_refusals).
     """
     with shared_refusals("hf attention mask", group):
         if use_vmap:
@@ -279,33 +325,32 @@ def no_mask(
                 "ring attention computes causal (or full) attention with the layer's sliding window: this model adds "
                 "its own mask pattern on top of it, which is not supported"
             )
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError(
-                "ring attention does not support padding masks: pass attention_mask=None and put padding at the end "
-                "of the sequence with its labels set to the ignore index (SequenceParallel.shard_batch does)"
-            )
-    check_agreement("hf attention mask", None, group)
     return None
 
 
-def _is_ring(implementation) -> bool:
-    """Whether an attn_implementation name selects a RingAttentionForTransformers."""
-    return isinstance(AttentionInterface().get(implementation), RingAttentionForTransformers)
+def _ring(implementation) -> RingAttentionForTransformers | None:
+    """The RingAttentionForTransformers an attn_implementation name selects, or None."""
+    fn = AttentionInterface().get(implementation)
+    return fn if isinstance(fn, RingAttentionForTransformers) else None
 
 
-def _check_call(model: torch.nn.Module):
+def _check_call(model: torch.nn.Module, check_values: bool):
     """prepare's forward pre-hook for `model` (a transformers model): raises ValueError, while ring attention is
-    selected, for a call without position_ids, or with labels but without shift_labels and num_items_in_batch."""
+    selected, for a call without position_ids, or with labels but without shift_labels and num_items_in_batch; with
+    `check_values` (a model holding no other transformers model: the one that hands the attention layers their
+    arguments) it then checks the call's values with RingAttentionForTransformers.checked_position_ids and hands the
+    model the checked position_ids."""
     positional = [
         p.name
         for p in inspect.signature(model.forward).parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
 
-    def check(module, args, kwargs) -> None:
+    def check(module, args, kwargs):
         implementation = module.config._attn_implementation
-        if not _is_ring(implementation):
-            return
+        fn = _ring(implementation)
+        if fn is None:
+            return None
         call = {**dict(zip(positional, args, strict=False)), **kwargs}
         where = f"attn_implementation={implementation!r}"
         if call.get("position_ids") is None:
@@ -324,6 +369,15 @@ def _check_call(model: torch.nn.Module):
                 "on the full sequence) and num_items_in_batch (the group's count of labels that are not -100) for "
                 "this rank's share"
             )
+        if not check_values:
+            return None
+        checked = fn.checked_position_ids(
+            call["position_ids"], call.get("cu_seq_lens_q"), call.get("cu_seq_lens_k"), call.get("attention_mask")
+        )
+        if "position_ids" in kwargs:
+            return args, {**kwargs, "position_ids": checked}
+        i = positional.index("position_ids")
+        return (*args[:i], checked, *args[i + 1 :]), kwargs
 
     return check
 
@@ -334,14 +388,17 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
     Sets the model's attn_implementation to `name` (model.set_attn_implementation) and installs, once, a forward
     pre-hook on each transformers model in it (the model and, e.g., its base model) that raises ValueError
     while a ring attention is selected: for a call without position_ids, and for labels= without shift_labels
-    and num_items_in_batch (see the module docstring). Call it on every rank, after `register`.
+    and num_items_in_batch (see the module docstring). The hook of the innermost transformers model (the base model,
+    which hands the attention layers their arguments) also checks the call's values, on every rank alike: the
+    position ids, the document boundaries and a padding mask (ringattn::hf_checked_position_ids, a custom op, so
+    that torch.compile(model) keeps the check). Call it on every rank, after `register`.
 
     Returns:
         model.
     Raises:
         ValueError: `name` is not registered as ring attention (`register`).
     """
-    if not _is_ring(name):
+    if _ring(name) is None:
         raise ValueError(
             f"{name!r} is not a ring attention registered with transformers: call "
             f"ringattn.integrations.hf.register({name!r}, ...) first"
@@ -349,7 +406,8 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
     model.set_attn_implementation(name)
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and not getattr(module, PREPARED, False):
-            module.register_forward_pre_hook(_check_call(module), with_kwargs=True)
+            innermost = not any(isinstance(m, PreTrainedModel) for m in module.modules() if m is not module)
+            module.register_forward_pre_hook(_check_call(module, innermost), with_kwargs=True)
     for module in model.modules():
         setattr(module, PREPARED, True)
     return model

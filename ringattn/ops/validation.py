@@ -71,15 +71,21 @@ def interpreter_hint() -> str:
 
 
 def check_runnable_device(t: torch.Tensor) -> None:
-    """Raise when the Triton kernels cannot run on t in this process, or the kernels' setting is bad.
+    """Raise when the Triton kernels cannot run on t in this process, or the kernels' setting is bad:
+    check_kernel_device, after $RINGATTN_KERNELS (ops/dispatch.py; ValueError for a bad value)."""
+    kernel_override()
+    check_kernel_device(t)
+
+
+def check_kernel_device(t: torch.Tensor) -> None:
+    """Raise when the Triton kernels cannot run on t's device and dtype in this process (reads tensor metadata only,
+    so that torch.compile traces it).
 
     Raises:
         RuntimeError: t is not a CUDA tensor and the kernels were not built for the interpreter, or a CUDA tensor
             and they were.
         TypeError: a bfloat16 CPU tensor (the Triton interpreter computes bfloat16 wrongly).
-        ValueError: a bad $RINGATTN_KERNELS (ops/dispatch.py).
     """
-    kernel_override()
     if t.device.type == "cuda" and not KERNELS_INTERPRETED:
         return
     if t.device.type == "cpu" and KERNELS_INTERPRETED:

@@ -114,18 +114,20 @@ def ring_signature(
     softmax_scale: float,
     causal: bool,
     layout: str,
+    requires_grad: bool,
     documents: int = 0,
     window: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
     sinks: bool = False,
 ) -> RingSignature:
-    """The signature of one ring call from its (already validated) local arguments; `documents` is
-    parallel.documents.fingerprint(cu_seqlens) for packed documents, window the sliding window (None: no limit)."""
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    """The signature of one ring call from its (already validated) local arguments; `requires_grad` whether the call
+    records a graph (grad mode on and q, k or v requiring grad), `documents` parallel.documents.fingerprint(cu_seqlens)
+    for packed documents, window the sliding window (None: no limit)."""
     batch, seqlen_local, heads_q, head_dim = q.shape
     return RingSignature(
         batch, seqlen_local, heads_q, k.shape[2], head_dim, q.dtype, bool(causal), float(softmax_scale), layout,
-        requires_grad, documents, *(-1 if side is None else side for side in window), float(softcap), bool(sinks),
+        bool(requires_grad), documents, *(-1 if side is None else side for side in window), float(softcap),
+        bool(sinks),
     )  # fmt: skip
 
 
@@ -434,11 +436,16 @@ def shared_refusals(call: str, group: dist.ProcessGroup | None):
 
     Usage: ``with shared_refusals("unshard", group): <local checks>`` then ``check_agreement("unshard", fields,
     group)``. Where there is no exchange (agreement "off", one rank, or no valid group to exchange on: the error
-    names that) the error is raised on its own rank, unchanged.
+    names that) the error is raised on its own rank, unchanged. So it is while torch.compile traces the checks (a
+    trace runs no collective): without fullgraph the call then runs eagerly, and shares its refusal; with
+    fullgraph=True Dynamo raises it on this rank (torch._dynamo.exc.Unsupported, "Observed exception", naming it),
+    and the other ranks' exchange fails when this one stops or at the P2P timeout.
     """
     try:
         yield
     except REFUSALS as refusal:
+        if torch.compiler.is_compiling():
+            raise
         try:
             exchanges = _exchanges(group)
         except REFUSALS:  # the setting or the group is what is wrong: this rank cannot exchange

@@ -17,6 +17,23 @@ from .layout import shard_indices
 _SHARD_DOCUMENTS: dict[tuple, "ShardDocuments"] = {}
 
 
+def check_cu_seqlens_tensor(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") -> None:
+    """Raise unless `cu_seqlens` is a 1-D int32 or int64 tensor of at least 2 entries whose values can be read: the
+    checks of check_cu_seqlens that read no value (no host sync; torch.compile traces them).
+
+    Raises:
+        TypeError: not a tensor, or not int32 or int64.
+        ValueError: not 1-D with at least 2 entries, or on the meta device (no values to read).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with n_docs + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    check_readable(cu_seqlens, name)
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> None:
     """Raise unless `cu_seqlens` is a 1-D int32 or int64 tensor of document boundaries of a `total`-token sequence.
 
@@ -25,13 +42,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         ValueError: not 1-D with at least 2 entries, on the meta device (no values to read), not starting at 0,
             not strictly increasing (an empty document), or not ending at `total`.
     """
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{name} must be 1-D with n_docs + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    bounds = host_values(cu_seqlens, name)
+    check_cu_seqlens_tensor(cu_seqlens, name)
+    bounds = cu_seqlens.cpu()
     if bounds[0].item() != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0].item()}")
     if not bool((bounds[1:] > bounds[:-1]).all()):
@@ -85,14 +97,19 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, torch.tensor([pos.numel()])]).to(device=position_ids.device, dtype=torch.int32)
 
 
+def check_readable(t: torch.Tensor, name: str) -> None:
+    """Raise ValueError, naming `name`, when t is on the meta device: it holds no values to read on the host."""
+    if t.is_meta:
+        raise ValueError(f"{name} must hold values (they are read on the host), got a tensor on the meta device")
+
+
 def host_values(t: torch.Tensor, name: str) -> torch.Tensor:
     """t on the CPU, to read its values on the host.
 
     Raises:
         ValueError: t is on the meta device (it holds no values), naming `name`.
     """
-    if t.is_meta:
-        raise ValueError(f"{name} must hold values (they are read on the host), got a tensor on the meta device")
+    check_readable(t, name)
     return t.cpu()
 
 

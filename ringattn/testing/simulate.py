@@ -205,7 +205,7 @@ def simulate_ring_attn(
     result = (join(outs), join(lses, dim=2))
     if dout is None:
         return result
-    # the backward sees the forward's output in the input dtype, as RingAttnFunction saves it
+    # the backward sees the forward's output in the input dtype, as ringattn::ring_attn_fwd's autograd saves it
     outs_in = [o.to(q.dtype) for o in outs]
     grads = simulate_ring_backward(ops, split(dout), qs, ks, vs, outs_in, lses, softmax_scale, causal, layout,
                                    window=window)  # fmt: skip

@@ -31,11 +31,11 @@ DOCUMENTS = {2: [1, 13, 5, 1, 22, 4], 4: [1, 13, 5, 1, 22, 4, 2, 17, 1, 9]}
 
 
 def _tiny_llama(seed: int, seqlen: int, device="cpu", **overrides):
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=seqlen, attention_dropout=0.0, tie_word_embeddings=False,
+    config = transformers.LlamaConfig(**{
+        **dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=VOCAB, max_position_embeddings=seqlen, attention_dropout=0.0, tie_word_embeddings=False),
         **overrides,
-    )  # fmt: skip
+    })  # fmt: skip
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).to(device).train()  # built on the CPU: the same weights anywhere
 
@@ -137,8 +137,9 @@ def _per_document(model, input_ids, labels, cu_seqlens, dtype):
 
 
 def _packed_matches_per_document(rank, world_size, name, sp, device):
-    """Packed documents through position ids: the attention function recovers the boundaries (one all-gather
-    per forward, not per layer) and keeps attention inside each document."""
+    """Packed documents: position ids inside the documents and their boundaries as transformers' cu_seq_lens_q and
+    cu_seq_lens_k keep attention inside each document; position ids restarting at 0 without the boundaries are
+    refused, naming the boundaries."""
     import ringattn
     from ringattn.integrations import hf
 
@@ -155,13 +156,10 @@ def _packed_matches_per_document(rank, world_size, name, sp, device):
 
     model = hf.prepare(_tiny_llama(1, total, device), name)
     batch = sp.shard_batch(input_ids, labels, position_ids=position_ids)
-    fn = transformers.AttentionInterface._global_mapping[name]
-    gathers = []
-    fn._gather_positions = lambda *a: gathers.append(1) or type(fn)._gather_positions(fn, *a)
-    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
-    del fn._gather_positions
-    assert len(gathers) == 1, f"{len(gathers)} all-gathers in one forward of {model.config.num_hidden_layers} layers"
-    assert torch.equal(fn._documents_of[2], batch.cu_seqlens), "boundaries recovered from the position ids"
+    with pytest.raises(ValueError, match=r"Packed documents .* need their boundaries as well: model\(\.\.\., cu_seq"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    documents = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **documents)
     loss = sp.cross_entropy(out.logits, batch.labels)
     loss.backward()
     sp.sync_gradients(model)
@@ -172,17 +170,20 @@ def _packed_matches_per_document(rank, world_size, name, sp, device):
 
     with pytest.raises(ValueError, match="need batch size 1"):
         ids = batch.input_ids.expand(2, -1)
-        model(input_ids=ids, position_ids=batch.position_ids, use_cache=False)
+        model(input_ids=ids, position_ids=batch.position_ids, use_cache=False, **documents)
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k must be the same global document bound"):
+        other = dict(documents, cu_seq_lens_k=torch.tensor([0, batch.seqlen], dtype=torch.int32))
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **other)
 
 
 def _refusals(model, batch, name, rank):
     """What the ring cannot compute raises ValueError with a message, before any communication."""
     ids, pos = batch.input_ids, batch.position_ids
-    with pytest.raises(ValueError, match="position_ids must be this rank's global positions"):
+    with pytest.raises(ValueError, match="position_ids must be, in every row, this rank's global positions"):
         # rank 0's positions are 0..S_local-1 only in the contiguous layout; every rank tries a wrong row
         wrong = pos + 1
         model(input_ids=ids, position_ids=wrong, use_cache=False)
-    with pytest.raises(ValueError, match="the same row for every sample"):
+    with pytest.raises(ValueError, match=r"in every row, this rank's global positions .*; row 1 is"):
         model(input_ids=ids.expand(2, -1), position_ids=torch.stack([pos[0], pos[0] + 1]), use_cache=False)
     with pytest.raises(ValueError, match="does not support padding masks"):
         mask = torch.ones_like(ids)
@@ -222,8 +223,7 @@ def _padding_in_one_shard(rank, world_size):
     name = hf.register("ringattn-padding", layout="zigzag")
     sp = ringattn.SequenceParallel(layout="zigzag")
     seqlen = 16 * world_size
-    model = _tiny_llama(0, seqlen)
-    model.set_attn_implementation(name)
+    model = hf.prepare(_tiny_llama(0, seqlen), name)
     batch = sp.shard_batch(*_batch(seqlen, "cpu"))
     mask = torch.ones(BATCH, seqlen, dtype=torch.int64)
     mask[:, -3:] = 0  # padding at the end: in zigzag, on rank 0's second chunk only
@@ -236,13 +236,14 @@ def _padding_in_one_shard(rank, world_size):
 
 def test_a_padding_mask_in_one_shard_is_refused_by_every_rank():
     """Regression: with a padding mask whose zeros lie in one rank's shard, only that rank raised the ValueError;
-    its peer went on into the first layer's collective and got gloo's "Connection closed by peer". Now the mask
-    function is agreed on: both ranks raise the same ValueError, naming the rank that holds the padding."""
+    its peer went on into the first layer's collective and got gloo's "Connection closed by peer". Now prepare's
+    check of the call shares its refusal: both ranks raise the same ValueError, naming the rank that holds the
+    padding."""
     results = run_ranks(_padding_in_one_shard, 2)
     assert [all_ones for _, _, all_ones in results] == [False, True]
     assert results[0][0] == results[1][0]
     assert results[0][0].startswith(
-        "hf attention mask refused on group rank 0 of 2: ring attention does not support padding masks"
+        "hf model call refused on group rank 0 of 2: ring attention does not support padding masks"
     )
     assert all(elapsed < 5.0 for _, elapsed, _ in results), results
 
@@ -305,3 +306,53 @@ def test_calls_that_were_silently_wrong_raise_on_every_rank():
     encoder without position_ids (ModernBERT, which hands none to its attention layers) was wrong in both layouts;
     model(labels=...) gave the loss of each rank's shard alone, slightly wrong, without a word."""
     assert run_ranks(_calls_that_were_silently_wrong_raise, 2, timeout=300) == [True, True]
+
+
+def _compiled_llama_equals_eager(rank, world_size):
+    import ringattn
+    from ringattn.integrations import hf
+    from ringattn.testing import check_close
+
+    seqlen = 16 * world_size
+    input_ids, labels = _batch(seqlen, "cpu")
+    ref = _unsharded(_tiny_llama(0, seqlen, num_hidden_layers=1), input_ids, labels, torch.float64)
+    name = hf.register("ringattn-compiled", layout="zigzag")
+    sp = ringattn.SequenceParallel(layout="zigzag")
+    batch = sp.shard_batch(input_ids, labels)
+    rows = batch.position_ids[0]  # this rank's global positions
+    model = hf.prepare(_tiny_llama(0, seqlen, num_hidden_layers=1), name)
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        logits = fn(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        loss = sp.cross_entropy(logits, batch.labels)
+        loss.backward()
+        sp.sync_gradients(model)
+        return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    eager = step(model)
+    for where, options in (("fullgraph", dict(fullgraph=True)), ("default", dict(backend="aot_eager"))):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, **options)
+        logits, loss, grads = step(compiled)
+        where = f"torch.compile {where} rank {rank}"
+        check_close(f"{where} logits", logits, eager[0], ref[0][:, rows])
+        check_close(f"{where} loss", loss, eager[1], ref[1])
+        for n, grad in grads.items():
+            check_close(f"{where} grad {n}", grad, eager[2][n], ref[2][n])
+        with pytest.raises(ValueError, match="position_ids must be, in every row, this rank's global positions"):
+            compiled(input_ids=batch.input_ids, position_ids=batch.position_ids + 1, use_cache=False)
+    return True
+
+
+@pytest.mark.timeout(150)
+def test_compiled_llama_equals_eager_on_2_ranks():
+    """Regression: torch.compile(model) of a Hugging Face Llama with attn_implementation="ringattn" failed (Dynamo
+    met the launchers' KernelLaunch objects, and with fullgraph=True the ring's and the integration's collectives).
+    Now torch.compile(model, fullgraph=True) (inductor) and torch.compile(model) (default, with the aot_eager backend:
+    Dynamo and AOTAutograd as in training, without a second inductor build) give the logits, the sequence-parallel
+    loss and every parameter's gradient (summed over the ranks) of the eager ring model, under the tolerance rule:
+    the eager ring model in fp32 is the plain implementation, eager attention on the whole sequence in float64 the
+    reference. prepare's check of each call (ringattn::hf_checked_position_ids) runs in the compiled model: wrong
+    position ids are refused."""
+    assert run_ranks(_compiled_llama_equals_eager, 2, timeout=140) == [True, True]

@@ -121,8 +121,8 @@ def _packed_family_matches_per_document(rank, world_size, family, layout):
     sp = ringattn.SequenceParallel(layout=layout)
     model = hf.prepare(_model(family, 1, total), name)
     batch = sp.shard_batch(input_ids, labels, position_ids=position_ids)
-    # ModernBERT hands its attention layers no position_ids: the boundaries go as transformers' packed kwargs
-    given = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens) if family == "modernbert" else {}
+    # the boundaries go as transformers' packed kwargs (ModernBERT hands its attention layers no position_ids)
+    given = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
     out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **given)
     loss = sp.cross_entropy(out.logits, batch.labels)
     loss.backward()
