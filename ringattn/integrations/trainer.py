@@ -19,7 +19,8 @@ and changes what each rank computes:
 - Loss: the batches of an optimizer step (Trainer's get_batch_samples: gradient_accumulation_steps of them) are
   sharded on each rank (sp.shard_batch: labels shifted on the full sequence, padded to the layout's multiple; packed
   documents from the batch's position_ids), and their counted targets are all-reduced over the world once.
-  compute_loss runs the model on this rank's shard with its position_ids and takes ringattn's cross_entropy over
+  compute_loss runs the model on this rank's shard with its position_ids (and packed documents' boundaries as
+  cu_seq_lens_q/k) and takes ringattn's cross_entropy over
   the world (grad_reduction="mean"), scaled by the batch's share of the step's counted targets: the step's losses
   sum, on every rank, to the mean over every counted token of the step's global batch (all rings, all accumulated
   batches), as Trainer's average_tokens_across_devices defines it. Each rank's gradient is its share scaled by
@@ -221,7 +222,10 @@ class RingTrainerMixin:
             ValueError: as `shard`.
         """
         batch, share = inputs[SHARDED] if SHARDED in inputs else (self.shard(inputs), 1.0)
-        outputs = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        documents = (
+            {} if batch.cu_seqlens is None else dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
+        )
+        outputs = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **documents)
         # the batch's mean over every rank's tokens, its gradient this rank's share x W for DDP's mean over W ranks
         loss = cross_entropy(outputs.logits, batch.labels, grad_reduction="mean") * share
         return (loss, outputs) if return_outputs else loss
