@@ -12,15 +12,16 @@ passes of ringattn.ring_attn_func (the gradients of q, k and v by torch.autograd
 under a first torch.profiler (its start-up differs between ranks), a barrier, and one traced pass under a
 second profiler (CPU and, on GPUs, CUDA activities), whose Chrome trace goes to --out-dir/ring_trace_rank{r}.json
 (open it in https://ui.perfetto.dev or chrome://tracing). Each call of the ring's block ops (attn_fwd_merge_, attn_bwd,
-attn_bwd_preprocess) runs inside a profiler range named "ringattn::<op>": the trace shows which step launched what.
+attn_bwd_preprocess) runs inside a profiler range named "ringattn.ops.<op>": the trace shows which step launched what.
 
 Overlap summary, from the exported trace's complete ("X") events, per rank:
 - communication: on GPUs NCCL's point-to-point kernels (names containing "SendRecv": the barrier's all-reduce
   is not a ring transfer); on CPU ranks the gloo send and receive spans ("gloo:send", "gloo:recv": from a
   batch's start to the end of that transfer, on gloo's threads);
 - compute: on GPUs ringattn's Triton kernels, by name (KERNEL_NAME: _attn_<what>_kernel, the forward and the
-  backward's preprocess, dK/dV and dQ kernels in every form); on CPU ranks the "ringattn::" ranges (the
-  interpreter runs the kernels on the host);
+  backward's preprocess, dK/dV and dQ kernels in every form); on CPU ranks the "ringattn.ops." ranges (the
+  interpreter runs the kernels on the host; the custom ops' "ringattn::ring_attn_fwd" ranges span the whole ring
+  and are not compute);
 - comm_ms and compute_ms, the lengths of the unions of their intervals; overlap_ms, the length of the intersection
   of the two unions; overlap_fraction = overlap_ms / comm_ms; exposed_comm_ms = comm_ms - overlap_ms; span_ms, from
   the first to the last event of either kind.
@@ -60,7 +61,7 @@ from ringattn.parallel import LAYOUTS  # noqa: E402
 # the names the profiler gives ringattn's Triton kernels: every kernel ringattn/kernels launches is called
 # _attn_<what>_kernel (tests/launch/bench/test_profile_ring.py holds the package to it)
 KERNEL_NAME = re.compile(r"_attn_\w+_kernel")
-OP_RANGE_PREFIX = "ringattn::"
+OP_RANGE_PREFIX = "ringattn.ops."  # not "ringattn::", the custom ops' namespace: the ring's own op spans the ring
 Interval = tuple[float, float]  # (start, end), microseconds
 
 
@@ -164,7 +165,7 @@ def overlap_summary(events: list[dict], on_gpu: bool) -> dict:
 
 
 def annotated(ops: AttnOps) -> AttnOps:
-    """ops with every call inside a profiler range "ringattn::<field>" (attn_fwd_merge_ is fwd_merge_, ...)."""
+    """ops with every call inside a profiler range "ringattn.ops.<field>" (attn_fwd_merge_ is fwd_merge_, ...)."""
 
     def wrap(name: str, fn: Callable) -> Callable:
         def call(*args, **kwargs):

@@ -88,10 +88,13 @@ def test_every_kernel_of_the_package_counts_as_compute():
 
 def test_overlap_summary_of_cpu_ranges():
     events = [
-        _event("ringattn::fwd_merge_", 0, 10, cat="user_annotation"),
+        _event("ringattn.ops.fwd_merge_", 0, 10, cat="user_annotation"),
         _event("gloo:send", 5, 20, cat="user_annotation"),
         _event("gloo:recv", 5, 30, cat="user_annotation"),
         _event("c10d::send", 5, 1, cat="cpu_op"),  # the enqueue, not the transfer
+        _event(
+            "ringattn::ring_attn_fwd", 0, 40, cat="cpu_op"
+        ),  # the ring's custom op spans the whole ring: not compute
     ]
     s = pr.overlap_summary(events, on_gpu=False)
     assert (s["comm_events"], s["compute_events"]) == (2, 1)
