@@ -92,9 +92,7 @@ def test_overlap_summary_of_cpu_ranges():
         _event("gloo:send", 5, 20, cat="user_annotation"),
         _event("gloo:recv", 5, 30, cat="user_annotation"),
         _event("c10d::send", 5, 1, cat="cpu_op"),  # the enqueue, not the transfer
-        _event(
-            "ringattn::ring_attn_fwd", 0, 40, cat="cpu_op"
-        ),  # the ring's custom op spans the whole ring: not compute
+        _event("ringattn::ring_attn_fwd", 0, 40, cat="cpu_op"),  # the ring's custom op spans the ring: not compute
     ]
     s = pr.overlap_summary(events, on_gpu=False)
     assert (s["comm_events"], s["compute_events"]) == (2, 1)
