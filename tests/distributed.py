@@ -131,3 +131,15 @@ def run_ranks(
                     p.kill()
                     p.join()
     return [done[r] for r in range(world_size)]
+
+
+def raised_errors(cases: dict, error: type[Exception] = ValueError) -> dict:
+    """{case: (message, seconds)}: each call of `cases` ({name: callable}) must raise `error`; for rank functions
+    checking that every rank raises the same error, and soon."""
+    results = {}
+    for name, call in cases.items():
+        start = time.monotonic()
+        with pytest.raises(error) as err:
+            call()
+        results[name] = (str(err.value), time.monotonic() - start)
+    return results

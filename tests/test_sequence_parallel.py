@@ -4,7 +4,6 @@ shows the bookkeeping alone); packed documents, with a small attention model, ag
 document alone."""
 
 import functools
-import time
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from ringattn.sequence_parallel import (
     sync_gradients,
 )
 from ringattn.testing import check_close
-from tests.distributed import rank_device, run_ranks, skip_without_gpus
+from tests.distributed import raised_errors, rank_device, run_ranks, skip_without_gpus
 
 
 def test_shift_labels():
@@ -254,13 +253,7 @@ def _toolkit_refusals_on_one_rank(rank, world_size):
         "shard_batch-labels": lambda: sp.shard_batch(input_ids, input_ids[:, : 11 if rank == 1 else 12]),
         "attention-batch": lambda: sp.attention(q, q[:, :, :1], q[:, :, :1], cu_seqlens, causal=True),
     }
-    results = {}
-    for name, call in cases.items():
-        start = time.monotonic()
-        with pytest.raises(ValueError) as err:
-            call()
-        results[name] = (str(err.value), time.monotonic() - start)
-    return results
+    return raised_errors(cases)
 
 
 def test_a_refusal_of_the_toolkit_on_one_rank_is_raised_by_every_rank():

@@ -1,14 +1,12 @@
 """Sequence layouts: the pure index maps, padding, and shard / unshard / position_ids on spawned ranks."""
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import ringattn
 from ringattn.parallel import LAYOUTS, check_seqlen, shard_ranges
-from tests.distributed import run_ranks
+from tests.distributed import raised_errors, run_ranks
 
 WORLD_SIZES = [1, 2, 3, 4, 5]
 
@@ -130,13 +128,7 @@ def _helpers_that_disagree(rank, world_size):
         "gather-lengths": lambda: sp.gather(torch.zeros(2, 6 if rank == 1 else 8, 97)),
         "shard-or-unshard": lambda: (ringattn.unshard if rank == 1 else ringattn.shard)(torch.zeros(1, 8)),
     }
-    results = {}
-    for name, call in cases.items():
-        start = time.monotonic()
-        with pytest.raises(ValueError) as err:
-            call()
-        results[name] = (str(err.value), time.monotonic() - start)
-    return results
+    return raised_errors(cases)
 
 
 EXPECTED = {
