@@ -8,7 +8,7 @@ Every provider runs in the same process on the same inputs.
     PYTHONPATH=. python3 launch/bench/bench_kernel.py --provider-only ringattn fa4 --seqlens 16384 --out /tmp/k.json
     PYTHONPATH=. python3 launch/bench/bench_kernel.py --seqlens 32768 --head-dims 128 --causal-only \
         --windows none 4096,0 --softcaps 0 30 --providers ringattn fa4 flex \
-        --out docs/benchmarks/kernel_window_h200.json
+        --out docs/benchmarks/kernel_h200.json --append
     TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench/bench_kernel.py --tiny --providers ringattn flash  # CPU
 
 Providers (--providers, or its alias --provider-only; default: all that import):

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py
     PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --world-sizes 8 --seqlens-local 8192 --out /tmp/s.json
     PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --world-sizes 8 --seqlens-local 16384 --window 4096 \
-        --layouts contiguous --no-block --out docs/benchmarks/simulated_ring_window_h200.json
+        --layouts contiguous zigzag --full-cells --no-block --append  # added to the record, its other cells kept
     TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --tiny  # CPU dry run, no JSON
 
 Claim measured: at S_local >= 8k, D = 128, the simulated ring's forward+backward is within 5% of one
@@ -48,6 +48,7 @@ and 8 block records; about 6 minutes on an H200 (343 s with --rounds 3).
 """
 
 import argparse
+import json
 import statistics
 import sys
 
@@ -99,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--softcap", type=float, default=0.0, help="soft-cap the scores (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/benchmarks/simulated_ring_h200.json", help="JSON path")
+    parser.add_argument("--append", action="store_true", help="keep --out's records of cells not measured again")
     args = parse_with_tiny(parser, TINY, argv)
     args.kv_heads = args.kv_heads or args.heads
     args.band = (args.window, None) if args.window >= 0 else (None, None)  # the window in ringattn.ops' form
@@ -314,22 +316,25 @@ def ring_table(records: list[dict]) -> str:
     by_key: dict = {}
     for r in records:
         if "ms" in r and r["provider"] in ("fused", "simulated_ring"):
-            key = (r["S_local"], r["W"], r["causal"])
+            key = (r["S_local"], r["W"], r["causal"], tuple(r.get("window", (-1, -1))), r.get("softcap", 0.0))
             by_key.setdefault(key, {})[(r["provider"], r["layout"], r["mode"])] = r
     rows = []
-    for (s_local, world_size, causal), cell in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2])):
+    order = sorted(by_key, key=lambda k: (k[3:], k[0], k[1], -k[2]))  # plain cells first, then by size
+    for (s_local, world_size, causal, window, softcap), cell in ((k, by_key[k]) for k in order):
         for layout in sorted({layout for _, layout, _ in cell if layout}):
             fused = [cell.get(("fused", None, m)) for m in ("fwd", "fwd+bwd")]
             ring = [cell.get(("simulated_ring", layout, m)) for m in ("fwd", "fwd+bwd")]
             if None in fused or None in ring:
                 continue
-            rows.append([s_local, world_size, s_local * world_size, layout, "yes" if causal else "no",
+            band = "-" if window == (-1, -1) else f"({window[0]}, {window[1]})"
+            rows.append([s_local, world_size, s_local * world_size, layout, "yes" if causal else "no", band,
+                         f"{softcap:g}",
                          f"{ring[0]['fused_ms']:.2f}", f"{ring[0]['ms']:.2f}", f"{100 * ring[0]['overhead']:+.1f}%",
                          f"{ring[1]['fused_ms']:.2f}", f"{ring[1]['ms']:.2f}", f"{100 * ring[1]['overhead']:+.1f}%",
                          f"{ring[1]['tflops']:.0f}", _gib(fused[1]), _gib(ring[1]),
                          f"{ring[1]['steps_computed']} / {world_size**2}",
                          f"{ring[1]['forward_steps']} / {world_size}"])  # fmt: skip
-    head = ["S_local", "W", "S", "layout", "causal", "fused fwd ms", "ring fwd ms", "fwd overhead",
+    head = ["S_local", "W", "S", "layout", "causal", "window", "softcap", "fused fwd ms", "ring fwd ms", "fwd overhead",
             "fused f+b ms", "ring f+b ms", "f+b overhead", "ring f+b TFLOP/s", "fused f+b peak GiB",
             "ring f+b peak GiB", "steps computed", "forward steps"]  # fmt: skip
     return markdown_table(head, rows)
@@ -352,6 +357,31 @@ def block_table(records: list[dict]) -> str:
     return markdown_table(head, rows)
 
 
+def _key(rec: dict) -> tuple:
+    """What one record measured: provider, cell, layout, mask, window, softcap, mode."""
+    return (rec["provider"], rec["W"], rec["S_local"], rec.get("layout"), rec["causal"],
+            tuple(rec.get("window", (-1, -1))), rec.get("softcap", 0.0), rec.get("mode"))  # fmt: skip
+
+
+def kept_records(path: str, env: dict) -> list[dict]:
+    """--append: the records of `path` (none if it does not exist). Raises ValueError when it was measured on
+    another GPU, other versions or another protocol (its env record differs from this run's)."""
+    try:
+        with open(path) as f:
+            old_env, *records = json.load(f)
+    except FileNotFoundError:
+        return []
+    if old_env != env:
+        raise ValueError(f"{path} was measured with another environment ({old_env}): write this run to a new file")
+    return records
+
+
+def merged(kept: list[dict], new: list[dict]) -> list[dict]:
+    """kept's records but those `new` measures again, then new's."""
+    measured = {_key(r) for r in new}
+    return [r for r in kept if _key(r) not in measured] + new
+
+
 def _gib(rec: dict) -> str:
     return "-" if rec["peak_bytes"] is None else f"{rec['peak_bytes'] / 2**30:.2f}"
 
@@ -361,17 +391,18 @@ def main(argv: list[str] | None = None) -> int:
     env = env_record(args.device, dtype=str(args.dtype).removeprefix("torch."), warmup_ms=args.warmup,
                      rep_ms=args.rep)  # fmt: skip
     records: list[dict] = []
+    kept = kept_records(args.out, env) if args.append else []
     fused_cache: dict = {}
     for seqlen_local in args.seqlens_local:
         for world_size in args.world_sizes:
             records += bench_cell(world_size, seqlen_local, args, fused_cache)
-            write_json(args.out, env, records)  # after every cell: a run cut short keeps what it measured
+            write_json(args.out, env, merged(kept, records))  # after every cell: a run cut short keeps what it has
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
     if not args.no_block:
         for seqlen_local in args.seqlens_local:
             records += bench_block(seqlen_local, args)
-        write_json(args.out, env, records)
+        write_json(args.out, env, merged(kept, records))
     print(ring_table(records))
     if not args.no_block:
         print()

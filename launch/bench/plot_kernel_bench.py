@@ -18,7 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
-from bench_kernel import MODES, PROVIDERS, markdown_table, read_results  # noqa: E402 (beside this script)
+from bench_kernel import MODES, NO_WINDOW, PROVIDERS, cell_key, markdown_table, read_results  # noqa: E402 (beside)
 
 
 def plot(records: list[dict], title: str, out_stem: Path) -> list[Path]:
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     env, records, errors = read_results(args.json)
-    grid = [r for r in records if r["B"] * r["S"] == env["tokens"]]
+    plain = [r for r in records if cell_key(r)[-3:-1] == (tuple(NO_WINDOW), 0.0)]  # no window, no soft-cap
+    grid = [r for r in plain if r["B"] * r["S"] == env["tokens"]]
     title = f"{env['gpu']}, {env['dtype']}, H = {env.get('heads', records[0]['H'] if records else '?')}"
     out_dir = args.out_dir or args.json.parent
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -95,3 +95,19 @@ def test_error_growth_gate_looks_at_the_backward_of_the_largest_ring(ratio, ok):
     records.append(dict(records[0], W=8, tensor="dv", ratio=ratio))
     result = ring_error_growth.gate(records, max_ratio=2.0)
     assert result["W"] == 8 and result["ok"] == ok and len(result["failures"]) == (0 if ok else 1)
+
+
+def test_bench_simulated_ring_append_replaces_only_the_cells_measured_again(tmp_path):
+    """--append keeps the record's other cells (a windowed run beside the plain grid) and refuses a record of
+    another environment."""
+    env = {"kind": "env", "gpu": "H200"}
+    cell = dict(provider="simulated_ring", W=8, S_local=8192, layout="zigzag", causal=True, mode="fwd")
+    plain, windowed = dict(cell, ms=1.0), dict(cell, window=[4096, 0], ms=2.0)
+    path = tmp_path / "ring.json"
+    path.write_text(json.dumps([env, plain, windowed]))
+    kept = bench_simulated_ring.kept_records(str(path), env)
+    again = dict(windowed, ms=3.0)
+    assert bench_simulated_ring.merged(kept, [again]) == [plain, again]
+    assert bench_simulated_ring.kept_records(str(tmp_path / "none.json"), env) == []
+    with pytest.raises(ValueError, match="another environment"):
+        bench_simulated_ring.kept_records(str(path), dict(env, gpu="H100"))
