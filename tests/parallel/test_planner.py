@@ -224,3 +224,8 @@ def test_the_module_needs_neither_torch_nor_the_package():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().isdigit()
+
+
+def test_docs_planning_holds_the_current_tables():
+    """docs/planning.md pastes `python3 -m ringattn.parallel.planner --doc`: a changed model regenerates it."""
+    assert doc_tables() in (ROOT / "docs" / "planning.md").read_text()
