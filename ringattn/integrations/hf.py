@@ -282,10 +282,11 @@ def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask,
         check_cu_seqlens_tensor(cu_seqlens_q, "cu_seq_lens_q")
         last = int(cu_seqlens_q[-1])
         if last != rows.shape[0] * seqlen and last % seqlen == 0:
+            packed = last // seqlen
             raise ValueError(
-                f"{where}: cu_seq_lens_q holds {last // seqlen} packed rows of {seqlen} tokens, position_ids "
-                f"{rows.shape[0]}: pass one row of positions per packed row ((batch, S_local) = ({last // seqlen}, "
-                f"{seqlen_local}), SequenceParallel.shard_batch(...).position_ids)"
+                f"{where}: position_ids hold {rows.shape[0]} rows, cu_seq_lens_q the boundaries of {packed} packed "
+                f"row{'s' * (packed != 1)} of {seqlen} tokens: pass one row of positions per packed row ((batch, "
+                f"S_local) = ({packed}, {seqlen_local}), SequenceParallel.shard_batch(...).position_ids)"
             )
         total = rows.shape[0] * seqlen  # the flattened batch's tokens: one row of boundaries per row of positions
         check_cu_seqlens(cu_seqlens_q, total, name="cu_seq_lens_q", row=seqlen)

@@ -169,10 +169,10 @@ def _packed_matches_per_document(rank, world_size, name, sp, device):
     real = idx < total  # the padding's logits are not compared
     check_step(f"packed {sp.layout} rank {rank}", out.logits[:, real], loss, model, plain, ref, idx[real])
 
-    with pytest.raises(ValueError, match=r"cu_seq_lens_q must end at the global length \d+ \(2 rows of"):
+    with pytest.raises(ValueError, match=r"position_ids hold 2 rows, cu_seq_lens_q the boundaries of 1 packed row "):
         ids, pos = batch.input_ids.expand(2, -1), batch.position_ids.expand(2, -1)  # one row's boundaries for two
         model(input_ids=ids, position_ids=pos, use_cache=False, **documents)
-    with pytest.raises(ValueError, match=r"holds 2 packed rows .* position_ids 1: pass one row of positions per"):
+    with pytest.raises(ValueError, match=r"hold 1 rows, .* of 2 packed rows .*: pass one row of positions per"):
         two_rows = torch.cat([batch.cu_seqlens, batch.cu_seqlens[1:] + batch.seqlen])
         model(input_ids=ids, position_ids=batch.position_ids, use_cache=False, cu_seq_lens_q=two_rows,
               cu_seq_lens_k=two_rows)  # fmt: skip
@@ -283,7 +283,7 @@ def _refusals(model, batch, name, rank):
         model(input_ids=ids, position_ids=wrong, use_cache=False)
     with pytest.raises(ValueError, match=r"in every row, this rank's global positions .*; row 1 is"):
         model(input_ids=ids.expand(2, -1), position_ids=torch.stack([pos[0], pos[0] + 1]), use_cache=False)
-    with pytest.raises(ValueError, match=r"takes no padding mask .* shard_batch\(input_ids, labels, attention_mask"):
+    with pytest.raises(ValueError, match=r"takes no padding mask .*\.shard_batch\(input_ids, labels, attention_mask"):
         mask = torch.ones_like(ids)
         mask[:, -1] = 0
         model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
