@@ -358,9 +358,9 @@ def block_table(records: list[dict]) -> str:
 
 
 def _key(rec: dict) -> tuple:
-    """What one record measured: provider, cell, layout, mask, window, softcap, mode."""
-    return (rec["provider"], rec["W"], rec["S_local"], rec.get("layout"), rec["causal"],
-            tuple(rec.get("window", (-1, -1))), rec.get("softcap", 0.0), rec.get("mode"))  # fmt: skip
+    """What one record measured: provider, cell (with its heads and head dim), layout, mask, window, softcap, mode."""
+    return (rec["provider"], rec["W"], rec["S_local"], rec["H"], rec["Hkv"], rec["D"], rec.get("layout"),
+            rec["causal"], tuple(rec.get("window", (-1, -1))), rec.get("softcap", 0.0), rec.get("mode"))  # fmt: skip
 
 
 def kept_records(path: str, env: dict) -> list[dict]:

@@ -98,16 +98,19 @@ def test_error_growth_gate_looks_at_the_backward_of_the_largest_ring(ratio, ok):
 
 
 def test_bench_simulated_ring_append_replaces_only_the_cells_measured_again(tmp_path):
-    """--append keeps the record's other cells (a windowed run beside the plain grid) and refuses a record of
-    another environment."""
+    """--append keeps the record's other cells (a windowed run beside the plain grid, a GQA run beside an MHA one:
+    the heads are part of a cell) and refuses a record of another environment."""
     env = {"kind": "env", "gpu": "H200"}
-    cell = dict(provider="simulated_ring", W=8, S_local=8192, layout="zigzag", causal=True, mode="fwd")
+    cell = dict(provider="simulated_ring", W=8, S_local=8192, H=32, Hkv=32, D=128, layout="zigzag", causal=True,
+                mode="fwd")  # fmt: skip
     plain, windowed = dict(cell, ms=1.0), dict(cell, window=[4096, 0], ms=2.0)
     path = tmp_path / "ring.json"
     path.write_text(json.dumps([env, plain, windowed]))
     kept = bench_simulated_ring.kept_records(str(path), env)
     again = dict(windowed, ms=3.0)
     assert bench_simulated_ring.merged(kept, [again]) == [plain, again]
+    gqa = dict(plain, Hkv=8, ms=4.0)
+    assert bench_simulated_ring.merged(kept, [gqa]) == [plain, windowed, gqa]
     assert bench_simulated_ring.kept_records(str(tmp_path / "none.json"), env) == []
     with pytest.raises(ValueError, match="another environment"):
         bench_simulated_ring.kept_records(str(path), dict(env, gpu="H100"))
