@@ -1,13 +1,16 @@
-"""What the ring's decomposition costs on one GPU: the simulated ring against one fused call.
+"""What the ring's decomposition costs on one GPU: the simulated ring (and Ulysses x ring grids) against one fused call.
 
     PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py
     PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --world-sizes 8 --seqlens-local 8192 --out /tmp/s.json
     PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --world-sizes 8 --seqlens-local 16384 --window 4096 \
         --layouts contiguous zigzag --full-cells --no-block --append  # added to the record, its other cells kept
+    PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --world-sizes 4 8 --seqlens-local 8192 --layouts zigzag \
+        --kv-heads 8 --ulysses 2 4 --full-cells --no-block --append  # the 2-D grids 2x2, 2x4, 4x2 beside the pure ring
     TRITON_INTERPRET=1 PYTHONPATH=. python3 launch/bench/bench_simulated_ring.py --tiny  # CPU dry run, no JSON
 
-Claim measured: at S_local >= 8k, D = 128, the simulated ring's forward+backward is within 5% of one
-fused call over the whole sequence, for contiguous and zigzag causal.
+Claims measured: at S_local >= 8k, D = 128, the simulated ring's forward+backward is within 5% of one
+fused call over the whole sequence, for contiguous and zigzag causal; and a U x R grid's compute (--ulysses) is within
+5% of the pure ring's on the same W ranks.
 
 Defaults: bf16, B = 1, H = Hkv = 32, D = 128, W in (2, 4, 8), S_local in (8192, 16384), so S = W S_local
 from 16k to 128k; causal in both layouts in every cell, and non-causal once, in the cell W = 8,
@@ -20,6 +23,18 @@ block, in both layouts). Providers, each timed "fwd" and "fwd+bwd":
   returning bf16 as ring_attn_forward and ring_attn_backward do (out and dq rounded by the kernel of the
   step that finishes each row, dK and dV with their last share): what ringattn::ring_attn_fwd does on every
   rank, summed over the W ranks, without communication.
+- simulated_ulysses_ring (--ulysses U, for every U that divides W with R = W / U >= 2; a ring of one is pure
+  Ulysses, the fused call on a share of the heads, and is left out): the compute of ulysses_ring_attn_func on a U x R
+  grid of the same W ranks, each holding S_local = S / W tokens of every head before the Ulysses exchange: after
+  it, rank (u, r) holds ring shard r (S / R tokens, the layout over R) of query heads Hq / U and of K/V heads Hkv / U
+  (or, when U % Hkv == 0, the one K/V head its queries share, copied to U / Hkv ranks), split with
+  ringattn.parallel.ulysses.rank_heads outside the timed calls; each of the U Ulysses ranks' rings of R runs as
+  simulated_ring does, and all U are timed (they run the same schedule on tensors of the same shapes, so each is
+  1 / U of the grid's time). The all-to-alls are not timed (the record's "untimed" says so): this is the
+  decomposition's compute, to set beside the pure ring's on the same W ranks. The check sums the gradients of a
+  copied K/V head, as the inverse exchange does. Its records hold U, R, ring_S_local (S / R), the paired fused_ms
+  and overhead, the pure ring's ms timed in the same rounds (ring_ms) and ratio_to_ring = ms / ring_ms (the table's
+  "2-D / pure ring"); steps_computed is over the grid (of U R^2), forward_steps of R.
 --window LEFT gives every cell a sliding window of LEFT keys back (flash-attn's window_size (LEFT, 0) with causal,
 (LEFT, -1) without), the fused call the same window; --softcap soft-caps both. A ring record counts the ring's steps
 that computed something, summed over the ranks (steps_computed, of W^2), and the forward's steps (forward_steps, of
@@ -36,8 +51,8 @@ causal, rank 1 holding kv block 0 of W = 2), against the public attn_fwd (out in
 (delta computed inside) on the same block: providers block_step and block_public, modes fwd and bwd.
 
 Timing: triton.testing.do_bench median (--warmup, --rep in ms), no host syncs inside the timed calls.
-The ring and the fused call it is compared with are timed in turn, --rounds times each (fused, ring,
-fused, ring, ...), and each side's median is kept, so drift in the GPU's speed during a run (a few
+The ring and the fused call it is compared with are timed in turn, --rounds times each (fused, ring, grids,
+fused, ring, grids, ...), and each side's median is kept, so drift in the GPU's speed during a run (a few
 percent between minutes) falls on both: a ring record holds its paired fused_ms, and its overhead is
 ms / fused_ms - 1 (block_step: / block_public ms - 1, timed once each). The fused records hold the
 fused call's first timing. TFLOP/s: forward 4 B H S^2 D (x 0.5 causal), fwd+bwd 3.5x, bwd 2.5x.
@@ -68,7 +83,9 @@ from ringattn.benchmark import (
 from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, capped_ops
 from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, last_computing_step, shard_indices
 from ringattn.parallel.ring import add_share_, backward_step, forward_step
+from ringattn.parallel.ulysses import rank_heads
 from ringattn.testing import simulate_ring_backward, simulate_ring_forward
+from ringattn.ulysses import check_ulysses_heads
 
 MAX_RELATIVE_ERROR = 1e-2
 NAMES = ("out", "dq", "dk", "dv")  # checked against the fused call
@@ -76,6 +93,9 @@ TINY = dict(world_sizes=[2, 3], seqlens_local=[32], heads=2, kv_heads=1, head_di
             out=None)  # fmt: skip
 # the block of the block entry point: (layout, rank, kv_rank, world_size, causal) of a full off-diagonal step
 BLOCK_STEP = ("contiguous", 1, 0, 2, True)
+GRID = "simulated_ulysses_ring"  # the provider of the U x R grid's records
+UNTIMED = ("communication: the Ulysses all-to-alls (q, k, v, out forward; dout, dq, dk, dv backward) and the ring's "
+           "K/V transfers")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--full-cells", nargs="*", default=["8x8192"], metavar="WxS_LOCAL",
         help="cells that also run non-causal (first layout only): WxS_LOCAL items, 'all', or none",
     )  # fmt: skip
+    parser.add_argument("--ulysses", type=int, nargs="+", default=[1], metavar="U",
+                        help="Ulysses degrees of U x R grids timed beside the pure ring (1: none)")  # fmt: skip
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     parser.add_argument("--head-dim", type=int, default=128)
@@ -103,6 +125,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--append", action="store_true", help="keep --out's records of cells not measured again")
     args = parse_with_tiny(parser, TINY, argv)
     args.kv_heads = args.kv_heads or args.heads
+    if min(args.ulysses) < 1:
+        parser.error(f"--ulysses takes degrees >= 1, got {args.ulysses}")
+    args.ulysses = sorted({u for u in args.ulysses if u > 1})
+    for ulysses in args.ulysses:
+        try:
+            check_ulysses_heads(args.heads, args.kv_heads, ulysses)
+        except ValueError as e:
+            parser.error(f"--ulysses {ulysses} with --heads {args.heads} --kv-heads {args.kv_heads}: {e}")
     args.band = (args.window, None) if args.window >= 0 else (None, None)  # the window in ringattn.ops' form
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = DTYPES[args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")]
@@ -134,6 +164,20 @@ def make_inputs(seqlen: int, args, seed: int) -> tuple[torch.Tensor, ...]:
 def relative_error(parts: list[torch.Tensor], full: torch.Tensor, idx: list[torch.Tensor]) -> float:
     """Relative L2 error of shards `parts` (rank r's along dim 1 at positions idx[r]) against `full`."""
     num = sum((p.float() - full.index_select(1, i).float()).square().sum() for p, i in zip(parts, idx, strict=True))
+    return (num / full.float().square().sum()).sqrt().item()
+
+
+def grid_error(
+    parts: list[list[torch.Tensor]], full: torch.Tensor, idx: list[torch.Tensor], heads: list[range]
+) -> float:
+    """Relative L2 error against `full` (B, S, H, D) of a U x R grid's shards: parts[u][r] holds the tokens of ring
+    shard r (positions idx[r]) of heads heads[u]. Shards of the same heads (a K/V head copied to several Ulysses
+    ranks) are summed first, as the inverse exchange sums the copies' gradients. U = 1 is relative_error."""
+    num = 0.0
+    for group in dict.fromkeys(heads):  # each head range once, in order
+        for r, i in enumerate(idx):
+            part = sum(p[r].float() for p, h in zip(parts, heads, strict=True) if h == group)
+            num += (part - full.index_select(1, i)[:, :, group.start : group.stop].float()).square().sum()
     return (num / full.float().square().sum()).sqrt().item()
 
 
@@ -169,6 +213,38 @@ def ring_calls(shards, scale: float, causal: bool, layout: str, window, softcap:
         return (outs, *([g[i] for g in grads] for i in range(3)))
 
     return fwd, fwd_bwd
+
+
+def grid_calls(
+    q, k, v, dout, ulysses: int, ring_size: int, scale: float, causal: bool, layout: str, window, softcap: float, device
+) -> tuple:
+    """(fwd, fwd+bwd, idx, q_heads, kv_heads) of a U x R grid after the Ulysses exchange, simulated: rank (u, r) holds
+    ring shard r of `layout` over R (positions idx[r], S / R tokens, in global order) of query heads q_heads[u]
+    (Hq / U) and K/V heads kv_heads[u] (Hkv / U, or the one its queries share when U % Hkv == 0), as
+    ulysses_ring_attn_func's exchange leaves them (rank_heads); each Ulysses rank's ring of R runs ring_calls on
+    its shards, split (and made contiguous, as the exchange's output is) outside the timed calls. fwd returns
+    [(outs, lses)] and fwd+bwd [(outs, dqs, dks, dvs)], one per Ulysses rank. U = 1 is the pure ring of R ranks on
+    all the heads, the very ring_calls.
+
+    Every Ulysses rank runs the same ring (the schedule depends on the layout, R, the mask, S / R and the window, not
+    on the heads) on tensors of the same shapes: the grid's compute is U copies of one ring's, and all U are
+    timed."""
+    idx = [shard_indices(q.shape[1], r, ring_size, layout, device=device) for r in range(ring_size)]
+    q_heads = [rank_heads(q.shape[2], u, ulysses) for u in range(ulysses)]
+    kv_heads = [rank_heads(k.shape[2], u, ulysses) for u in range(ulysses)]
+    rings = []
+    for qh, kvh in zip(q_heads, kv_heads, strict=True):
+        shards = [[t.index_select(1, i)[:, :, h.start : h.stop].contiguous() for i in idx]
+                  for t, h in zip((q, k, v, dout), (qh, kvh, kvh, qh), strict=True)]  # fmt: skip
+        rings.append(ring_calls(shards, scale, causal, layout, window, softcap))
+
+    def fwd():
+        return [ring_fwd() for ring_fwd, _ in rings]
+
+    def fwd_bwd():
+        return [ring_fwd_bwd() for _, ring_fwd_bwd in rings]
+
+    return fwd, fwd_bwd, idx, q_heads, kv_heads
 
 
 def ring_steps(shape: dict, layout: str, causal: bool, window) -> dict:
@@ -221,36 +297,69 @@ def bench_cell(world_size: int, seqlen_local: int, args, fused_cache: dict) -> l
     return records
 
 
-def paired_ms(fused_fn, ring_fn, args) -> tuple[float, float]:
-    """(fused ms, ring ms): medians of args.rounds timings of each, taken in turn."""
-    fused, ring = [], []
+def paired_ms(fns: list, args) -> list[float]:
+    """The median ms of each of fns over args.rounds rounds, each round timing them all in turn (fns[0], fns[1], ...,
+    fns[0], ...)."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(args.rounds):
-        fused.append(time_ms(fused_fn, args.warmup, args.rep))
-        ring.append(time_ms(ring_fn, args.warmup, args.rep))
-    return statistics.median(fused), statistics.median(ring)
+        for fn, fn_times in zip(fns, times, strict=True):
+            fn_times.append(time_ms(fn, args.warmup, args.rep))
+    return [statistics.median(t) for t in times]
+
+
+def grids_of(world_size: int, args) -> list[tuple[int, int]]:
+    """(U, R) of the grids timed in a cell of W ranks: the pure ring (1, W), then (U, W / U) for every --ulysses U
+    that divides W and leaves a ring of two ranks or more (a ring of one is pure Ulysses, which runs the fused call:
+    not a ring's decomposition). Prints the degrees left out."""
+    grids = [(1, world_size)]
+    for ulysses in args.ulysses:
+        if world_size % ulysses or world_size // ulysses < 2:
+            print(f"W={world_size}: no {ulysses} x R grid with R >= 2, left out", flush=True)
+        else:
+            grids.append((ulysses, world_size // ulysses))
+    return grids
 
 
 def bench_ring(q, k, v, dout, shape: dict, layout: str, causal: bool, expected, fused: dict, args) -> list[dict]:
-    """Records of the simulated ring in one layout: checked against `expected` (the fused call's out, dq, dk, dv),
-    then timed in turn with the fused call (`fused`: {mode: closure}, paired_ms). One "error" record if the check
-    fails."""
+    """Records of the simulated ring in one layout, and of every U x R grid of the cell (grids_of, grid_calls): each
+    checked against `expected` (the fused call's out, dq, dk, dv), then all timed in turn with the fused call
+    (`fused`: {mode: closure}, paired_ms). If a check fails, its "error" record, and nothing timed in this layout."""
     seqlen, world_size = shape["S"], shape["W"]
-    idx = [shard_indices(seqlen, r, world_size, layout, device=args.device) for r in range(world_size)]
-    shards = [[t.index_select(1, i) for i in idx] for t in (q, k, v, dout)]
-    ring_fwd, ring_fwd_bwd = ring_calls(shards, shape["D"] ** -0.5, causal, layout, args.band, args.softcap)
-    got, fb_peak = run_measuring_peak(ring_fwd_bwd, args.device)
-    errors = {n: relative_error(g, e, idx) for n, g, e in zip(NAMES, got, expected, strict=True)}
-    del got
-    if not all(e < MAX_RELATIVE_ERROR for e in errors.values()):  # NaN fails too
-        error = f"relative L2 error against the fused call: {errors}"
-        print(f"W={world_size} S_local={shape['S_local']} {layout} causal={causal}: {error}", flush=True)
-        return [dict(provider="simulated_ring", **shape, layout=layout, causal=causal, error=error)]
+    scale = shape["D"] ** -0.5
+    runs, failed = [], []
+    for ulysses, ring_size in grids_of(world_size, args):
+        fwd, fwd_bwd, idx, q_heads, kv_heads = grid_calls(q, k, v, dout, ulysses, ring_size, scale, causal, layout,
+                                                          args.band, args.softcap, args.device)  # fmt: skip
+        got, fb_peak = run_measuring_peak(fwd_bwd, args.device)
+        errors = {
+            name: grid_error([g[i] for g in got], e, idx, kv_heads if name in ("dk", "dv") else q_heads)
+            for i, (name, e) in enumerate(zip(NAMES, expected, strict=True))
+        }
+        del got
+        grid = {} if ulysses == 1 else dict(U=ulysses, R=ring_size, ring_S_local=seqlen // ring_size)
+        provider = "simulated_ring" if ulysses == 1 else GRID
+        if not all(e < MAX_RELATIVE_ERROR for e in errors.values()):  # NaN fails too
+            error = f"relative L2 error against the fused call: {errors}"
+            where = f"W={world_size}" + (f" ({ulysses} x {ring_size})" if grid else "")
+            print(f"{where} S_local={shape['S_local']} {layout} causal={causal}: {error}", flush=True)
+            failed.append(dict(provider=provider, **shape, **grid, layout=layout, causal=causal, error=error))
+            continue
+        steps = ring_steps(dict(W=ring_size, S_local=seqlen // ring_size), layout, causal, args.band)
+        steps["steps_computed"] *= ulysses  # every Ulysses rank runs the same ring
+        if grid:
+            grid.update(untimed=UNTIMED)
+        runs.append((provider, grid, steps, {"fwd": (fwd, None), "fwd+bwd": (fwd_bwd, fb_peak)}))
+    if failed:
+        return failed
     records = []
-    steps = ring_steps(shape, layout, causal, args.band)
-    for mode, fn, peak in (("fwd", ring_fwd, None), ("fwd+bwd", ring_fwd_bwd, fb_peak)):
-        fused_ms, ring_ms = paired_ms(fused[mode], fn, args)
-        result = dict(ms=ring_ms, peak_bytes=peak_of(fn, args, peak))
-        records.append(dict(_record("simulated_ring", shape, layout, causal, mode, result, fused_ms), **steps))
+    for mode in ("fwd", "fwd+bwd"):
+        fused_ms, ring_ms, *grid_ms = paired_ms([fused[mode], *(calls[mode][0] for *_, calls in runs)], args)
+        for (provider, grid, steps, calls), ms in zip(runs, [ring_ms, *grid_ms], strict=True):
+            result = dict(ms=ms, peak_bytes=peak_of(calls[mode][0], args, calls[mode][1]))
+            rec = _record(provider, dict(shape, **grid), layout, causal, mode, result, fused_ms)
+            if grid:
+                rec.update(ring_ms=ring_ms, ratio_to_ring=ms / ring_ms)
+            records.append(dict(rec, **steps))
     return records
 
 
@@ -260,9 +369,10 @@ def _record(provider: str, shape: dict, layout, causal: bool, mode: str, result:
     rec = dict(provider=provider, **shape, layout=layout, causal=causal, mode=mode, ms=result["ms"], tflops=tflops,
                peak_bytes=result["peak_bytes"])  # fmt: skip
     if baseline_ms is not None:
-        rec["fused_ms" if provider == "simulated_ring" else "public_ms"] = baseline_ms
+        rec["public_ms" if provider == "block_step" else "fused_ms"] = baseline_ms
         rec["overhead"] = result["ms"] / baseline_ms - 1
-    line = f"{provider:15} W={shape['W']} S_local={shape['S_local']:>6} {layout or '-':10} causal={causal!s:5} "
+    grid = f" {shape['U']} x {shape['R']}" if "U" in shape else ""
+    line = f"{provider:15} W={shape['W']}{grid} S_local={shape['S_local']:>6} {layout or '-':10} causal={causal!s:5} "
     line += f"{mode:8} {rec['ms']:9.3f} ms {tflops:6.1f} TFLOP/s"
     print(line + (f" overhead {100 * rec['overhead']:+.1f}%" if "overhead" in rec else ""), flush=True)
     return rec
@@ -311,32 +421,37 @@ def bench_block(seqlen_local: int, args) -> list[dict]:
 
 
 def ring_table(records: list[dict]) -> str:
-    """One row per ring configuration: paired fused and ring ms per mode, overheads, ring TFLOP/s, peak memory, the
-    steps that computed (of W^2, over the ranks) and the forward's steps (of W)."""
+    """One row per ring configuration: the pure ring (U x R = 1 x W) and each U x R grid, with the paired fused and
+    ring ms per mode, overheads, ring TFLOP/s, peak memory, the steps that computed (of U R^2, over the ranks) and the
+    forward's steps (of R); a grid's row also gives its time over the pure ring's (2-D / pure ring, timed in turn)."""
     by_key: dict = {}
     for r in records:
-        if "ms" in r and r["provider"] in ("fused", "simulated_ring"):
+        if "ms" in r and r["provider"] in ("fused", "simulated_ring", GRID):
             key = (r["S_local"], r["W"], r["causal"], tuple(r.get("window", (-1, -1))), r.get("softcap", 0.0))
-            by_key.setdefault(key, {})[(r["provider"], r["layout"], r["mode"])] = r
+            by_key.setdefault(key, {})[(r["provider"], r["layout"], r.get("U", 1), r["mode"])] = r
     rows = []
     order = sorted(by_key, key=lambda k: (k[3:], k[0], k[1], -k[2]))  # plain cells first, then by size
     for (s_local, world_size, causal, window, softcap), cell in ((k, by_key[k]) for k in order):
-        for layout in sorted({layout for _, layout, _ in cell if layout}):
-            fused = [cell.get(("fused", None, m)) for m in ("fwd", "fwd+bwd")]
-            ring = [cell.get(("simulated_ring", layout, m)) for m in ("fwd", "fwd+bwd")]
+        fused = [cell.get(("fused", None, 1, m)) for m in ("fwd", "fwd+bwd")]
+        for layout, ulysses in sorted({(layout, u) for _, layout, u, _ in cell if layout}):
+            provider = "simulated_ring" if ulysses == 1 else GRID
+            ring = [cell.get((provider, layout, ulysses, m)) for m in ("fwd", "fwd+bwd")]
             if None in fused or None in ring:
                 continue
+            ring_size = world_size // ulysses
             band = "-" if window == (-1, -1) else f"({window[0]}, {window[1]})"
-            rows.append([s_local, world_size, s_local * world_size, layout, "yes" if causal else "no", band,
-                         f"{softcap:g}",
+            ratios = [f"{r['ratio_to_ring']:.3f}" if ulysses > 1 else "-" for r in ring]
+            rows.append([s_local, world_size, s_local * world_size, layout, "yes" if causal else "no",
+                         f"{ulysses} x {ring_size}", band, f"{softcap:g}",
                          f"{ring[0]['fused_ms']:.2f}", f"{ring[0]['ms']:.2f}", f"{100 * ring[0]['overhead']:+.1f}%",
                          f"{ring[1]['fused_ms']:.2f}", f"{ring[1]['ms']:.2f}", f"{100 * ring[1]['overhead']:+.1f}%",
-                         f"{ring[1]['tflops']:.0f}", _gib(fused[1]), _gib(ring[1]),
-                         f"{ring[1]['steps_computed']} / {world_size**2}",
-                         f"{ring[1]['forward_steps']} / {world_size}"])  # fmt: skip
-    head = ["S_local", "W", "S", "layout", "causal", "window", "softcap", "fused fwd ms", "ring fwd ms", "fwd overhead",
-            "fused f+b ms", "ring f+b ms", "f+b overhead", "ring f+b TFLOP/s", "fused f+b peak GiB",
-            "ring f+b peak GiB", "steps computed", "forward steps"]  # fmt: skip
+                         *ratios, f"{ring[1]['tflops']:.0f}", _gib(fused[1]), _gib(ring[1]),
+                         f"{ring[1]['steps_computed']} / {ulysses * ring_size**2}",
+                         f"{ring[1]['forward_steps']} / {ring_size}"])  # fmt: skip
+    head = ["S_local", "W", "S", "layout", "causal", "U x R", "window", "softcap", "fused fwd ms", "ring fwd ms",
+            "fwd overhead", "fused f+b ms", "ring f+b ms", "f+b overhead", "2-D / pure ring fwd",
+            "2-D / pure ring f+b", "ring f+b TFLOP/s", "fused f+b peak GiB", "ring f+b peak GiB", "steps computed",
+            "forward steps"]  # fmt: skip
     return markdown_table(head, rows)
 
 
@@ -358,9 +473,10 @@ def block_table(records: list[dict]) -> str:
 
 
 def _key(rec: dict) -> tuple:
-    """What one record measured: provider, cell, layout, mask, window, softcap, mode."""
-    return (rec["provider"], rec["W"], rec["S_local"], rec.get("layout"), rec["causal"],
-            tuple(rec.get("window", (-1, -1))), rec.get("softcap", 0.0), rec.get("mode"))  # fmt: skip
+    """What one record measured: provider, cell (with its heads and head dim), Ulysses degree, layout, mask, window,
+    softcap, mode."""
+    return (rec["provider"], rec["W"], rec["S_local"], rec["H"], rec["Hkv"], rec["D"], rec.get("U"), rec.get("layout"),
+            rec["causal"], tuple(rec.get("window", (-1, -1))), rec.get("softcap", 0.0), rec.get("mode"))  # fmt: skip
 
 
 def kept_records(path: str, env: dict) -> list[dict]:

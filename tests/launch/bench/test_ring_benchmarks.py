@@ -1,5 +1,6 @@
-"""launch/bench/bench_simulated_ring.py and launch/bench/ring_error_growth.py end to end on the CPU (Triton interpreter,
---tiny sizes): exit status, the env record and every expected record with its keys in the JSON they write."""
+"""launch/bench/bench_simulated_ring.py (the pure ring, and Ulysses x ring grids with --ulysses) and
+launch/bench/ring_error_growth.py end to end on the CPU (Triton interpreter, --tiny sizes): exit status, the env record
+and every expected record with its keys in the JSON they write."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "launch" / "bench"))
@@ -68,6 +70,57 @@ def test_bench_simulated_ring_never_times_a_wrong_result(tmp_path, monkeypatch, 
     assert "failed the check" in capsys.readouterr().out
 
 
+def test_bench_simulated_ring_ulysses_grids_tiny(tmp_path):
+    """--ulysses: the 2x2, 2x4 and 4x2 grids (K/V heads split, and one K/V head copied to two Ulysses ranks) pass the
+    check against the fused call and are timed in the same rounds as the pure ring, whose ms they carry; U = 4 at
+    W = 4 (a ring of one) is left out."""
+    argv = ["--world-sizes", "4", "8", "--seqlens-local", "8", "--heads", "4", "--kv-heads", "2", "--ulysses", "2", "4",
+            "--layouts", "zigzag", "--full-cells", "--no-block"]  # fmt: skip
+    proc, records = _run(tmp_path, "bench_simulated_ring.py", *argv)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not [r for r in records if "error" in r]
+    grids = [r for r in records if r["provider"] == "simulated_ulysses_ring"]
+    got = sorted((r["W"], r["U"], r["R"], r["mode"]) for r in grids)
+    assert got == sorted((w, u, w // u, m) for w, u in ((4, 2), (8, 2), (8, 4)) for m in ("fwd", "fwd+bwd"))
+    rings = {(r["W"], r["mode"]): r for r in records if r["provider"] == "simulated_ring"}
+    assert sorted(rings) == sorted((w, m) for w in (4, 8) for m in ("fwd", "fwd+bwd"))
+    for r in grids:
+        assert r["S"] == r["W"] * r["S_local"] == r["R"] * r["ring_S_local"] and r["layout"] == "zigzag", r
+        assert r["ring_ms"] == rings[r["W"], r["mode"]]["ms"] and r["ratio_to_ring"] == r["ms"] / r["ring_ms"], r
+        assert r["overhead"] == r["ms"] / r["fused_ms"] - 1 and r["fused_ms"] == rings[r["W"], r["mode"]]["fused_ms"]
+        assert r["steps_computed"] == r["U"] * r["R"] ** 2 and r["forward_steps"] == r["R"], r  # zigzag: every step
+        assert "all-to-alls" in r["untimed"] and r["tflops"] > 0 and r["peak_bytes"] is None
+    assert "W=4: no 4 x R grid with R >= 2, left out" in proc.stdout
+    assert "| U x R |" in proc.stdout and "| 2-D / pure ring fwd | 2-D / pure ring f+b |" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 8 | 8 | 64 | zigzag | yes |")]
+    assert [row.split(" | ")[5] for row in rows] == ["1 x 8", "2 x 4", "4 x 2"]
+
+
+def test_grid_error_sums_the_copies_of_a_kv_head():
+    """One K/V head copied to U = 2 Ulysses ranks: their gradients are shares of the head's, and only their sum is
+    compared with the fused call's (as the inverse exchange sums them); distinct heads are compared as they are."""
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(1, 8, 2, 4, generator=gen, dtype=torch.float64)  # (B, S, H, D)
+    idx = [torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5])]  # zigzag over R = 2
+    split = [range(0, 1), range(1, 2)]  # H = 2 over U = 2: one head each
+    parts = [[full.index_select(1, i)[:, :, h.start : h.stop] for i in idx] for h in split]
+    assert bench_simulated_ring.grid_error(parts, full, idx, split) == 0
+    assert bench_simulated_ring.grid_error(parts[::-1], full, idx, split) > 0.5  # heads swapped
+    kv = full[:, :, :1]  # Hkv = 1, copied to both ranks
+    shares = [[w * kv.index_select(1, i) for i in idx] for w in (0.25, 0.75)]
+    assert bench_simulated_ring.grid_error(shares, kv, idx, [range(0, 1)] * 2) < 1e-6  # compared in fp32
+    assert bench_simulated_ring.grid_error(shares[:1], kv, idx, [range(0, 1)]) > 0.5  # one share is not the head's
+
+
+@pytest.mark.parametrize("ulysses", ["3", "0"])
+def test_bench_simulated_ring_refuses_a_ulysses_degree_the_heads_do_not_allow(ulysses, capsys):
+    """--ulysses 3 with 2 query heads and 1 K/V head (3 does not divide 2), and a degree below 1, are usage errors
+    before anything runs."""
+    with pytest.raises(SystemExit):
+        bench_simulated_ring.parse_args(["--tiny", "--ulysses", ulysses])
+    assert "--ulysses" in capsys.readouterr().err
+
+
 def test_ring_error_growth_tiny(tmp_path):
     proc, records = _run(tmp_path, "ring_error_growth.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -98,16 +151,19 @@ def test_error_growth_gate_looks_at_the_backward_of_the_largest_ring(ratio, ok):
 
 
 def test_bench_simulated_ring_append_replaces_only_the_cells_measured_again(tmp_path):
-    """--append keeps the record's other cells (a windowed run beside the plain grid) and refuses a record of
-    another environment."""
+    """--append keeps the record's other cells (a windowed run beside the plain grid, a GQA run beside an MHA one:
+    the heads are part of a cell) and refuses a record of another environment."""
     env = {"kind": "env", "gpu": "H200"}
-    cell = dict(provider="simulated_ring", W=8, S_local=8192, layout="zigzag", causal=True, mode="fwd")
+    cell = dict(provider="simulated_ring", W=8, S_local=8192, H=32, Hkv=32, D=128, layout="zigzag", causal=True,
+                mode="fwd")  # fmt: skip
     plain, windowed = dict(cell, ms=1.0), dict(cell, window=[4096, 0], ms=2.0)
     path = tmp_path / "ring.json"
     path.write_text(json.dumps([env, plain, windowed]))
     kept = bench_simulated_ring.kept_records(str(path), env)
     again = dict(windowed, ms=3.0)
     assert bench_simulated_ring.merged(kept, [again]) == [plain, again]
+    gqa = dict(plain, Hkv=8, ms=4.0)
+    assert bench_simulated_ring.merged(kept, [gqa]) == [plain, windowed, gqa]
     assert bench_simulated_ring.kept_records(str(tmp_path / "none.json"), env) == []
     with pytest.raises(ValueError, match="another environment"):
         bench_simulated_ring.kept_records(str(path), dict(env, gpu="H100"))
