@@ -48,14 +48,14 @@ def test_two_streams_give_the_bits_of_one(form, causal):
     runs several times as long as dQ on the current one, so a missing join would be read before it is done."""
     q, k, v, dout = make_qkv(1, 8000, 100, 8, 1, 64, DTYPES[0], seed=5)
     out, lse = attn_fwd(q, k, v, 0.125, causal)
-    delta = attn_bwd_preprocess(out, dout)
+    stats = attn_bwd_preprocess(out, dout, lse)
     results = {}
     for two_streams in (False, True):
         if form == "public":
             grads = [torch.empty_like(t) for t in (q, k, v)]
         else:
             grads = [torch.ones(t.shape, dtype=torch.float32, device=DEVICE) for t in (q, k, v)]
-        call = BwdCall(dout, q, k, v, lse, delta, *grads, 0.125, causal, add_dq=form == "ring-step")
+        call = BwdCall(dout, q, k, v, stats, *grads, 0.125, causal, add_dq=form == "ring-step")
         assert dispatch.bwd_on_two_streams(call)
         dkdv, dq = bwd_launches(call, "portable")  # a pair (on Hopper the Gluon backward is one kernel)
         if two_streams:
