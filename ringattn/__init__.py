@@ -2,13 +2,23 @@
 
 from .functional import flash_attn_func, flash_attn_varlen_func, ring_attn_func, ring_attn_varlen_func
 from .parallel.documents import cu_seqlens_from_position_ids, pad_cu_seqlens
-from .parallel.layout import LAYOUTS, pad_to_multiple, position_ids, shard, shard_indices, unshard
+from .parallel.layout import (
+    LAYOUTS,
+    grid_shard_indices,
+    pad_to_multiple,
+    position_ids,
+    shard,
+    shard_indices,
+    unshard,
+)
+from .ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
 
 __all__ = [
     "LAYOUTS",
     "cu_seqlens_from_position_ids",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "grid_shard_indices",
     "pad_cu_seqlens",
     "pad_to_multiple",
     "position_ids",
@@ -16,6 +26,8 @@ __all__ = [
     "ring_attn_varlen_func",
     "shard",
     "shard_indices",
+    "ulysses_ring_attn_func",
+    "ulysses_ring_attn_varlen_func",
     "unshard",
 ]
 __version__ = "0.1.0"

@@ -322,7 +322,7 @@ def _ring_documents(cu_seqlens: torch.Tensor | None, q: torch.Tensor, group: dis
     boundaries), or None."""
     if cu_seqlens is None:
         return None
-    return shard_documents(cu_seqlens, q.shape[1], dist.get_world_size(group), layout, q.device)
+    return shard_documents(cu_seqlens, q.shape[1], dist.get_world_size(group), layout, q.device, q.shape[0])
 
 
 @torch.library.custom_op("ringattn::ring_attn_fwd", mutates_args=())
@@ -352,9 +352,9 @@ def ring_attn_fwd_op(
     backward ring), then the ring, then the sinks merged once into the global result.
 
     Args: q (B, S_local, Hq, D), k, v (B, S_local, Hkv, D), checked by check_ring_inputs; cu_seqlens
-        (n_docs + 1,) global document boundaries (B = 1) or None; learnable_sink (Hq,) or None; softmax_scale,
-        causal, the window's sides (None: no limit), softcap as the kernels take them; deterministic: for the
-        backward (saved by the autograd registration).
+        (n_docs + 1,) global document boundaries of the flattened B rows (every row start one) or None;
+        learnable_sink (Hq,) or None; softmax_scale, causal, the window's sides (None: no limit), softcap as the
+        kernels take them; deterministic: for the backward (saved by the autograd registration).
     Returns:
         out (B, S_local, Hq, D) in q's dtype, contiguous; lse (B, Hq, S_local) float64 (with sinks, counting them);
         and the fp32 out with the sinks merged in, for their gradient, where it is not out itself (_keeps_state),
@@ -368,7 +368,8 @@ def ring_attn_fwd_op(
         check_ring_group(q, group)
         documents = 0
         if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, q.shape[1] * dist.get_world_size(group))
+            seqlen = q.shape[1] * dist.get_world_size(group)  # a row's global length
+            check_cu_seqlens(cu_seqlens, q.shape[0] * seqlen, row=seqlen)
             documents = fingerprint(cu_seqlens)
     signature = ring_signature(q, k, v, softmax_scale, causal, layout, requires_grad, documents, window, softcap,
                                learnable_sink is not None)  # fmt: skip
@@ -556,29 +557,39 @@ def ring_attn_varlen_func(
     return_lse: bool = False,
     learnable_sink: torch.Tensor | None = None,
 ):
-    """Exact attention over one packed sequence of documents split across the ranks of `group`.
+    """Exact attention over packed sequences of documents split across the ranks of `group`.
 
     Attention stays inside each document (and, causal, does not look ahead). Documents may have
     any length, cross rank and chunk boundaries, and be shorter than the world size. Sub-blocks
     whose documents never meet are skipped, not computed and masked. Every argument after
     cu_seqlens is keyword-only.
 
+    One packed sequence: q, k, v are 3-D, this rank's shard of its tokens. A batch of B packed rows, each
+    holding its own documents: q, k, v are 4-D (B, S_local, ...), this rank's shard of every row, and cu_seqlens
+    follows flash-attn's (and Hugging Face's) convention: the boundaries of the flattened B * S tokens (row b's
+    token t is token b * S + t, S = S_local * world_size), every row start b * S one of them. All rows travel the
+    ring together: one K/V transfer per step, as ring_attn_func's batches.
+
     Args:
-        q: (S_local, nheads, headdim), this rank's shard (in `layout`) of the packed queries.
-        k, v: (S_local, nheads_k, headdim); nheads % nheads_k == 0.
-        cu_seqlens: (n_docs + 1,) int32 or int64 global document boundaries: 0, ..., S_local * world_size,
-            strictly increasing; the same on every rank. ringattn.cu_seqlens_from_position_ids
-            builds it from packed position ids; ringattn.pad_cu_seqlens pads the total length.
+        q: (S_local, nheads, headdim), or (B, S_local, nheads, headdim): this rank's shard (in `layout`) of the
+            packed queries.
+        k, v: (S_local, nheads_k, headdim), or (B, S_local, nheads_k, headdim); nheads % nheads_k == 0.
+        cu_seqlens: (n_docs + 1,) int32 or int64 global document boundaries: 0, ..., B * S_local * world_size
+            (B = 1 for 3-D inputs), strictly increasing, every multiple of S_local * world_size among them; the
+            same on every rank. ringattn.cu_seqlens_from_position_ids builds it from packed position ids;
+            ringattn.pad_cu_seqlens pads the total length; SequenceParallel.shard_batch builds it for a batch
+            (ShardedBatch.cu_seqlens), padding masks included.
         causal: causal inside each document (default True).
         window_size: a sliding window inside each document, as ring_attn_func's (layout "contiguous").
         dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs, group, learnable_sink:
             as in ring_attn_func.
         layout: as in ring_attn_func (default "zigzag").
-        return_lse: also return lse (nheads, S_local) fp32.
+        return_lse: also return lse (nheads, S_local), or (B, nheads, S_local) for 4-D inputs, fp32.
     Returns:
-        out (S_local, nheads, headdim) in q's dtype, and lse with return_lse.
+        out shaped like q, in q's dtype, and lse with return_lse.
     Raises:
-        ValueError, TypeError: as ring_attn_func, and for q, k, v that are not 3-D or a bad cu_seqlens.
+        ValueError, TypeError: as ring_attn_func; q, k, v that are not all 3-D or all 4-D; a bad cu_seqlens (not
+            ending at B * S, a row start that is not a boundary).
         RuntimeError: as ring_attn_func.
     """
     group = ring_group(group)
@@ -587,13 +598,28 @@ def ring_attn_varlen_func(
         causal, window, softcap, deterministic = check_flash_attn_options(
             dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
         )
-        _check_3d(q, k, v, "total_local_tokens")
-        scale, group_name = check_ring_inputs(q[None], k[None], v[None], group, layout, softmax_scale, learnable_sink,
-                                              call)  # fmt: skip
+        rows = _check_varlen_ring_dims(q, k, v)
+        if rows:
+            q, k, v = q[None], k[None], v[None]
+        scale, group_name = check_ring_inputs(q, k, v, group, layout, softmax_scale, learnable_sink, call)
         check_cu_seqlens_tensor(cu_seqlens)  # its values: in the op, at every call
-    out, lse = _ring_attn(call, q[None], k[None], v[None], cu_seqlens, learnable_sink, scale, causal, window, softcap,
-                          deterministic, group_name, layout)  # fmt: skip
-    return (out[0], public_lse(lse[0])) if return_lse else out[0]
+    out, lse = _ring_attn(call, q, k, v, cu_seqlens, learnable_sink, scale, causal, window, softcap, deterministic,
+                          group_name, layout)  # fmt: skip
+    if rows:
+        out, lse = out[0], lse[0]
+    return (out, public_lse(lse)) if return_lse else out
+
+
+def _check_varlen_ring_dims(q, k, v) -> bool:
+    """Whether q, k, v are 3-D (one packed sequence) rather than 4-D (a batch of packed rows); raise ValueError
+    unless they are tensors, all 3-D or all 4-D."""
+    dims = [t.dim() if isinstance(t, torch.Tensor) else None for t in (q, k, v)]
+    if dims not in ([3] * 3, [4] * 3):
+        raise ValueError(
+            "q, k and v must all be 3-D (S_local, nheads, headdim), one packed sequence, or all 4-D (batch, S_local, "
+            f"nheads, headdim), a batch of packed rows; got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+        )
+    return dims[0] == 3
 
 
 def _shape(t) -> str:

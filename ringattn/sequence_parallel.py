@@ -11,11 +11,14 @@ which may live on another rank), so a shard's loss needs no neighbour. `cross_en
 the sum of this rank's per-token losses by the number of counted tokens in the whole group, so the
 ranks' gradients add up to the gradient of the unsharded mean loss.
 
-Packed documents (several documents in one row, batch 1): `shard_batch(..., position_ids=...)` (positions
-restarting at 0 at each document) or `shard_batch(..., cu_seqlens=...)` carries the global document
-boundaries in ShardedBatch.cu_seqlens (the padding a document of its own) and gives each token its
-position inside its document; `SequenceParallel.attention(q, k, v, batch.cu_seqlens, causal=True)` keeps
-attention inside each document (ring_attn_varlen_func). No token's target is the next document's first token.
+Packed documents (several documents in a row, each row of the batch its own): `shard_batch(...,
+position_ids=...)` (positions restarting at 0 at each document, per row) or `shard_batch(..., cu_seqlens=...)`
+carries the global document boundaries in ShardedBatch.cu_seqlens (those of the flattened batch * S tokens, the
+padding a document of its own) and gives each token its position inside its document;
+`SequenceParallel.attention(q, k, v, batch.cu_seqlens, causal=True)` keeps attention inside each document
+(ring_attn_varlen_func, all rows in one ring). No token's target is the next document's first token. A padding
+mask (`shard_batch(..., attention_mask=...)`, left or right padding per row) makes each row's padding a document
+of its own, out of the loss: the real tokens train as the unpadded rows would.
 """
 
 from dataclasses import dataclass
@@ -26,7 +29,13 @@ import torch.nn.functional as F
 
 from .functional import ring_attn_func, ring_attn_varlen_func
 from .parallel.agreement import check_agreement, shared_refusals
-from .parallel.documents import check_cu_seqlens, cu_seqlens_from_position_ids, document_ids, pad_cu_seqlens
+from .parallel.documents import (
+    check_cu_seqlens,
+    cu_seqlens_from_position_ids,
+    document_ids,
+    host_values,
+    pad_cu_seqlens,
+)
 from .parallel.groups import Group, ring_group
 from .parallel.layout import check_layout, chunks_per_rank, pad_to_multiple, shard, shard_indices, unshard
 
@@ -60,6 +69,54 @@ def document_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
     total = int(cu_seqlens[-1])
     starts = cu_seqlens.to(torch.int64)[document_ids(cu_seqlens, total).to(torch.int64)]  # (S,)
     return torch.arange(total, device=cu_seqlens.device) - starts
+
+
+def _padding(attention_mask: torch.Tensor | None, batch: int, seqlen: int) -> torch.Tensor | None:
+    """(batch, seqlen) bool on the host, True at padding, from Hugging Face's attention_mask (1 real, 0 padding);
+    None without a mask or without zeros.
+
+    Raises:
+        TypeError: not a tensor, or a floating or complex one.
+        ValueError: another shape than (batch, seqlen); values other than 0 and 1; on the meta device.
+    """
+    if attention_mask is None:
+        return None
+    if (
+        not isinstance(attention_mask, torch.Tensor)
+        or attention_mask.is_floating_point()
+        or attention_mask.is_complex()
+    ):
+        raise TypeError(
+            "attention_mask must be an integer or bool tensor of 1s (real tokens) and 0s (padding), got "
+            f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)}"
+        )
+    if tuple(attention_mask.shape) != (batch, seqlen):
+        raise ValueError(
+            f"attention_mask must have input_ids' (batch, seqlen) {(batch, seqlen)}, got {tuple(attention_mask.shape)}"
+        )
+    mask = host_values(attention_mask, "attention_mask").to(torch.int64)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold 1 (real token) and 0 (padding) only, got other values")
+    return None if bool(mask.all()) else mask == 0
+
+
+def _real_tokens(padding_row: torch.Tensor) -> range:
+    """The real tokens of a row, padding_row (S,) bool True at padding, as one range (empty for a row of padding).
+
+    Raises:
+        ValueError: padding between real tokens (only left and right padding are supported).
+    """
+    real = torch.nonzero(~padding_row).flatten()
+    if not real.numel():
+        return range(0, 0)
+    start, stop = int(real[0]), int(real[-1]) + 1
+    if stop - start != real.numel():
+        gap = start + int(torch.nonzero(padding_row[start:stop]).flatten()[0])
+        raise ValueError(
+            "attention_mask must pad each row on the left or the right (its real tokens contiguous): a row has "
+            f"padding at token {gap}, between real tokens {start} and {stop - 1}"
+        )
+    return range(start, stop)
 
 
 class _GlobalMean(torch.autograd.Function):
@@ -165,15 +222,19 @@ class ShardedBatch:
 
     input_ids: (batch, S_local) this rank's tokens.
     position_ids: (batch, S_local) int64, the positions of these tokens for RoPE and for Hugging Face
-        models' `position_ids` (an expanded view: one row repeated): their global positions, or, for
-        packed documents, their positions inside their documents.
+        models' `position_ids`: their global positions (an expanded view: one row repeated), or, for packed
+        documents and padding masks, their positions inside their documents (each row its own).
     labels: (batch, S_local) the shifted targets of these tokens, or None.
     seqlen: the global length S after padding (S_local = S / W).
     unpadded_seqlen: the length before padding; positions from it on are padding (label ignore_index).
-    cu_seqlens: packed documents only (else None): (n_docs + 1,) int32 global document boundaries, ending
-        at `seqlen`; padding forms one extra document. The same on every rank: pass it to
-        SequenceParallel.attention or ring_attn_varlen_func. On the CPU even for GPU batches: the ring
-        plans which blocks meet on the host, and a host tensor spares it a device sync per call.
+    cu_seqlens: packed documents or a padding mask only (else None): (n_docs + 1,) int32 global document
+        boundaries of the flattened batch * seqlen tokens (row b's token t is token b * seqlen + t, flash-attn's and
+        Hugging Face's convention for packed rows): 0, every row start b * seqlen, ..., batch * seqlen; the
+        padding to `seqlen` and each run of a padding mask's zeros form documents of their own. For batch 1 the
+        boundaries of the one row. The same on every rank: pass it to SequenceParallel.attention or
+        ring_attn_varlen_func, or to a Hugging Face model as cu_seq_lens_q and cu_seq_lens_k. On the CPU even
+        for GPU batches: the ring plans which blocks meet on the host, and a host tensor spares it a device sync
+        per call.
     """
 
     input_ids: torch.Tensor
@@ -244,6 +305,7 @@ class SequenceParallel:
         *,
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         shift: bool = True,
         ignore_index: int = IGNORE_INDEX,
         pad_id: int = 0,
@@ -254,30 +316,42 @@ class SequenceParallel:
         and labels with `ignore_index` at the end up to a multiple of `self.multiple`, and both are sharded.
         Under causal attention the padding comes last, so no real token attends to it.
 
-        Packed documents: pass their positions (`position_ids`, restarting at 0 at each document start,
-        as packed-sequence trainers make them) or their boundaries (`cu_seqlens`), with batch 1. The
-        result then carries the global boundaries in `cu_seqlens`, the padding forming a document of its
-        own, and `position_ids` are the tokens' positions inside their documents. With shift=True the
-        shifted label of each document's last token is set to `ignore_index`: no token is trained to
-        predict the next document's first token.
+        Packed documents: pass their positions (`position_ids`, restarting at 0 at each document start, in
+        each row, as packed-sequence trainers make them) or their boundaries (`cu_seqlens`: of the flattened
+        batch * S tokens, every row start among them, flash-attn's convention). Each row holds its own
+        documents. The result then carries the global boundaries in `cu_seqlens`, each row's padding forming a
+        document of its own, and `position_ids` are the tokens' positions inside their documents. With
+        shift=True the shifted label of each document's last token is set to `ignore_index`: no token is
+        trained to predict the next document's first token.
+
+        Padding: pass Hugging Face's `attention_mask` (batch, S), 1 for real tokens, 0 for padding, left or
+        right padding in each row (the real tokens of a row must be contiguous). The padding becomes documents
+        of its own and leaves the loss (its labels, and the targets that would predict it, set to
+        `ignore_index`); the real tokens of each row get the positions they have in the unpadded row (or, with
+        position_ids, inside their documents), so the batch trains as the unpadded rows would. Run the model
+        with the boundaries (`cu_seqlens`) and no mask. A mask without zeros changes nothing.
 
         Args:
             input_ids: (batch, S) tokens (or (batch, S, ...) inputs: only dim 1 is the sequence).
             labels: (batch, S), or None. With shift=True (Hugging Face's convention) the target of
                 position i is labels[:, i + 1]; with shift=False labels are already the targets.
-            position_ids: packed documents: (S,) or (1, S) positions inside the documents.
-            cu_seqlens: packed documents: (n_docs + 1,) int32 boundaries, 0 first, S last.
+            position_ids: packed documents: (batch, S) positions inside the documents ((S,) too for batch 1);
+                their values at padding tokens are not read.
+            cu_seqlens: packed documents: (n_docs + 1,) int32 or int64 boundaries of the flattened batch * S
+                tokens, 0 first, batch * S last, every multiple of S among them.
+            attention_mask: (batch, S) of 0s and 1s (any integer or bool dtype), or None.
             ignore_index: the label of tokens left out of the loss.
             pad_id: the token used for padding.
         Returns:
             ShardedBatch with input_ids, labels (batch, S_pad / W), position_ids (batch, S_pad / W) and,
-            for packed documents, cu_seqlens.
+            for packed documents or padding, cu_seqlens.
         Raises (on every rank alike when any rank raises them):
             ValueError: the ranks were not all given the same batch (a collective: one all_gather of a few int64
                 per rank, the shape and a digest of each argument); labels' (batch, S) differ from input_ids'; both
-                position_ids and cu_seqlens given; packed documents with batch != 1; position_ids or cu_seqlens that
-                do not describe documents of the S tokens (cu_seqlens_from_position_ids, check_cu_seqlens).
-            TypeError: position_ids or cu_seqlens of the wrong type (as above).
+                position_ids and cu_seqlens given; position_ids or cu_seqlens that do not describe documents of
+                the batch's rows (cu_seqlens_from_position_ids, check_cu_seqlens); an attention_mask of another
+                shape, with values other than 0 and 1, or with padding between a row's real tokens.
+            TypeError: position_ids, cu_seqlens or attention_mask of the wrong type (as above).
         """
         with shared_refusals("SequenceParallel.shard_batch", self.group):
             if labels is not None and labels.shape[:2] != input_ids.shape[:2]:
@@ -286,26 +360,36 @@ class SequenceParallel:
                     f"got {tuple(labels.shape)}"
                 )
             batch, unpadded = input_ids.shape[0], input_ids.shape[1]
-            docs = self._documents(batch, unpadded, position_ids, cu_seqlens)  # int32 (n_docs + 1,) or None
+            padding = _padding(attention_mask, batch, unpadded)  # (B, S) bool on the host, or None
+            rows = self._documents(batch, unpadded, position_ids, cu_seqlens, padding)  # per-row boundaries or None
         check_agreement("SequenceParallel.shard_batch", None, self.group)  # any rank's refusal, raised by all
-        self._check_same_batch(input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        self._check_same_batch(input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu_seqlens,
+                               attention_mask=attention_mask)  # fmt: skip
         input_ids, _ = pad_to_multiple(input_ids, dim=1, multiple=self.multiple, value=pad_id)
         seqlen = input_ids.shape[1]
         if labels is not None:
+            if padding is not None:  # no target is a padding token, and no padding token has a target
+                labels = labels.masked_fill(padding.to(labels.device), ignore_index)
             if shift:
                 labels = shift_labels(labels, ignore_index)
-                if docs is not None:  # a document's last token would be trained on the next document's first
-                    labels[:, docs[1:].to(device=labels.device, dtype=torch.int64) - 1] = ignore_index
+                if padding is not None:
+                    labels = labels.masked_fill(padding.to(labels.device), ignore_index)
+                for b, bounds in enumerate(rows or ()):  # a document's last token would learn the next's first
+                    labels[b, bounds[1:].to(labels.device) - 1] = ignore_index
             labels, _ = pad_to_multiple(labels, dim=1, multiple=self.multiple, value=ignore_index)
             labels = self.shard(labels)
-        if docs is None:
-            positions = self.position_ids(seqlen, device=input_ids.device)  # (S_local,)
+        if rows is None:
+            positions = self.position_ids(seqlen, device=input_ids.device).unsqueeze(0).expand(batch, -1)
+            docs = None
         else:
-            docs, _ = pad_cu_seqlens(docs.cpu(), self.multiple)
-            positions = self.shard(document_positions(docs), dim=0).to(input_ids.device)  # (S_local,) in-document
+            rows = [pad_cu_seqlens(bounds, self.multiple)[0] for bounds in rows]  # each ends at seqlen
+            docs = torch.cat([*(bounds[:-1] + b * seqlen for b, bounds in enumerate(rows)),
+                              torch.tensor([batch * seqlen])]).to(torch.int32)  # fmt: skip
+            in_documents = torch.stack([document_positions(bounds) for bounds in rows])  # (B, S_pad)
+            positions = self.shard(in_documents).to(input_ids.device)  # (B, S_local) in-document
         return ShardedBatch(
             input_ids=self.shard(input_ids),
-            position_ids=positions.unsqueeze(0).expand(batch, -1),
+            position_ids=positions,
             labels=labels,
             seqlen=seqlen,
             unpadded_seqlen=unpadded,
@@ -352,25 +436,47 @@ class SequenceParallel:
         return torch.cat([dims, digest.to(device)])
 
     @staticmethod
-    def _documents(batch: int, seqlen: int, position_ids, cu_seqlens) -> torch.Tensor | None:
-        """The checked int32 boundaries of packed documents given to shard_batch, or None for unpacked rows."""
-        if position_ids is None and cu_seqlens is None:
+    def _documents(
+        batch: int, seqlen: int, position_ids, cu_seqlens, padding: torch.Tensor | None
+    ) -> list[torch.Tensor] | None:
+        """The checked int64 boundaries (0, ..., seqlen) of each row's documents, the padding's runs documents of
+        their own, or None for rows of one sequence each without padding."""
+        if position_ids is None and cu_seqlens is None and padding is None:
             return None
         if position_ids is not None and cu_seqlens is not None:
             raise ValueError("pass the packed documents as position_ids or as cu_seqlens, not both")
-        if batch != 1:
-            raise ValueError(
-                f"packed documents need batch size 1 (pack the samples into one row), got input_ids of batch {batch}"
-            )
         if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, seqlen)
-            return cu_seqlens
-        if position_ids.shape[-1] != seqlen:
-            raise ValueError(
-                f"position_ids must hold one position per token, (S,) or (1, S) with S = {seqlen}, "
-                f"got shape {tuple(position_ids.shape)}"
-            )
-        return cu_seqlens_from_position_ids(position_ids)
+            check_cu_seqlens(cu_seqlens, batch * seqlen, row=seqlen)
+            flat = cu_seqlens.cpu().to(torch.int64)
+        if position_ids is not None:
+            if not isinstance(position_ids, torch.Tensor):
+                raise TypeError(f"position_ids must be an integer tensor, got {type(position_ids).__name__}")
+            if tuple(position_ids.shape) not in ((batch, seqlen), *([(seqlen,)] if batch == 1 else [])):
+                one_row = " (or (S,) for batch 1)" if batch == 1 else ""
+                raise ValueError(
+                    f"position_ids must hold one position per token, (batch, S) = ({batch}, {seqlen}){one_row}, "
+                    f"got shape {tuple(position_ids.shape)}"
+                )
+            pos = position_ids.reshape(batch, seqlen)
+        rows = []
+        for b in range(batch):
+            real = range(0, seqlen) if padding is None else _real_tokens(padding[b])
+            bounds = {0, seqlen, real.start, real.stop}
+            if cu_seqlens is not None:
+                in_row = flat[(flat >= b * seqlen) & (flat <= (b + 1) * seqlen)] - b * seqlen
+                bounds.update(in_row.tolist())
+            if position_ids is not None and len(real):
+                try:
+                    docs = cu_seqlens_from_position_ids(pos[b, real.start : real.stop])
+                except ValueError as e:
+                    if batch == 1 and real.start == 0:
+                        raise
+                    raise ValueError(
+                        f"position_ids row {b}, counted from its first real token ({real.start}): {e}"
+                    ) from None
+                bounds.update((docs.cpu().to(torch.int64) + real.start).tolist())
+            rows.append(torch.tensor(sorted(bounds), dtype=torch.int64))
+        return rows
 
     def attention(
         self,
@@ -390,30 +496,30 @@ class SequenceParallel:
         `sp.attention(q, k, v, batch.cu_seqlens, causal=True)` for packed and unpacked batches alike.
 
         Args:
-            q: (batch, S_local, nheads, headdim); batch 1 with cu_seqlens.
+            q: (batch, S_local, nheads, headdim).
             k, v: (batch, S_local, nheads_k, headdim); nheads % nheads_k == 0.
-            cu_seqlens: (n_docs + 1,) int32 global document boundaries (ShardedBatch.cu_seqlens), or None.
+            cu_seqlens: (n_docs + 1,) int32 global document boundaries of the flattened batch * S tokens
+                (ShardedBatch.cu_seqlens), or None.
             causal: causal over global positions (inside each document with cu_seqlens).
             softmax_scale: defaults to 1 / sqrt(headdim).
             return_lse: also return lse (batch, nheads, S_local) fp32.
         Returns:
             out (batch, S_local, nheads, headdim) in q's dtype, and lse with return_lse.
         Raises:
-            ValueError: q, k or v not of batch 1 with cu_seqlens (on every rank alike); otherwise as ring_attn_func
-                and ring_attn_varlen_func.
+            ValueError, TypeError, RuntimeError: as ring_attn_func and ring_attn_varlen_func (4-D q, k, v with
+                cu_seqlens).
         """
         kwargs = dict(softmax_scale=softmax_scale, causal=causal, group=self.group, layout=self.layout)
         if cu_seqlens is None:
             return ring_attn_func(q, k, v, return_lse=return_lse, **kwargs)
         with shared_refusals("SequenceParallel.attention", self.group):
             for name, t in (("q", q), ("k", k), ("v", v)):
-                if t.dim() != 4 or t.shape[0] != 1:
+                if not isinstance(t, torch.Tensor) or t.dim() != 4:
                     raise ValueError(
-                        f"attention over packed documents needs {name} of shape (1, S_local, heads, headdim) "
-                        f"(batch 1), got {tuple(t.shape)}"
+                        f"attention needs {name} of shape (batch, S_local, heads, headdim), got "
+                        f"{tuple(getattr(t, 'shape', ()))}"
                     )
-        out, lse = ring_attn_varlen_func(q[0], k[0], v[0], cu_seqlens, return_lse=True, **kwargs)
-        return (out[None], lse[None]) if return_lse else out[None]
+        return ring_attn_varlen_func(q, k, v, cu_seqlens, return_lse=return_lse, **kwargs)
 
     def cross_entropy(
         self,

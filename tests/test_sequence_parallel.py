@@ -221,7 +221,7 @@ def _packed_toolkit_matches_per_document(rank, world_size, backend, lengths):
         for i, p in enumerate(model.parameters()):
             check_close(f"{layout} rank {rank} grad {i}", p.grad, plain[2][i], ref[2][i])
 
-    with pytest.raises(ValueError, match="batch size 1"):
+    with pytest.raises(ValueError, match=r"position_ids must hold one position per token, \(batch, S\) = \(2, 29\)"):
         sp.shard_batch(input_ids.expand(2, -1), position_ids=position_ids)
     with pytest.raises(ValueError, match="not both"):
         sp.shard_batch(input_ids, position_ids=position_ids, cu_seqlens=cu)
@@ -230,8 +230,8 @@ def _packed_toolkit_matches_per_document(rank, world_size, backend, lengths):
     with pytest.raises(ValueError, match="restart at 0"):
         sp.shard_batch(input_ids, position_ids=position_ids + 1 - (position_ids == 0).long())
     q = torch.zeros(2, batch.input_ids.shape[1], 2, 8, device=device)
-    with pytest.raises(ValueError, match="batch 1"):
-        sp.attention(q, q, q, batch.cu_seqlens, causal=True)
+    with pytest.raises(ValueError, match=r"cu_seqlens must end at the global length 60 \(2 rows of 30 tokens\)"):
+        sp.attention(q, q, q, batch.cu_seqlens, causal=True)  # one row's boundaries for two rows
     return True
 
 
@@ -243,29 +243,165 @@ def test_packed_documents_loss_and_gradients_equal_per_document(backend, world_s
     assert ranks == [True] * world_size
 
 
+def _rows_per_document(input_ids, labels, segments, vocab, max_len, dtype):
+    """The model run on each document of each row alone (segments[b]: row b's documents as (start, end), its
+    padding in none) with plain attention in `dtype`: logits (B, T, V) (zeros at padding), the mean loss over
+    every row's targets shifted inside their documents, gradients."""
+    model = _AttentionModel(vocab, max_len).to(input_ids.device, dtype)
+
+    def attend(q, k, v):
+        return attn_fwd_ref(q, k, v, q.shape[-1] ** -0.5, True)[0]
+
+    logits = torch.zeros(*input_ids.shape, vocab, dtype=dtype, device=input_ids.device)
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    for b, docs in enumerate(segments):
+        for start, end in docs:
+            positions = torch.arange(end - start, device=input_ids.device)[None]
+            logits[b, start:end] = model(input_ids[b : b + 1, start:end], positions, attend)[0]
+            targets[b, start:end] = shift_labels(labels[b : b + 1, start:end])[0]
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    loss.backward()
+    return logits.detach(), loss.detach(), [p.grad for p in model.parameters()]
+
+
+def _segments(lengths, start=0):
+    """[(start, end)] of documents of `lengths` back to back from `start`."""
+    bounds = [start, *(start + torch.tensor(lengths).cumsum(0)).tolist()]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+# batches of T = 23 tokens a row: (segments of each row's real documents, whether position_ids describe them,
+# attention_mask); documents of length 1, shorter than W, crossing rank and chunk boundaries; padding on the left,
+# on the right, in rows of their own documents, or none
+T = 23
+BATCHES = {
+    "packed-B3": ([_segments([1, 9, 2, 1, 7, 3]), _segments([12, 11]), _segments([23])], True, None),
+    "padded-B3": ([[(0, 18)], [(4, 23)], [(0, 23)]], False, [[1] * 18 + [0] * 5, [0] * 4 + [1] * 19, [1] * 23]),
+    "packed-padded-B2": (
+        [_segments([5, 15], 3), _segments([10, 1, 9])],
+        True,
+        [[0] * 3 + [1] * 20, [1] * 20 + [0] * 3],
+    ),
+}
+
+
+def _batched_toolkit_matches_per_document(rank, world_size, backend, case):
+    segments, packed, mask = BATCHES[case]
+    vocab, batch_size = 13, len(segments)
+    device = rank_device(rank, backend)
+    gen = torch.Generator().manual_seed(batch_size)
+    input_ids = torch.randint(0, vocab, (batch_size, T), generator=gen).to(device)
+    labels = input_ids.clone()
+    labels[0, 3:6] = IGNORE_INDEX
+    positions = torch.full((batch_size, T), 7, dtype=torch.int64)  # at padding: any value, never read
+    for b, docs in enumerate(segments):
+        for start, end in docs:
+            positions[b, start:end] = torch.arange(end - start)
+    documents = dict(position_ids=positions.to(device)) if packed else {}
+    if mask is not None:
+        documents["attention_mask"] = torch.tensor(mask, device=device)
+    max_len = T + 2 * world_size  # position embeddings for padding documents too
+    plain = _rows_per_document(input_ids, labels, segments, vocab, max_len, torch.float32)
+    ref = _rows_per_document(input_ids, labels, segments, vocab, max_len, torch.float64)
+    real = torch.zeros(batch_size, T, dtype=torch.bool)
+    for b, docs in enumerate(segments):
+        for start, end in docs:
+            real[b, start:end] = True
+
+    for layout in LAYOUTS:
+        sp = ringattn.SequenceParallel(layout=layout)
+        batch = sp.shard_batch(input_ids, labels, **documents)
+        s_pad = batch.seqlen
+        assert batch.cu_seqlens.device.type == "cpu" and int(batch.cu_seqlens[-1]) == batch_size * s_pad
+        assert set(range(0, batch_size * s_pad, s_pad)) <= set(batch.cu_seqlens.tolist())  # every row start
+        if packed:  # the same boundaries given directly, flattened
+            flat = torch.tensor(sorted({b * T + t for b, docs in enumerate(segments) for d in docs for t in d} |
+                                       {b * T for b in range(batch_size + 1)}), dtype=torch.int32)  # fmt: skip
+            same = sp.shard_batch(input_ids, labels, cu_seqlens=flat, **{k: v for k, v in documents.items()
+                                                                        if k == "attention_mask"})  # fmt: skip
+            for field in ("input_ids", "position_ids", "labels", "cu_seqlens"):
+                assert torch.equal(getattr(batch, field), getattr(same, field)), field
+        idx = ringattn.shard_indices(s_pad, rank, world_size, layout, device=device)
+        local_real = F.pad(real, (0, s_pad - T))[:, idx.cpu()].to(device)  # (B, S_local)
+        assert torch.equal(batch.position_ids[local_real], positions.to(device)[:, idx.clamp(max=T - 1)][local_real])
+        assert (batch.labels[~local_real] == IGNORE_INDEX).all()  # padding leaves the loss
+
+        model = _AttentionModel(vocab, max_len).to(device)
+        attend = functools.partial(sp.attention, cu_seqlens=batch.cu_seqlens, causal=True)
+        logits = model(batch.input_ids, batch.position_ids, attend)  # (B, S_local, V)
+        loss = sp.cross_entropy(logits, batch.labels)
+        loss.backward()
+        sp.sync_gradients(model)
+        where = f"{case} {layout} rank {rank}"
+        cols = idx.clamp(max=T - 1)  # this shard's columns of the unpadded rows; the real tokens selected below
+        check_close(f"{where} logits", logits[local_real], plain[0][:, cols][local_real], ref[0][:, cols][local_real])
+        check_close(f"{where} loss", loss, plain[1], ref[1])
+        for i, p in enumerate(model.parameters()):
+            check_close(f"{where} grad {i}", p.grad, plain[2][i], ref[2][i])
+    return True
+
+
+@pytest.mark.parametrize("case", list(BATCHES))
+@pytest.mark.parametrize("world_size", [2, 4], ids=["W2", "W4"])
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_batch_of_packed_or_padded_rows_equals_each_document_alone(backend, world_size, case):
+    """Each row its own documents (position_ids (B, T), or cu_seqlens flattened) and padding masks (left, right,
+    none, with packed rows too) through one ring: logits of the real tokens, the loss and the gradients against the
+    model run on each document alone (fp32 against float64, tolerance rule), both layouts."""
+    skip_without_gpus(backend, world_size)
+    ranks = run_ranks(_batched_toolkit_matches_per_document, world_size, backend, case, backend=backend)
+    assert ranks == [True] * world_size
+
+
+def _padding_masks_refused(rank, world_size):
+    sp = ringattn.SequenceParallel()
+    ids = torch.zeros(2, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"left or the right .* padding at token 3, between real tokens 1 and 5"):
+        sp.shard_batch(ids, attention_mask=torch.tensor([[1] * 8, [0, 1, 1, 0, 1, 1, 0, 0]]))
+    with pytest.raises(ValueError, match=r"attention_mask must have input_ids' \(batch, seqlen\) \(2, 8\)"):
+        sp.shard_batch(ids, attention_mask=torch.ones(2, 7, dtype=torch.int64))
+    with pytest.raises(ValueError, match="1 \\(real token\\) and 0 \\(padding\\) only"):
+        sp.shard_batch(ids, attention_mask=torch.full((2, 8), 2))
+    with pytest.raises(TypeError, match="integer or bool tensor"):
+        sp.shard_batch(ids, attention_mask=torch.ones(2, 8))
+    with pytest.raises(
+        ValueError, match=r"position_ids row 1, counted from its first real token \(2\): position_ids must start at 0"
+    ):
+        mask = torch.tensor([[1] * 8, [0, 0] + [1] * 6])
+        sp.shard_batch(ids, position_ids=torch.arange(8).expand(2, 8), attention_mask=mask)
+    plain = sp.shard_batch(ids)
+    all_ones = sp.shard_batch(ids, attention_mask=torch.ones(2, 8, dtype=torch.bool))  # no padding: no documents
+    assert all_ones.cu_seqlens is None and torch.equal(all_ones.position_ids, plain.position_ids)
+    return True
+
+
+def test_bad_padding_masks_raise_and_a_mask_of_ones_changes_nothing():
+    assert run_ranks(_padding_masks_refused, 2) == [True, True]
+
+
 def _toolkit_refusals_on_one_rank(rank, world_size):
     """Each call is good on every rank but rank 1; returns {case: (message, seconds)}."""
     sp = ringattn.SequenceParallel()
     input_ids = torch.zeros(2, 12, dtype=torch.int64)
-    q = torch.zeros(1 if rank != 1 else 2, 4, 2, 8)
+    q = torch.zeros(1, 4, 2, 8) if rank != 1 else torch.zeros(4, 2, 8)
     cu_seqlens = torch.tensor([0, 3, 4 * world_size], dtype=torch.int32)
     cases = {
         "shard_batch-labels": lambda: sp.shard_batch(input_ids, input_ids[:, : 11 if rank == 1 else 12]),
-        "attention-batch": lambda: sp.attention(q, q[:, :, :1], q[:, :, :1], cu_seqlens, causal=True),
+        "attention-dims": lambda: sp.attention(q, q, q, cu_seqlens, causal=True),
     }
     return raised_errors(cases)
 
 
 def test_a_refusal_of_the_toolkit_on_one_rank_is_raised_by_every_rank():
     """Regression: SequenceParallel.shard_batch's and attention's input checks raised only on the rank whose input
-    was bad (labels of another length, a batch of 2 with documents), while its peers waited in the next collective
+    was bad (labels of another length, a q without its batch dim), while its peers waited in the next collective
     until the timeout. Now every rank raises the same ValueError, naming the refusing rank, within a second."""
     results = run_ranks(_toolkit_refusals_on_one_rank, 2)
     expected = {
         "shard_batch-labels": "SequenceParallel.shard_batch refused on group rank 1 of 2: labels must have "
         "input_ids' (batch, seqlen) (2, 12), got (2, 11)",
-        "attention-batch": "SequenceParallel.attention refused on group rank 1 of 2: attention over packed "
-        "documents needs q of shape (1, S_local, heads, headdim) (batch 1), got (2, 4, 2, 8)",
+        "attention-dims": "SequenceParallel.attention refused on group rank 1 of 2: attention needs q of shape "
+        "(batch, S_local, heads, headdim), got (4, 2, 8)",
     }
     for name, text in expected.items():
         assert results[0][name][0] == results[1][name][0] and text in results[0][name][0], results

@@ -7,8 +7,10 @@
     batch = sp.shard_batch(input_ids, labels)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     loss = sp.cross_entropy(logits, batch.labels)
-    # packed documents, batch 1: pos (1, S) restarting at 0 at each document; their boundaries go to the model
-    batch = sp.shard_batch(input_ids, labels, position_ids=pos)
+    # packed documents, each row its own: pos (B, S) restarting at 0 at each document of a row; and/or padding:
+    # Hugging Face's attention_mask (B, S), left or right padding, which becomes documents of its own. The
+    # boundaries go to the model, the mask does not
+    batch = sp.shard_batch(input_ids, labels, position_ids=pos, attention_mask=mask)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
                    cu_seq_lens_k=batch.cu_seqlens, use_cache=False).logits
 
@@ -29,19 +31,24 @@ the whole sequence is SequenceParallel.cross_entropy's. The hook of the base mod
 model) then checks the call's values in the custom op ringattn::hf_checked_position_ids, once per forward, and
 hands the model the checked position ids: every row must hold this rank's positions in the registered layout
 (its global positions, or for packed documents its positions inside the documents of cu_seq_lens_q), the two
-boundary tensors must be equal, and a 2-D attention mask must hold no zeros (no padding). A refusal there is
-raised by every rank (agreement.shared_refusals). The attention function refuses a model not prepared.
+boundary tensors must be equal, and a 2-D attention mask must hold no zeros (padding goes to shard_batch, below).
+A refusal there is raised by every rank (agreement.shared_refusals). The attention function refuses a model not
+prepared.
 
 Contract: every rank of the group calls the model on its shard of input_ids with the matching position_ids
 (ShardedBatch.position_ids) and gets the logits the unsharded model gives at those positions. The position
-ids are either the tokens' global positions (one sequence per row) or, for packed documents (batch 1), their
-positions inside their documents, restarting at 0 at each document start (RoPE uses them, as Hugging Face's
+ids are either the tokens' global positions (one sequence per row) or, for packed documents, their positions
+inside their documents, restarting at 0 at each document start of each row (RoPE uses them, as Hugging Face's
 packed training does), sharded in the registered layout, with the documents' global boundaries passed as
 transformers' cu_seq_lens_q and cu_seq_lens_k (ShardedBatch.cu_seqlens, from SequenceParallel.shard_batch(input_ids,
 labels, position_ids=...)): the attention function then runs ring_attn_varlen_func, so attention stays inside each
-document. The boundaries are computed once per batch, where the batch is sharded; the model's forward runs no
-collective of its own (the ring's custom ops hold every one), so torch.compile(model), with fullgraph=True or not,
-compiles it whole.
+document. With a batch of B rows the boundaries are those of the flattened B * S tokens, every row start b * S one
+of them (flash-attn's and transformers' convention for packed rows), and all rows go through one ring. Padding
+takes the same road: shard_batch(input_ids, labels, attention_mask=mask) makes each row's padding (left or right)
+documents of their own, with their labels ignored, and gives the real tokens the positions they have in the
+unpadded row, so the model, called with the boundaries and no mask, trains as on the unpadded rows. The boundaries
+are computed once per batch, where the batch is sharded; the model's forward runs no collective of its own (the
+ring's custom ops hold every one), so torch.compile(model), with fullgraph=True or not, compiles it whole.
 
 What the model's attention layers pass on is computed as its eager attention computes it: the layer's
 `scaling` (Gemma's query_pre_attn_scalar), causal or not (the module's is_causal: encoders such as ModernBERT
@@ -52,10 +59,11 @@ the attention sinks `s_aux` (gpt-oss: one learned logit per head, its gradient a
 other, summed over the ranks by SequenceParallel.sync_gradients).
 
 Refused with ValueError: dropout > 0, chunked attention, position biases, attention masks other than none/all-
-ones (padding, custom 4-D masks), a KV cache holding earlier tokens (generation), output_attentions,
-position_ids that are not this rank's positions in the registered layout (e.g. sharded in another layout, rows
-that differ, or packed documents without their boundaries), cu_seq_lens_q without cu_seq_lens_k or different from
-it, and packed documents in a batch of more than one row.
+ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks), a KV cache holding
+earlier tokens (generation), output_attentions, position_ids that are not this rank's positions in the registered
+layout (e.g. sharded in another layout, rows that differ, packed documents without their boundaries, or fewer rows
+than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different from it, and boundaries of a batch
+whose row starts are not among them.
 """
 
 import functools
@@ -67,7 +75,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..functional import ring_attn_func, ring_attn_varlen_func
 from ..parallel.agreement import shared_refusals
-from ..parallel.documents import check_cu_seqlens
+from ..parallel.documents import check_cu_seqlens, check_cu_seqlens_tensor
 from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout, check_local_seqlen, shard_indices
 from ..sequence_parallel import document_positions
@@ -82,6 +90,13 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 NAME = "ringattn"
 PREPARED = "_ringattn_prepared"  # set by prepare() on every module of a model
+
+# how a padded batch runs under ring attention, for the refusals of a padding mask
+_PADDING_HOWTO = (
+    "shard the batch with SequenceParallel.shard_batch(input_ids, labels, attention_mask=mask), which makes each "
+    "row's padding documents of their own, and call the model with position_ids=batch.position_ids, "
+    "cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens and no attention_mask"
+)
 
 # keyword arguments some models pass to the attention function for features the ring does not compute
 _UNSUPPORTED_KWARGS = {
@@ -142,12 +157,7 @@ class RingAttentionForTransformers:
         )  # fmt: skip
         if cu_seqlens is None:
             return ring_attn_func(q, k, v, **ring), None
-        if query.shape[0] != 1:
-            raise ValueError(
-                f"attn_implementation={self.name!r}: packed documents (cu_seq_lens_q and cu_seq_lens_k) need batch "
-                f"size 1, got batch {query.shape[0]}; pack the samples into one row"
-            )
-        return ring_attn_varlen_func(q[0], k[0], v[0], cu_seqlens, **ring)[None], None
+        return ring_attn_varlen_func(q, k, v, cu_seqlens, **ring), None  # every row in one ring
 
     def _given_documents(self, kwargs: dict) -> torch.Tensor | None:
         """The global document boundaries passed as transformers' cu_seq_lens_q and cu_seq_lens_k, or None (one
@@ -186,8 +196,8 @@ class RingAttentionForTransformers:
         if attention_mask is not None:
             raise ValueError(
                 f"{where} supports no attention mask (it applies the causal mask over global positions itself); "
-                f"got a mask of shape {tuple(attention_mask.shape)}. Pass attention_mask=None, and keep padding "
-                "at the end of the sequence with its labels set to the ignore index"
+                f"got a mask of shape {tuple(attention_mask.shape)}. Pass attention_mask=None; for padding, "
+                f"{_PADDING_HOWTO}"
             )
         if key.shape[2] != query.shape[2]:
             raise ValueError(
@@ -257,10 +267,7 @@ def _checked_position_ids_fake(position_ids, *args):
 def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, group, layout: str, name: str):
     where = f"attn_implementation={name!r}"
     if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "ring attention does not support padding masks: pass attention_mask=None and put padding at the end "
-            "of the sequence with its labels set to the ignore index (SequenceParallel.shard_batch does)"
-        )
+        raise ValueError(f"ring attention takes no padding mask in the model call: {_PADDING_HOWTO}")
     if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dim() not in (1, 2):
         raise TypeError(f"{where}: position_ids must be integers (batch, S_local), got {position_ids.dtype} of "
                         f"shape {tuple(position_ids.shape)}")  # fmt: skip
@@ -268,24 +275,34 @@ def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask,
     check_local_seqlen(seqlen_local, layout, name="the local sequence length")
     seqlen = seqlen_local * world_size
     expected = shard_indices(seqlen, dist.get_rank(group), world_size, layout)  # (S_local,) global positions
+    rows = position_ids.reshape(-1, seqlen_local).cpu().to(torch.int64)  # (batch or 1, S_local)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError(f"{where}: packed documents need both cu_seq_lens_q and cu_seq_lens_k; got only one")
-        check_cu_seqlens(cu_seqlens_q, seqlen, name="cu_seq_lens_q")
-        check_cu_seqlens(cu_seqlens_k, seqlen, name="cu_seq_lens_k")
+        check_cu_seqlens_tensor(cu_seqlens_q, "cu_seq_lens_q")
+        last = int(cu_seqlens_q[-1])
+        if last != rows.shape[0] * seqlen and last % seqlen == 0:
+            packed = last // seqlen
+            raise ValueError(
+                f"{where}: position_ids hold {rows.shape[0]} rows, cu_seq_lens_q the boundaries of {packed} packed "
+                f"row{'s' * (packed != 1)} of {seqlen} tokens: pass one row of positions per packed row ((batch, "
+                f"S_local) = ({packed}, {seqlen_local}), SequenceParallel.shard_batch(...).position_ids)"
+            )
+        total = rows.shape[0] * seqlen  # the flattened batch's tokens: one row of boundaries per row of positions
+        check_cu_seqlens(cu_seqlens_q, total, name="cu_seq_lens_q", row=seqlen)
+        check_cu_seqlens(cu_seqlens_k, total, name="cu_seq_lens_k", row=seqlen)
         bounds = cu_seqlens_q.cpu()
         if not torch.equal(bounds.to(torch.int64), cu_seqlens_k.cpu().to(torch.int64)):
             raise ValueError(
                 f"{where}: cu_seq_lens_q and cu_seq_lens_k must be the same global document boundaries "
                 "(SequenceParallel.shard_batch(...).cu_seqlens)"
             )
-        expected = document_positions(bounds)[expected]
-    rows = position_ids.reshape(-1, seqlen_local).cpu().to(torch.int64)
+        expected = document_positions(bounds).reshape(rows.shape[0], seqlen)[:, expected]  # (batch, S_local)
     bad = torch.nonzero((rows != expected).any(dim=1)).flatten()
     if not bad.numel():
         return
     row = int(bad[0])
-    got = f"row {row} is {_preview(rows[row])}, expected {_preview(expected)}"
+    got = f"row {row} is {_preview(rows[row])}, expected {_preview(expected if expected.dim() == 1 else expected[row])}"
     if cu_seqlens_q is not None:
         raise ValueError(
             f"{where}: position_ids must be, in every row, this rank's positions inside the documents of "

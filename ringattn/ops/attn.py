@@ -59,8 +59,9 @@ def attn_fwd(
         softmax_scale: multiplies q k^T before the softmax; positive (the kernel folds it into the row max).
         causal: bottom-right aligned causal mask.
         out_dtype: dtype of out (default q.dtype).
-        q_doc_ids, k_doc_ids: optional (Sq,) and (Sk,) int32 document ids, non-decreasing along the
-            rows (packed variable-length sequences): row i sees key j only if their ids are equal
+        q_doc_ids, k_doc_ids: optional int32 document ids, non-decreasing along the rows (packed
+            variable-length sequences): (Sq,) and (Sk,) for every batch row alike, or (B, Sq) and (B, Sk), each
+            batch row its own (last dim contiguous). Row i of batch row b sees key j only if their ids are equal
             (and, with causal, j <= i + Sk - Sq). Both or neither.
         final: rows of out to write, rounded, into final.out instead (ops/final_rows.py); out's rows there are
             then unspecified.

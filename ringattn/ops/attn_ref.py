@@ -55,8 +55,9 @@ def _scores(
     visible = band_visible(causal, window, q.shape[1], k.shape[1], q.device)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
-    if q_doc_ids is not None:
-        s = s.masked_fill(q_doc_ids[:, None] != k_doc_ids[None, :], float("-inf"))
+    if q_doc_ids is not None:  # (Sq,) and (Sk,) for every batch row, or (B, Sq) and (B, Sk)
+        other = q_doc_ids[..., None, :, None] != k_doc_ids[..., None, None, :]  # (B or 1, 1, Sq, Sk)
+        s = s.masked_fill(other, float("-inf"))
     return s, t
 
 

@@ -1,6 +1,7 @@
 """One attention call as the dispatch and the backends see it: its tensors, checked and allocated by ops/attn.py,
 and its flags. Layout: q, out, dout, dq (B, Sq, Hq, D); k, v, dk, dv (B, Sk, Hkv, D); lse (B, Hq, Sq) float64; the
-backward's row stats (3, B, Hq, Sq) fp32 (ops/attn.py's attn_bwd_preprocess).
+backward's row stats (3, B, Hq, Sq) fp32 (ops/attn.py's attn_bwd_preprocess); document ids q_doc_ids (B, Sq),
+k_doc_ids (B, Sk) int32 with contiguous rows (batch stride 0: one row for all).
 
 Every call may carry a sliding window, `window = (left, right)`: row i sees keys j with
 i + Sk - Sq - left <= j <= i + Sk - Sq + right (bottom-right aligned, as flash-attn's window_size; None: no limit

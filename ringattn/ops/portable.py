@@ -77,7 +77,8 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig, target: Target) -> KernelLaunch
         (
             q, *(kv_desc or (k, v)), out, lse, call.q_doc_ids if has_docs else lse,
             call.k_doc_ids if has_docs else lse, final_out, *strides(q), *strides(k), *strides(v), *strides(out),
-            lse.stride(0), lse.stride(1), *final_strides, seqlen_q, seqlen_k, *band, final_lo, final_hi,
+            lse.stride(0), lse.stride(1), *final_strides, *_doc_strides(call), seqlen_q, seqlen_k, *band, final_lo,
+            final_hi,
         ),
         dict(
             GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
@@ -122,6 +123,14 @@ def _doc_args(call: BwdCall) -> tuple:
     return (call.q_doc_ids, call.k_doc_ids) if call.q_doc_ids is not None else (call.stats, call.stats)
 
 
+def _doc_strides(call: FwdCall | BwdCall) -> tuple[int, int]:
+    """The kernels' stride_qdb, stride_kdb: the batch strides of the (B, S) document ids (0 where one row of ids
+    serves every batch row; ops/validation.py's check_doc_ids), 0 without documents."""
+    if call.q_doc_ids is None:
+        return 0, 0
+    return call.q_doc_ids.stride(0), call.k_doc_ids.stride(0)
+
+
 def dkdv_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
     """_attn_bwd_dkdv_kernel adding dK, dV into call.dk, call.dv if call.add_dkdv, else storing them."""
     q, k, v, dout, dk, dv = call.q, call.k, call.v, call.dout, call.dk, call.dv
@@ -134,7 +143,7 @@ def dkdv_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
         (triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch),
         (
             q, k, v, dout, call.stats, dk, dv, *_doc_args(call),
-            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv), *_doc_strides(call),
             seqlen_q, seqlen_k, heads_k, call.stats.stride(0), *band, call.softmax_scale,
         ),
         dict(
@@ -159,7 +168,8 @@ def dq_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
         (
             q, k, v, dout, call.stats, dq, *_doc_args(call), final_dq,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), *final_strides,
-            seqlen_q, seqlen_k, heads_q, call.stats.stride(0), *band, call.softmax_scale, final_lo, final_hi,
+            seqlen_q, seqlen_k, heads_q, call.stats.stride(0), *band, call.softmax_scale, *_doc_strides(call),
+            final_lo, final_hi,
         ),
         dict(
             **common, ACCUMULATE=call.add_dq, HAS_FINAL_ROWS=call.dq_final is not None,

@@ -248,10 +248,13 @@ def check_sink(sink, q: torch.Tensor) -> torch.Tensor | None:
 def check_doc_ids(
     q_doc_ids: torch.Tensor | None, k_doc_ids: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Check optional per-row document ids: (Sq,) and (Sk,) int32 on q's device, both or neither.
+    """Check optional per-row document ids on q's device, both or neither: int32 (Sq,) and (Sk,), one row of ids
+    for every batch row, or (B, Sq) and (B, Sk), each batch row its own (packed rows of a batch).
 
-    Returns them contiguous. Non-decreasing order is the caller's promise (the kernels skip tiles
-    by their first and last id); it is not checked here, to keep launches free of host syncs.
+    Returns them as (B, Sq) and (B, Sk) with contiguous rows (the kernels take a batch stride: 0 for the broadcast
+    1-D form; views with a row stride, such as a range of columns of a larger (B, S) tensor, are not copied).
+    Non-decreasing order along each row is the caller's promise (the kernels skip tiles by their first and last
+    id); it is not checked here, to keep launches free of host syncs.
     Raises:
         ValueError, TypeError: one given without the other, wrong shape, dtype or device.
     """
@@ -259,14 +262,18 @@ def check_doc_ids(
         raise ValueError("q_doc_ids and k_doc_ids must be given together or not at all")
     if q_doc_ids is None:
         return None, None
+    batch = q.shape[0]
+    checked = []
     for name, ids, seqlen in (("q_doc_ids", q_doc_ids, q.shape[1]), ("k_doc_ids", k_doc_ids, k.shape[1])):
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32:
             raise TypeError(f"{name} must be an int32 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-        if ids.shape != (seqlen,):
-            raise ValueError(f"{name} must have shape ({seqlen},), got {tuple(ids.shape)}")
+        if ids.shape not in ((seqlen,), (batch, seqlen)):
+            raise ValueError(f"{name} must have shape ({seqlen},) or ({batch}, {seqlen}), got {tuple(ids.shape)}")
         if ids.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {ids.device}")
-    return q_doc_ids.contiguous(), k_doc_ids.contiguous()
+        ids = ids if ids.dim() == 2 else ids.expand(batch, seqlen)
+        checked.append(ids if ids.stride(-1) == 1 or seqlen == 1 else ids.contiguous())
+    return checked[0], checked[1]
 
 
 def _check_stat(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device, what: str) -> None:

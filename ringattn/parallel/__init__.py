@@ -1,12 +1,16 @@
-"""The ring: communication, sequence layouts, the step schedule and the op-agnostic forward/backward loops."""
+"""The ring: communication, sequence layouts, the step schedule and the op-agnostic forward/backward loops; the
+Ulysses x ring grid (grid.py) and its all-to-all exchange (ulysses.py)."""
 
 from .comm import RingComm
 from .layout import (
     LAYOUTS,
+    check_grid_seqlen,
     check_layout,
     check_local_seqlen,
     check_seqlen,
     chunks_per_rank,
+    grid_shard_indices,
+    grid_shard_ranges,
     pad_to_multiple,
     position_ids,
     shard,
@@ -25,8 +29,11 @@ __all__ = [
     "block_tasks",
     "check_layout",
     "check_local_seqlen",
+    "check_grid_seqlen",
     "check_seqlen",
     "chunks_per_rank",
+    "grid_shard_indices",
+    "grid_shard_ranges",
     "kv_source_rank",
     "last_computing_step",
     "pad_to_multiple",

@@ -4,8 +4,10 @@
 A packed sequence of S tokens holds documents back to back; `cu_seqlens` (int32 or int64, n_docs + 1
 entries, 0 first, S last, strictly increasing) gives their boundaries. Token t belongs to
 document d when cu_seqlens[d] <= t < cu_seqlens[d + 1]. A query sees only keys of its own
-document. Every rank can compute the document ids of every other rank's shard from the
-global cu_seqlens, so ids never travel the ring.
+document. A batch of B packed rows of S tokens each follows flash-attn's convention: `cu_seqlens` gives the
+boundaries of the flattened B * S tokens (row b's token t is token b * S + t), and every row start b * S is
+a boundary, so no document crosses rows. Every rank can compute the document ids of every other rank's shard
+from the global cu_seqlens, so ids never travel the ring.
 """
 
 import hashlib
@@ -34,13 +36,15 @@ def check_cu_seqlens_tensor(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") 
     check_readable(cu_seqlens, name)
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> None:
-    """Raise unless `cu_seqlens` is a 1-D int32 or int64 tensor of document boundaries of a `total`-token sequence.
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens", row: int | None = None) -> None:
+    """Raise unless `cu_seqlens` is a 1-D int32 or int64 tensor of document boundaries of a `total`-token sequence;
+    with `row`, of total / row packed rows of `row` tokens each, flattened: every row start a boundary.
 
     Raises:
         TypeError: not a tensor, or not int32 or int64.
         ValueError: not 1-D with at least 2 entries, on the meta device (no values to read), not starting at 0,
-            not strictly increasing (an empty document), or not ending at `total`.
+            not strictly increasing (an empty document), or not ending at `total`; a row start that is not a
+            boundary (a document crossing rows).
     """
     check_cu_seqlens_tensor(cu_seqlens, name)
     bounds = cu_seqlens.cpu()
@@ -49,7 +53,16 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
     if not bool((bounds[1:] > bounds[:-1]).all()):
         raise ValueError(f"{name} must be strictly increasing (documents of length >= 1), got {bounds.tolist()}")
     if bounds[-1].item() != total:
-        raise ValueError(f"{name} must end at the global length {total}, got {bounds[-1].item()}")
+        rows = "" if row is None or row == total else f" ({total // row} rows of {row} tokens)"
+        raise ValueError(f"{name} must end at the global length {total}{rows}, got {bounds[-1].item()}")
+    if row is not None and row < total:
+        starts = torch.arange(row, total, row, dtype=bounds.dtype)
+        missing = starts[~torch.isin(starts, bounds)]
+        if missing.numel():
+            raise ValueError(
+                f"{name} must hold every row start of the flattened batch (multiples of the row length {row}) as a "
+                f"document boundary: a document cannot cross rows; missing {missing[:4].tolist()}"
+            )
 
 
 def fingerprint(cu_seqlens: torch.Tensor) -> int:
@@ -131,11 +144,15 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tenso
 _CACHE_SIZE = 8
 
 
-def shard_documents(cu_seqlens: torch.Tensor, seqlen_local: int, world_size: int, layout: str, device):
+def shard_documents(
+    cu_seqlens: torch.Tensor, seqlen_local: int, world_size: int, layout: str, device, batch: int = 1
+) -> "ShardDocuments":
     """ShardDocuments for these boundaries, reused across calls (every layer of a model passes the same
     cu_seqlens): keyed by the boundaries' fingerprint, the sizes, the layout and the device."""
-    key = (fingerprint(cu_seqlens), int(cu_seqlens.numel()), seqlen_local, world_size, layout, str(device))
-    docs = _SHARD_DOCUMENTS.pop(key, None) or ShardDocuments(cu_seqlens, seqlen_local, world_size, layout, device)
+    key = (fingerprint(cu_seqlens), int(cu_seqlens.numel()), seqlen_local, world_size, layout, str(device), batch)
+    docs = _SHARD_DOCUMENTS.pop(key, None) or ShardDocuments(
+        cu_seqlens, seqlen_local, world_size, layout, device, batch
+    )
     _SHARD_DOCUMENTS[key] = docs  # most recently used last
     while len(_SHARD_DOCUMENTS) > _CACHE_SIZE:
         _SHARD_DOCUMENTS.pop(next(iter(_SHARD_DOCUMENTS)))
@@ -143,41 +160,50 @@ def shard_documents(cu_seqlens: torch.Tensor, seqlen_local: int, world_size: int
 
 
 class ShardDocuments:
-    """Document ids of every rank's shard, on the device for the kernels and on the host for
-    deciding, without a device sync, whether a (query rows, key rows) block can meet at all.
+    """Document ids of every rank's shard of B packed rows, on the device for the kernels and on the host for
+    deciding, without a device sync, whether a (query rows, key rows) block can meet at all in some row.
+
+    The ids number the documents of the flattened batch (row b's ids above row b - 1's), so they are
+    non-decreasing along each row of each shard, as the kernels need.
 
     Args:
-        cu_seqlens: global boundaries (checked with check_cu_seqlens).
-        seqlen_local: tokens per rank; the global length is seqlen_local * world_size.
+        cu_seqlens: global boundaries of the flattened batch * seqlen_local * world_size tokens, every row start a
+            boundary (checked with check_cu_seqlens).
+        seqlen_local: tokens per row per rank; a row holds seqlen_local * world_size tokens.
         world_size, layout: the ring's.
         device: where the kernels run.
+        batch: the number of rows B.
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor, seqlen_local: int, world_size: int, layout: str, device):
-        total = seqlen_local * world_size
-        ids = document_ids(cu_seqlens.cpu(), total)
+    def __init__(
+        self, cu_seqlens: torch.Tensor, seqlen_local: int, world_size: int, layout: str, device, batch: int = 1
+    ):
+        seqlen = seqlen_local * world_size
+        ids = document_ids(cu_seqlens.cpu(), batch * seqlen).reshape(batch, seqlen)
         self.chunk = seqlen_local // 2 if layout == "zigzag" else seqlen_local  # ids are monotone within a chunk
-        self.host = [ids[shard_indices(total, r, world_size, layout)] for r in range(world_size)]
+        self.host = [ids[:, shard_indices(seqlen, r, world_size, layout)] for r in range(world_size)]  # (B, S_local)
         self.device = [h.to(device) for h in self.host]
 
     def ids(self, rank: int, rows: range) -> torch.Tensor:
-        """(len(rows),) int32 device ids of `rank`'s local rows (a view)."""
-        return self.device[rank][rows.start : rows.stop]
+        """(B, len(rows)) int32 device ids of `rank`'s local rows (a view: its batch stride is S_local)."""
+        return self.device[rank][:, rows.start : rows.stop]
 
-    def _spans(self, rank: int, rows: range) -> list[tuple[int, int]]:
-        """(first, last) document id of each piece of `rows` inside one chunk; each piece covers all ids between."""
+    def _spans(self, rank: int, rows: range) -> list[tuple[list[int], list[int]]]:
+        """(first, last) document ids, one per batch row each, of each piece of `rows` inside one chunk; each piece
+        covers, in each batch row, all ids between."""
         ids, spans = self.host[rank], []
         start = rows.start
         while start < rows.stop:
             stop = min(rows.stop, (start // self.chunk + 1) * self.chunk)
-            spans.append((int(ids[start]), int(ids[stop - 1])))
+            spans.append((ids[:, start].tolist(), ids[:, stop - 1].tolist()))
             start = stop
         return spans
 
     def meet(self, q_rank: int, q_rows: range, kv_rank: int, kv_rows: range) -> bool:
-        """Whether some query row shares a document with some key row."""
+        """Whether, in some batch row, some query row shares a document with some key row."""
         return any(
             k_last >= q_first and k_first <= q_last
-            for q_first, q_last in self._spans(q_rank, q_rows)
-            for k_first, k_last in self._spans(kv_rank, kv_rows)
+            for q_firsts, q_lasts in self._spans(q_rank, q_rows)
+            for k_firsts, k_lasts in self._spans(kv_rank, kv_rows)
+            for q_first, q_last, k_first, k_last in zip(q_firsts, q_lasts, k_firsts, k_lasts, strict=True)
         )

@@ -7,6 +7,11 @@
 
 In both layouts a rank's local tokens are in increasing global order.
 
+With a Ulysses group of U ranks beside a ring of R (2-D context parallelism, parallel/grid.py), the ring's layout
+is over R ring shards of S / R tokens, and rank (u, r) (Ulysses rank u, ring rank r) holds the u-th of U equal
+consecutive pieces of ring shard r: `grid_shard_ranges`. After the Ulysses exchange (parallel/ulysses.py), which
+puts the U pieces together in Ulysses-rank order, each rank of ring r holds exactly ring shard r.
+
 The index maps (`shard_ranges`, `shard_indices`) are pure functions of (seqlen, rank, world
 size, layout) and need no process group; `shard`, `unshard` and `position_ids` apply them to
 this process's rank in a group. `shard` and `unshard` are collectives: every rank first
@@ -19,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .agreement import ShardSignature, UnshardSignature, check_agreement, shared_refusals
+from .grid import GridShardSignature, GridUnshardSignature, agree_across_grid, grid_groups
 from .groups import Group, ring_group
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -98,6 +104,57 @@ def shard_indices(
     return torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64, device=device) for r in ranges])
 
 
+def check_grid_seqlen(seqlen: int, ulysses_size: int, ring_size: int, layout: str, name: str = "seqlen") -> None:
+    """Raise ValueError unless the global length `seqlen` splits over a U x R grid in `layout`: into R ring shards
+    (check_seqlen), each cut into U equal pieces."""
+    check_seqlen(seqlen, ring_size, layout, name)
+    if ulysses_size < 1 or (seqlen // ring_size) % ulysses_size != 0:
+        raise ValueError(
+            f"{name} = {seqlen} must be a multiple of the Ulysses degree {ulysses_size} x the ring degree {ring_size} "
+            f"(and of 2 x ring degree for layout {layout!r}); pad the sequence with ringattn.pad_to_multiple"
+        )
+
+
+def grid_shard_ranges(
+    seqlen: int, ulysses_rank: int, ulysses_size: int, ring_rank: int, ring_size: int, layout: str
+) -> list[range]:
+    """The global token ranges rank (ulysses_rank, ring_rank) of a U x R grid holds, in local order (pure): the
+    ulysses_rank-th of U equal consecutive pieces of the ring shard shard_ranges(seqlen, ring_rank, R, layout), one
+    range, or two where a "zigzag" piece spans the shard's two chunks.
+
+    Raises:
+        ValueError: unknown layout, a rank out of range, or seqlen not divisible (check_grid_seqlen).
+    """
+    check_rank(ulysses_rank, ulysses_size, "ulysses_rank")
+    check_rank(ring_rank, ring_size, "ring_rank")
+    check_grid_seqlen(seqlen, ulysses_size, ring_size, layout)
+    piece = seqlen // (ring_size * ulysses_size)
+    start, stop = ulysses_rank * piece, (ulysses_rank + 1) * piece  # in the ring shard's local order
+    ranges, offset = [], 0
+    for r in shard_ranges(seqlen, ring_rank, ring_size, layout):
+        lo, hi = max(start, offset), min(stop, offset + len(r))
+        if lo < hi:
+            ranges.append(range(r.start + lo - offset, r.start + hi - offset))
+        offset += len(r)
+    return ranges
+
+
+def grid_shard_indices(
+    seqlen: int,
+    ulysses_rank: int,
+    ulysses_size: int,
+    ring_rank: int,
+    ring_size: int,
+    layout: str,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """int64 (seqlen / (U R),): the global position of each local token of rank (ulysses_rank, ring_rank) of a U x R
+    grid (pure; no communication). With U = 1 it is shard_indices(seqlen, ring_rank, R, layout). Raises ValueError as
+    grid_shard_ranges."""
+    ranges = grid_shard_ranges(seqlen, ulysses_rank, ulysses_size, ring_rank, ring_size, layout)
+    return torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64, device=device) for r in ranges])
+
+
 def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -107,7 +164,7 @@ def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def shard(x: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zigzag"):
+def shard(x: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zigzag", ulysses_group: Group = None):
     """This rank's shard of a full tensor, along `dim`.
 
     A collective: every rank holds the same full tensor x and calls it (the ranks compare x's shape
@@ -121,16 +178,24 @@ def shard(x: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zig
             ("zigzag").
         dim: the sequence dim, in [-x.dim(), x.dim()) (1 for (batch, seqlen, nheads, headdim); 2 or -1 for an lse
             (batch, nheads, seqlen)).
-        group: the ring's process group (default: the world), or a 1-D DeviceMesh (parallel/groups.py).
+        group: the ring's process group (default: the world, or with ulysses_group, no ring: degree 1), or a 1-D
+            DeviceMesh (parallel/groups.py).
+        ulysses_group: None, or the Ulysses group of ulysses_ring_attn_func's 2-D layout (a ProcessGroup or a 1-D
+            DeviceMesh, mesh["ulysses"]): this rank (u, r) then gets grid_shard_indices(S, u, U, r, R, layout), the
+            u-th of U pieces of ring shard r; S must be divisible by U x R (and 2R for "zigzag"), the result has
+            S / (U R) tokens.
     Returns:
-        x's shard, x.shape with S replaced by S / W.
+        x's shard, x.shape with S replaced by S / W (S / (U R) with ulysses_group).
     Raises:
         ValueError: unknown layout; dim out of range; S not divisible by W or 2W; ranks whose x.shape, x.dtype, dim
-            or layout differ; a DeviceMesh of more than one dimension. On every rank alike when any rank raises it
+            or layout differ; a DeviceMesh of more than one dimension; with ulysses_group, groups that are not the
+            two dimensions of one grid (parallel/grid.py). On every rank alike when any rank raises it
             (parallel/agreement.py).
         TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
         RuntimeError: torch.distributed not initialised.
     """
+    if ulysses_group is not None:
+        return _grid_shard(x, dim, grid_groups(ulysses_group, group), layout)
     group = ring_group(group)
     with shared_refusals("shard", group):
         check_layout(layout)
@@ -142,7 +207,9 @@ def shard(x: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zig
     return torch.cat(pieces, dim).contiguous()
 
 
-def unshard(x_local: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zigzag"):
+def unshard(
+    x_local: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zigzag", ulysses_group: Group = None
+):
     """Gather every rank's shard and reassemble the full tensor (the inverse of `shard`) along `dim`.
 
     A collective: every rank of the group calls it with its shard of the same shape, and every
@@ -153,16 +220,21 @@ def unshard(x_local: torch.Tensor, dim: int = 1, group: Group = None, layout: st
     Args:
         x_local: this rank's shard (up to 16 dims); x_local.shape[dim] = S / W (even for "zigzag").
         dim: the sequence dim, in [-x_local.dim(), x_local.dim()).
-        group: the ring's process group (default: the world), or a 1-D DeviceMesh.
+        group: the ring's process group (default: the world, or with ulysses_group, no ring), or a 1-D DeviceMesh.
+        ulysses_group: None, or the Ulysses group of the 2-D layout (as in shard): every rank of the U x R grid
+            then gets the full tensor of S = U R x_local.shape[dim] tokens.
     Returns:
         the full tensor, x_local.shape with S / W replaced by S, in global token order.
     Raises:
-        ValueError: unknown layout; dim out of range; an odd local length with "zigzag"; ranks whose
-            x_local.shape, x_local.dtype, dim or layout differ, or that call another collective; a DeviceMesh of
-            more than one dimension. On every rank alike when any rank raises it (parallel/agreement.py).
+        ValueError: unknown layout; dim out of range; an odd local length with "zigzag" (with ulysses_group: an odd
+            U x local length); ranks whose x_local.shape, x_local.dtype, dim or layout differ, or that call another
+            collective; a DeviceMesh of more than one dimension; groups that are not one grid. On every rank alike
+            when any rank raises it (parallel/agreement.py).
         TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
         RuntimeError: torch.distributed not initialised.
     """
+    if ulysses_group is not None:
+        return _grid_unshard(x_local, dim, grid_groups(ulysses_group, group), layout)
     group = ring_group(group)
     with shared_refusals("unshard", group):
         check_layout(layout)
@@ -170,6 +242,11 @@ def unshard(x_local: torch.Tensor, dim: int = 1, group: Group = None, layout: st
         dim = check_dim(dim, x_local.dim())
         check_local_seqlen(x_local.shape[dim], layout, name=f"x_local.shape[{dim}]")
     check_agreement("unshard", UnshardSignature(tuple(x_local.shape), x_local.dtype, dim, layout), group)
+    return _unshard_ring(x_local, dim, group, world_size, layout)
+
+
+def _unshard_ring(x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | None, world_size: int, layout: str):
+    """The full tensor from every ring rank's shard (checked and agreed): one all_gather, then the pieces in order."""
     seqlen_local = x_local.shape[dim]
     x_local = x_local.detach().contiguous()
     gathered = [torch.empty_like(x_local) for _ in range(world_size)]
@@ -190,21 +267,64 @@ def position_ids(
     group: Group = None,
     layout: str = "zigzag",
     device: torch.device | str | None = None,
+    ulysses_group: Group = None,
 ) -> torch.Tensor:
     """int64 (seqlen / W,): the global positions of this rank's tokens, for RoPE and for picking labels.
 
     Args:
         seqlen: the global sequence length S, divisible by W ("contiguous") or 2W ("zigzag").
-        group: the ring's process group (default: the world), or a 1-D DeviceMesh.
+        group: the ring's process group (default: the world, or with ulysses_group, no ring), or a 1-D DeviceMesh.
         device: where to create the tensor.
+        ulysses_group: None, or the Ulysses group of the 2-D layout (as in shard): (seqlen / (U R),) positions,
+            grid_shard_indices. Local: no communication.
     Raises:
         ValueError: unknown layout; S not divisible; a DeviceMesh of more than one dimension.
         TypeError: a group that is none of those.
         RuntimeError: torch.distributed not initialised.
     """
     check_layout(layout)
+    if ulysses_group is not None:
+        grid = grid_groups(ulysses_group, group)
+        return grid_shard_indices(seqlen, grid.ulysses_rank, grid.ulysses_size, grid.ring_rank, grid.ring_size,
+                                  layout, device=device)  # fmt: skip
     rank, world_size = _group_rank_and_size(ring_group(group))
     return shard_indices(seqlen, rank, world_size, layout, device=device)
+
+
+def _grid_shard(x: torch.Tensor, dim: int, grid, layout: str) -> torch.Tensor:
+    """shard over a U x R grid (parallel/grid.Grid)."""
+
+    def checks():
+        check_layout(layout)
+        d = check_dim(dim, x.dim())
+        check_grid_seqlen(x.shape[d], grid.ulysses_size, grid.ring_size, layout, name=f"x.shape[{d}]")
+        return ShardSignature(tuple(x.shape), x.dtype, d, layout)
+
+    dim = agree_across_grid("shard", grid, checks, GridShardSignature).dim
+    ranges = grid_shard_ranges(x.shape[dim], grid.ulysses_rank, grid.ulysses_size, grid.ring_rank, grid.ring_size,
+                               layout)  # fmt: skip
+    return torch.cat([x.narrow(dim, r.start, len(r)) for r in ranges], dim).contiguous()
+
+
+def _grid_unshard(x_local: torch.Tensor, dim: int, grid, layout: str) -> torch.Tensor:
+    """unshard over a U x R grid: the U pieces of the ring shard gathered over the Ulysses group, in Ulysses order,
+    then the ring shards over the ring group."""
+
+    def checks():
+        check_layout(layout)
+        d = check_dim(dim, x_local.dim())
+        check_local_seqlen(grid.ulysses_size * x_local.shape[d], layout, name=f"U x x_local.shape[{d}]")
+        return UnshardSignature(tuple(x_local.shape), x_local.dtype, d, layout)
+
+    dim = agree_across_grid("unshard", grid, checks, GridUnshardSignature).dim
+    ring_shard = x_local.detach().contiguous()
+    if grid.ulysses is not None:
+        pieces = [torch.empty_like(ring_shard) for _ in range(grid.ulysses_size)]
+        dist.all_gather(pieces, ring_shard, group=grid.ulysses)
+        ring_shard = torch.cat(pieces, dim)
+    if grid.ring is None:
+        return ring_shard
+    return _unshard_ring(ring_shard, dim, grid.ring, grid.ring_size, layout)
 
 
 def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) -> tuple[torch.Tensor, int]:

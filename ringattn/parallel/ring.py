@@ -449,7 +449,7 @@ def ring_attn_forward(
     Args:
         q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards in `layout`
             ("contiguous" or "zigzag"; S_local even for "zigzag").
-        docs: packed documents (B = 1): attention stays inside each document.
+        docs: packed documents of each batch row (ShardDocuments): attention stays inside each document.
         window: a sliding window (left, right) over global positions, None for no limit: blocks outside every
             query's window are skipped, and the ring stops after the last step any rank computes
             (schedule.last_computing_step), no K/V travelling further.

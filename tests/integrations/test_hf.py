@@ -7,8 +7,9 @@ global position_ids; its logits, the sequence-parallel loss and the parameter gr
 ranks must obey the tolerance rule: eager attention in fp32 is the plain implementation, eager in float64
 the reference.
 
-Packed documents (batch 1, position ids restarting at 0 at each document) are checked against the same
-eager model run on each document alone.
+Packed documents (position ids restarting at 0 at each document, one row, or a batch of rows each holding its
+own documents) and padded batches (left, right or no padding, through shard_batch's attention_mask) are checked
+against the same eager model run on each document alone.
 """
 
 import time
@@ -168,12 +169,109 @@ def _packed_matches_per_document(rank, world_size, name, sp, device):
     real = idx < total  # the padding's logits are not compared
     check_step(f"packed {sp.layout} rank {rank}", out.logits[:, real], loss, model, plain, ref, idx[real])
 
-    with pytest.raises(ValueError, match="need batch size 1"):
-        ids = batch.input_ids.expand(2, -1)
-        model(input_ids=ids, position_ids=batch.position_ids, use_cache=False, **documents)
+    with pytest.raises(ValueError, match=r"position_ids hold 2 rows, cu_seq_lens_q the boundaries of 1 packed row "):
+        ids, pos = batch.input_ids.expand(2, -1), batch.position_ids.expand(2, -1)  # one row's boundaries for two
+        model(input_ids=ids, position_ids=pos, use_cache=False, **documents)
+    with pytest.raises(ValueError, match=r"hold 1 rows, .* of 2 packed rows .*: pass one row of positions per"):
+        two_rows = torch.cat([batch.cu_seqlens, batch.cu_seqlens[1:] + batch.seqlen])
+        model(input_ids=ids, position_ids=batch.position_ids, use_cache=False, cu_seq_lens_q=two_rows,
+              cu_seq_lens_k=two_rows)  # fmt: skip
     with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k must be the same global document bound"):
         other = dict(documents, cu_seq_lens_k=torch.tensor([0, batch.seqlen], dtype=torch.int32))
         model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **other)
+
+
+def _segments(lengths, start=0):
+    """[(start, end)] of documents of `lengths` back to back from `start`."""
+    bounds = [start, *(start + torch.tensor(lengths).cumsum(0)).tolist()]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+# batches of T = 37 tokens a row, each row its own documents: (segments of each row's real documents, whether
+# position_ids describe them, attention_mask); lengths 1, shorter than W, crossing rank and chunk boundaries
+ROW_LENGTH = 37
+HF_BATCHES = {
+    "packed-B2": ([_segments([1, 13, 5, 1, 17]), _segments([20, 4, 13])], True, None),
+    "padded-B3": ([[(5, 37)], [(0, 30)], [(0, 37)]], False, [[0] * 5 + [1] * 32, [1] * 30 + [0] * 7, [1] * 37]),
+}
+
+
+def _rows_per_document(model, input_ids, labels, segments, dtype):
+    """Eager attention on each document of each row alone in `dtype`: logits (B, T, V) (zeros at padding), the mean
+    loss over every row's labels shifted inside their documents, gradients."""
+    model = model.to(dtype)
+    model.set_attn_implementation("eager")
+    model.zero_grad(set_to_none=True)
+    logits = torch.zeros(*input_ids.shape, VOCAB, dtype=dtype, device=input_ids.device)
+    targets = torch.full_like(labels, IGNORE)
+    for b, docs in enumerate(segments):
+        for start, end in docs:
+            logits[b, start:end] = model(input_ids=input_ids[b : b + 1, start:end], use_cache=False).logits[0]
+            targets[b, start:end] = F.pad(labels[b, start + 1 : end], (0, 1), value=IGNORE)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _batch_of_rows_matches_eager(rank, world_size, backend, layouts):
+    """A batch of packed rows (position_ids (B, T), each row its own documents) and a padded batch (left, right
+    and no padding: attention_mask to shard_batch, the model called with the boundaries and no mask) against the
+    eager model on each document alone: the real tokens' logits, the loss and the gradients."""
+    import ringattn
+    from ringattn.integrations import hf
+    from ringattn.testing import check_close
+
+    device = rank_device(rank, backend)
+    for case, (segments, packed, mask) in HF_BATCHES.items():
+        batch_size = len(segments)
+        gen = torch.Generator().manual_seed(batch_size)
+        input_ids = torch.randint(0, VOCAB, (batch_size, ROW_LENGTH), generator=gen).to(device)
+        labels = input_ids.clone()
+        labels[0, 14:17] = IGNORE
+        real = torch.zeros(batch_size, ROW_LENGTH, dtype=torch.bool)
+        positions = torch.zeros(batch_size, ROW_LENGTH, dtype=torch.int64)
+        for b, docs in enumerate(segments):
+            for start, end in docs:
+                real[b, start:end] = True
+                positions[b, start:end] = torch.arange(end - start)
+        given = dict(position_ids=positions.to(device)) if packed else {}
+        if mask is not None:
+            given["attention_mask"] = torch.tensor(mask, device=device)
+        max_len = ROW_LENGTH + 2 * world_size
+        plain = _rows_per_document(_tiny_llama(1, max_len, device), input_ids, labels, segments, torch.float32)
+        ref = _rows_per_document(_tiny_llama(1, max_len, device), input_ids, labels, segments, torch.float64)
+
+        for layout in layouts:
+            name = hf.register(f"ringattn-rows-{layout}", layout=layout)
+            sp = ringattn.SequenceParallel(layout=layout)
+            model = hf.prepare(_tiny_llama(1, max_len, device), name)
+            batch = sp.shard_batch(input_ids, labels, **given)
+            documents = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
+            out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **documents)
+            loss = sp.cross_entropy(out.logits, batch.labels)
+            loss.backward()
+            sp.sync_gradients(model)
+
+            where = f"{case} {layout} rank {rank}"
+            idx = ringattn.shard_indices(batch.seqlen, rank, world_size, layout)
+            local_real = F.pad(real, (0, batch.seqlen - ROW_LENGTH))[:, idx].to(device)  # (B, S_local)
+            cols = idx.clamp(max=ROW_LENGTH - 1).to(device)
+            logits = out.logits[local_real]
+            check_close(f"{where} logits", logits, plain[0][:, cols][local_real], ref[0][:, cols][local_real])
+            check_close(f"{where} loss", loss, plain[1], ref[1])
+            for n, p in model.named_parameters():
+                check_close(f"{where} grad {n}", p.grad, plain[2][n], ref[2][n])
+    return True
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_llama_batch_of_packed_or_padded_rows_matches_eager(backend, world_size):
+    """Both layouts at W = 2, zigzag at W = 4, as test_llama_ring_matches_eager."""
+    skip_without_gpus(backend, world_size)
+    layouts = LAYOUTS if world_size == 2 else ["zigzag"]
+    ranks = run_ranks(_batch_of_rows_matches_eager, world_size, backend, layouts, backend=backend, timeout=600)
+    assert ranks == [True] * world_size
 
 
 def _refusals(model, batch, name, rank):
@@ -185,7 +283,7 @@ def _refusals(model, batch, name, rank):
         model(input_ids=ids, position_ids=wrong, use_cache=False)
     with pytest.raises(ValueError, match=r"in every row, this rank's global positions .*; row 1 is"):
         model(input_ids=ids.expand(2, -1), position_ids=torch.stack([pos[0], pos[0] + 1]), use_cache=False)
-    with pytest.raises(ValueError, match="does not support padding masks"):
+    with pytest.raises(ValueError, match=r"takes no padding mask .*\.shard_batch\(input_ids, labels, attention_mask"):
         mask = torch.ones_like(ids)
         mask[:, -1] = 0
         model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
@@ -243,7 +341,8 @@ def test_a_padding_mask_in_one_shard_is_refused_by_every_rank():
     assert [all_ones for _, _, all_ones in results] == [False, True]
     assert results[0][0] == results[1][0]
     assert results[0][0].startswith(
-        "hf model call refused on group rank 0 of 2: ring attention does not support padding masks"
+        "hf model call refused on group rank 0 of 2: ring attention takes no padding mask in the model call: shard "
+        "the batch with SequenceParallel.shard_batch(input_ids, labels, attention_mask=mask)"
     )
     assert all(elapsed < 5.0 for _, elapsed, _ in results), results
 

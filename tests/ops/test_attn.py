@@ -250,6 +250,30 @@ def test_document_masking_matches_reference(case, causal):
     check_against_reference(q, k, v, dout, scale, causal, (out, lse, dq, dk, dv), q_doc_ids=q_ids, k_doc_ids=k_ids)
 
 
+ROW_DOCS = [[1, 17, 5, 40, 1, 33], [97], [31, 2, 64]]  # each batch row its own documents, padded to 97 rows
+ROW_DOCS[2].append(97 - sum(ROW_DOCS[2]))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_document_ids_per_batch_row_match_reference_and_each_row_alone(causal):
+    """Document ids (B, S), each batch row its own documents, passed as column views of a wider (B, S + 12) tensor
+    (a row stride, as the ring's shards of a batch pass them): against the float64 reference, and each row
+    against the same call on that row alone with (S,) ids."""
+    wide = torch.stack([_doc_ids([5, *lengths, 7]) + 10 * b for b, lengths in enumerate(ROW_DOCS)])  # (3, 109)
+    ids = wide[:, 5:-7]  # (3, 97), row stride 109
+    assert ids.stride() == (109, 1)
+    q, k, v, dout = make_qkv(3, 97, 97, 4, 2, 40, DTYPES[0], seed=3)
+    scale = 40**-0.5
+    docs = dict(q_doc_ids=ids, k_doc_ids=ids)
+    out, lse = attn_fwd(q, k, v, scale, causal, **docs)
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, scale, causal, **docs)
+    check_against_reference(q, k, v, dout, scale, causal, (out, lse, dq, dk, dv), "per-row documents", **docs)
+    for b in range(3):
+        row = (t[b : b + 1] for t in (q, k, v))
+        one_out, one_lse = attn_fwd(*row, scale, causal, q_doc_ids=ids[b].contiguous(), k_doc_ids=ids[b].contiguous())
+        assert torch.equal(one_out[0], out[b]) and torch.equal(one_lse[0], lse[b]), f"row {b}"
+
+
 def test_document_ids_are_validated():
     q, k, v, _ = make_qkv(1, 8, 8, 2, 2, 32, DTYPES[0])
     ids = _doc_ids([8])
@@ -257,8 +281,10 @@ def test_document_ids_are_validated():
         attn_fwd(q, k, v, 1.0, False, q_doc_ids=ids)
     with pytest.raises(TypeError, match="q_doc_ids must be an int32 tensor"):
         attn_fwd(q, k, v, 1.0, False, q_doc_ids=ids.long(), k_doc_ids=ids)
-    with pytest.raises(ValueError, match=r"k_doc_ids must have shape \(8,\)"):
+    with pytest.raises(ValueError, match=r"k_doc_ids must have shape \(8,\) or \(1, 8\)"):
         attn_fwd(q, k, v, 1.0, False, q_doc_ids=ids, k_doc_ids=ids[:5])
+    with pytest.raises(ValueError, match=r"q_doc_ids must have shape \(8,\) or \(1, 8\), got \(2, 8\)"):
+        attn_fwd(q, k, v, 1.0, False, q_doc_ids=ids.expand(2, 8), k_doc_ids=ids)
 
 
 UNEQUAL_BWD_TILES = {  # (dK/dV rows x keys, dQ rows x keys); the GPU's dQ tile is 128 x 64

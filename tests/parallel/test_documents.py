@@ -77,21 +77,42 @@ def test_bad_cu_seqlens_raise(cu, error, match):
         check_cu_seqlens(cu, 8)
 
 
+ROWS = {
+    # batch: flattened boundaries of batch rows of 24 tokens; documents cross rank and chunk boundaries
+    1: (0, 1, 2, 9, 10, 17, 24),  # lengths 1, 1, 7, 1, 7, 7
+    2: (0, 1, 2, 9, 10, 17, 24, 36, 41, 48),  # and a row of lengths 12, 5, 7
+    3: (0, 1, 2, 9, 10, 17, 24, 48, 49, 55, 72),  # and one document, then lengths 1, 6, 17
+}
+
+
+@pytest.mark.parametrize("batch", sorted(ROWS), ids=[f"B{b}" for b in sorted(ROWS)])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_shard_documents_match_global_ids_and_blocks_meet_iff_a_pair_shares_a_document(layout):
+def test_shard_documents_match_global_ids_and_blocks_meet_iff_a_pair_shares_a_document(layout, batch):
     world_size, seqlen_local = 3, 8
-    total = world_size * seqlen_local
-    cu = _cu(0, 1, 2, 9, 10, 17, 24)  # lengths 1, 1, 7, 1, 7, 7: documents cross rank and chunk boundaries
-    docs = ShardDocuments(cu, seqlen_local, world_size, layout, "cpu")
-    ids = document_ids(cu, total)
+    seqlen = world_size * seqlen_local
+    cu = _cu(*ROWS[batch])
+    check_cu_seqlens(cu, batch * seqlen, row=seqlen)
+    docs = ShardDocuments(cu, seqlen_local, world_size, layout, "cpu", batch)
+    ids = document_ids(cu, batch * seqlen).reshape(batch, seqlen)
     for rank in range(world_size):
-        assert torch.equal(docs.ids(rank, range(0, seqlen_local)), ids[shard_indices(total, rank, world_size, layout)])
+        local = docs.ids(rank, range(0, seqlen_local))
+        assert local.shape == (batch, seqlen_local) and local.stride(-1) == 1
+        assert torch.equal(local, ids[:, shard_indices(seqlen, rank, world_size, layout)])
     halves = [range(0, seqlen_local // 2), range(seqlen_local // 2, seqlen_local), range(0, seqlen_local)]
     for q_rank in range(world_size):
         for kv_rank in range(world_size):
             for q_rows in halves:
                 for kv_rows in halves:
-                    q_ids = docs.ids(q_rank, q_rows)
+                    q_ids = docs.ids(q_rank, q_rows)  # (B, n)
                     k_ids = docs.ids(kv_rank, kv_rows)
-                    shares = bool((q_ids[:, None] == k_ids[None, :]).any())
+                    shares = bool((q_ids[:, :, None] == k_ids[:, None, :]).any())  # in the same batch row
                     assert docs.meet(q_rank, q_rows, kv_rank, kv_rows) == shares
+
+
+def test_cu_seqlens_of_a_batch_need_every_row_start():
+    """Flattened boundaries of 2 rows of 8 tokens: a document crossing rows is refused, naming the row start."""
+    check_cu_seqlens(_cu(0, 3, 8, 16), 16, row=8)
+    with pytest.raises(ValueError, match=r"every row start .* row length 8\) .* missing \[8\]"):
+        check_cu_seqlens(_cu(0, 3, 9, 16), 16, row=8)
+    with pytest.raises(ValueError, match=r"must end at the global length 24 \(3 rows of 8 tokens\), got 16"):
+        check_cu_seqlens(_cu(0, 8, 16), 24, row=8)

@@ -79,6 +79,72 @@ def test_varlen_padding_gets_no_gradient(backend, dtype, world_size):
     _run_varlen(backend, dtype, world_size, [10, 1, 30, 4], 4, 2, True, "zigzag", 2 * world_size)
 
 
+# a batch of packed rows, each its own documents (global row length S = 24 at W = 2, 40 at W = 4): documents of
+# length 1, shorter than W, crossing rank and chunk boundaries, a row of one document
+ROWS = {
+    2: [[5, 1, 12, 6], [1, 7, 3, 1, 12], [24]],
+    4: [[13, 1, 1, 1, 20, 4], [2, 30, 5, 1, 2], [40]],
+}
+
+
+def _batched_varlen_matches_reference(rank, world_size, backend, dtype, rows, causal, layout):
+    """B packed rows through one ring: out, lse, dq, dk, dv against float64 attention masked by each row's
+    documents, and the K/V of all rows in one transfer per step (2 (W - 1) send_recv calls forward, as a
+    batch-1 ring's)."""
+    from ringattn.parallel.comm import RingComm
+
+    device = rank_device(rank, backend)
+    batch, seqlen = len(rows), sum(rows[0])
+    bounds = [0]
+    for b, lengths in enumerate(rows):
+        bounds += (b * seqlen + torch.tensor(lengths).cumsum(0)).tolist()
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)  # flattened (B * S) boundaries
+    q, k, v, dout = make_qkv(batch, seqlen, seqlen, 4, 2, 32, dtype, device=device, seed=batch * seqlen)
+    idx = ringattn.shard_indices(seqlen, rank, world_size, layout, device=device)
+    q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
+
+    calls = []
+    send_recv = RingComm.send_recv
+    RingComm.send_recv = lambda self, t, *a, **kw: calls.append(tuple(t.shape)) or send_recv(self, t, *a, **kw)
+    try:
+        out, lse = ringattn.ring_attn_varlen_func(q_l, k_l, v_l, cu_seqlens, causal=causal, layout=layout,
+                                                  return_lse=True)  # fmt: skip
+        forward_calls = list(calls)
+        out.backward(dout[:, idx])
+    finally:
+        RingComm.send_recv = send_recv
+    assert forward_calls == [tuple(k_l.shape)] * (2 * (world_size - 1)), forward_calls
+    assert out.shape == q_l.shape and lse.shape == (batch, 4, len(idx))
+
+    ids = document_ids(cu_seqlens, batch * seqlen).reshape(batch, seqlen)
+    docs = dict(q_doc_ids=ids, k_doc_ids=ids)
+    ref = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float64, **docs)
+    pt = reference_attention(q, k, v, dout, 32**-0.5, causal, dtype, **docs)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        local = (lambda t: t[:, :, idx]) if i == 1 else (lambda t: t[:, idx])
+        check_close(f"rank {rank} {name}", ours[i], local(pt[i]), local(ref[i]), None if i < 2 else grad_scale)
+
+
+BATCHED = [  # (W, B, layout, causal)
+    (2, 2, "zigzag", True),
+    (2, 3, "contiguous", True),
+    (2, 2, "contiguous", False),
+    (4, 3, "zigzag", True),
+    (4, 2, "contiguous", True),
+]
+
+
+@pytest.mark.parametrize("world_size,batch,layout,causal", BATCHED,
+                         ids=[f"W{w}-B{b}-{lay}-{'causal' if c else 'full'}" for w, b, lay, c in BATCHED])  # fmt: skip
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
+def test_varlen_batch_of_packed_rows_matches_reference(backend, dtype, world_size, batch, layout, causal):
+    skip_without_gpus(backend, world_size)
+    args = (ROWS[world_size][:batch], causal, layout)
+    run_ranks(_batched_varlen_matches_reference, world_size, backend, dtype, *args, backend=backend)
+
+
 def _bad_cu_seqlens_raise(rank, world_size):
     q = torch.zeros(8, 2, 32)
     with pytest.raises(ValueError, match="must end at the global length 16"):
@@ -87,8 +153,13 @@ def _bad_cu_seqlens_raise(rank, world_size):
         ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0.0, 5.0, 16.0]))
     with pytest.raises(TypeError, match="causal must be a bool, got 'no'"):
         ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0, 5, 16]), causal="no")
-    with pytest.raises(ValueError, match="q must be a 3-D tensor"):
+    with pytest.raises(ValueError, match=r"q, k and v must all be 3-D .* or all 4-D .*; got q shape \(1, 8, 2, 32\)"):
         ringattn.ring_attn_varlen_func(q[None], q, q, torch.tensor([0, 16], dtype=torch.int32))
+    rows = q.expand(2, 8, 2, 32)  # 2 rows of 16 global tokens: every row start (16) a boundary
+    with pytest.raises(ValueError, match=r"must end at the global length 32 \(2 rows of 16 tokens\), got 16"):
+        ringattn.ring_attn_varlen_func(rows, rows, rows, torch.tensor([0, 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"every row start .* missing \[16\]"):
+        ringattn.ring_attn_varlen_func(rows, rows, rows, torch.tensor([0, 10, 20, 32], dtype=torch.int32))
     return True
 
 

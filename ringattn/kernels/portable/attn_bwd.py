@@ -147,6 +147,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_qdb, stride_kdb,
     seqlen_q, seqlen_k, num_heads_k, stride_stat, lower, upper, qk_scale, cap_scale, sm_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -158,12 +159,16 @@ def _attn_bwd_dkdv_kernel(
     Q, DOut (B, Sq, Hq, HEAD_DIM); Stats (3, B, Hq, Sq) the row stats (_attn_bwd_preprocess_kernel; planes
     stride_stat apart). The GROUP_SIZE q heads that
     share this kv head are summed in registers, so no two programs write the same rows.
-    lower, upper, LOWER, UPPER, qk_scale, cap_scale, SOFTCAP: as in the forward kernel.
+    lower, upper, LOWER, UPPER, qk_scale, cap_scale, SOFTCAP, and QDoc, KDoc, stride_qdb, stride_kdb, HAS_DOCS: as in
+    the forward kernel.
     """
     start_n = tl.program_id(0)
     off_hk = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
     num_heads_q = num_heads_k * GROUP_SIZE
+    if HAS_DOCS:  # this batch row's document ids
+        QDoc += off_b * stride_qdb
+        KDoc += off_b * stride_kdb
 
     n0 = start_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -289,7 +294,8 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DOut, Stats, DQ, QDoc, KDoc, DQFinal, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
     stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
     stride_fb, stride_fs, stride_fh, seqlen_q, seqlen_k, num_heads_q, stride_stat, lower, upper, qk_scale, cap_scale,
-    sm_scale, final_lo, final_hi, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    sm_scale, stride_qdb, stride_kdb,
+    final_lo, final_hi, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -297,7 +303,7 @@ def _attn_bwd_dq_kernel(
 
     HAS_FINAL_ROWS: rows [final_lo, final_hi) of dQ (after the ACCUMULATE add) go to DQFinal (shaped like DQ, its own
     dtype), rounded, and not to DQ, whose rows there are left as they were. lower, upper, LOWER, UPPER, qk_scale,
-    cap_scale, SOFTCAP: as in the forward kernel.
+    cap_scale, SOFTCAP, and QDoc, KDoc, stride_qdb, stride_kdb, HAS_DOCS: as in the forward kernel.
     """
     start_m = tl.program_id(0)
     off_hq = tl.program_id(1)
@@ -305,6 +311,9 @@ def _attn_bwd_dq_kernel(
     off_hk = (off_hq // GROUP_SIZE).to(tl.int64)
     off_hq = off_hq.to(tl.int64)
     off_bh = off_b * num_heads_q + off_hq
+    if HAS_DOCS:  # this batch row's document ids
+        QDoc += off_b * stride_qdb
+        KDoc += off_b * stride_kdb
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)

@@ -89,6 +89,7 @@ def _attn_fwd_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
     stride_fb, stride_fs, stride_fh,
+    stride_qdb, stride_kdb,
     seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, final_lo, final_hi,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -106,8 +107,9 @@ def _attn_fwd_kernel(
     and not to Out, whose rows there are left as they were; Lse is written for every row.
     Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <= i + upper: causal is UPPER with upper =
     Sk - Sq (bottom-right), a sliding window (left, right) lower = Sk - Sq - left, upper = Sk - Sq + right.
-    HAS_DOCS: QDoc (Sq,) and KDoc (Sk,) int32 document ids, non-decreasing; row i sees key j only
-    if QDoc[i] == KDoc[j].
+    HAS_DOCS: QDoc (B, Sq) and KDoc (B, Sk) int32 document ids with batch strides stride_qdb, stride_kdb (0: one
+    row of ids for every batch row) and contiguous rows, non-decreasing along each row; row i of batch b sees key j
+    only if QDoc[b, i] == KDoc[b, j].
     KV_TMA: K and V are tensor descriptors of the (B, Sk, Hkv, HEAD_DIM) tensors with block
     (1, BLOCK_N, 1, HEAD_DIM) (HEAD_DIM == BLOCK_D): tiles load by TMA, rows past Sk as zeros.
     """
@@ -116,6 +118,9 @@ def _attn_fwd_kernel(
     off_b = tl.program_id(2).to(tl.int64)
     off_hk = (off_hq // GROUP_SIZE).to(tl.int64)
     off_hq = off_hq.to(tl.int64)
+    if HAS_DOCS:  # this batch row's document ids
+        QDoc += off_b * stride_qdb
+        KDoc += off_b * stride_kdb
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)

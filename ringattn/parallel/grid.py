@@ -1,0 +1,249 @@
+"""The 2-D grid of Ulysses x ring context parallelism: its groups, and the agreement of a call across both of them
+(docs/design.md, "Ulysses x ring").
+
+U x R ranks form a grid: rank (u, r) is rank u of its Ulysses group, whose U ranks hold the pieces of one ring
+shard, and rank r of its ring group, whose R ranks hold the same heads after the Ulysses exchange. A 2-D DeviceMesh
+with dimensions named "ulysses" and "ring" is such a grid; so are two ProcessGroups, when every rank's pair tiles
+the ranks they span (checked at a grid's first call: `agree_across_grid`).
+
+A call's agreement runs in two exchanges: over the Ulysses group, then over the ring group, carrying the first
+exchange's error as a refusal. In a grid every ring holds one rank of every Ulysses group, so an error found on any
+rank is raised by every rank of the grid: the same type and message.
+"""
+
+import typing
+import weakref
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .agreement import REFUSALS, RingSignature, ShardSignature, UnshardSignature, check_agreement, cpu_channel
+from .agreement import shared_refusals as _shared_refusals
+from .comm import p2p_timeout_s, wait_all
+from .groups import Group, ring_group
+
+MESH_DIMS = ("ulysses", "ring")  # the dimension names a 2-D DeviceMesh must have
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A rank's two groups; None stands for a group of this rank alone (degree 1)."""
+
+    ulysses: dist.ProcessGroup | None
+    ring: dist.ProcessGroup | None
+
+    @property
+    def ulysses_rank(self) -> int:
+        return 0 if self.ulysses is None else dist.get_rank(self.ulysses)
+
+    @property
+    def ulysses_size(self) -> int:
+        return 1 if self.ulysses is None else dist.get_world_size(self.ulysses)
+
+    @property
+    def ring_rank(self) -> int:
+        return 0 if self.ring is None else dist.get_rank(self.ring)
+
+    @property
+    def ring_size(self) -> int:
+        return 1 if self.ring is None else dist.get_world_size(self.ring)
+
+
+def _alone_if_single(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    return None if group is None or dist.get_world_size(group) == 1 else group
+
+
+def grid_groups(ulysses_group: Group = None, ring_group_: Group = None, mesh: DeviceMesh | None = None) -> Grid:
+    """The Grid a call's `ulysses_group`, `ring_group` and `mesh` arguments stand for.
+
+    - mesh: a DeviceMesh with dimensions named "ulysses" and "ring" (and possibly others, e.g. "dp"); the groups
+      must then be None.
+    - otherwise each group is a ProcessGroup or a 1-D DeviceMesh (mesh["ulysses"]); ulysses_group None is degree 1
+      (no Ulysses exchange); ring_group None is the world when ulysses_group is None too (ring_attn_func's default),
+      and degree 1 otherwise (pure Ulysses).
+
+    Raises:
+        ValueError: a mesh without those dimension names, a mesh together with groups, a mesh of several dimensions
+            as a group; torch.distributed not initialised.
+        TypeError: a mesh or group of another type.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("Ulysses x ring attention needs torch.distributed initialised (dist.init_process_group)")
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        if ulysses_group is not None or ring_group_ is not None:
+            raise ValueError("pass either mesh or ulysses_group / ring_group, not both")
+        names = tuple(mesh.mesh_dim_names or ())
+        if not all(name in names for name in MESH_DIMS):
+            raise ValueError(
+                f"mesh must have dimensions named 'ulysses' and 'ring', got {names or 'unnamed dimensions'}: "
+                "init_device_mesh(device, (U, R), mesh_dim_names=('ulysses', 'ring'))"
+            )
+        return Grid(_alone_if_single(mesh.get_group("ulysses")), _alone_if_single(mesh.get_group("ring")))
+    ulysses = ring_group(ulysses_group, name="ulysses_group")
+    ring = ring_group(ring_group_, name="ring_group")
+    if ulysses_group is None:
+        return Grid(None, _alone_if_single(ring if ring is not None else dist.group.WORLD))
+    return Grid(_alone_if_single(ulysses), _alone_if_single(ring))
+
+
+def check_grid_ranks(grid: Grid) -> None:
+    """Raise ValueError, naming the argument, when this rank is outside one of its groups or the two groups share
+    another rank (they are then not two dimensions of one grid). Local; no communication."""
+    me = dist.get_rank()
+    members = {}
+    for name, group in (("ulysses_group", grid.ulysses), ("ring_group", grid.ring)):
+        if group is None:
+            members[name] = {me}
+            continue
+        if dist.get_rank(group) < 0:
+            raise ValueError(f"{name} must contain this process (global rank {me}); it does not")
+        members[name] = set(dist.get_process_group_ranks(group))
+    shared = members["ulysses_group"] & members["ring_group"]
+    if shared != {me}:
+        raise ValueError(
+            f"ulysses_group and ring_group must share only this rank ({me}), got global ranks {sorted(shared)} in "
+            "both: they must be the two dimensions of one grid (a 2-D DeviceMesh's 'ulysses' and 'ring')"
+        )
+
+
+_GRID_FIELDS = (("grid_rank", int), ("ulysses_size", int), ("ring_size", int))
+_GRID_LABELS = {
+    "grid_rank": "rank in the other group (ring rank among a Ulysses group's ranks, Ulysses rank among a ring's)",
+    "ulysses_size": "Ulysses degree (ulysses_group's size)",
+    "ring_size": "ring degree (ring_group's size)",
+}
+_GRID_EXPECTED = (
+    " The ranks of a Ulysses group must hold the same ring rank, those of a ring the same Ulysses rank, and the "
+    "groups' sizes must be the same on every rank (ulysses_group and ring_group tiling the ranks as a U x R grid)."
+)
+
+
+def _grid_signature(base: type, name: str) -> type:
+    """A signature class of `base`'s fields and the grid's (which must agree over a group: rank in the other group,
+    both degrees)."""
+    hints = typing.get_type_hints(base)
+    cls = NamedTuple(name, [(f, hints[f]) for f in base._fields] + list(_GRID_FIELDS))
+    cls.labels = {**base.labels, **_GRID_LABELS}
+    cls.expected = base.expected + _GRID_EXPECTED
+    return cls
+
+
+UlyssesRingSignature = _grid_signature(RingSignature, "UlyssesRingSignature")
+GridShardSignature = _grid_signature(ShardSignature, "GridShardSignature")
+GridUnshardSignature = _grid_signature(UnshardSignature, "GridUnshardSignature")
+
+
+class _NoExchange:
+    """Stands for the exchange of a group of this rank alone: nothing to exchange, errors raised as they are."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _refusals(call: str, group: dist.ProcessGroup | None):
+    return _NoExchange() if group is None else _shared_refusals(call, group)
+
+
+def _agree(call: str, fields: tuple | None, group: dist.ProcessGroup | None) -> None:
+    if group is not None:
+        check_agreement(call, fields, group)
+
+
+def _gather_ranks(ranks: list[int], group: dist.ProcessGroup | None, call: str) -> list[list[int]]:
+    """Every group rank's `ranks` (all of one length, agreed before), in group-rank order."""
+    if group is None:
+        return [ranks]
+    channel, order = cpu_channel(group)
+    local = torch.tensor(ranks, dtype=torch.int64)
+    gathered = local.new_empty(dist.get_world_size(channel), local.numel())
+    what = f"{call}'s grid check (all_gather) on group rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
+    wait_all([dist.all_gather(list(gathered), local, group=channel, async_op=True)], p2p_timeout_s(), what)
+    rows = gathered if order is None else gathered[order]
+    return rows.tolist()
+
+
+def _members(group: dist.ProcessGroup | None) -> list[int]:
+    return [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
+
+
+def _grid_problem(rows: list[list[int]], columns: list[list[int]]) -> str | None:
+    """None when the ring of every Ulysses rank u (rows[u], global ranks in ring order) and the Ulysses group of
+    every ring rank r (columns[r], in Ulysses order) place the same rank at (u, r); else what differs."""
+    for u, row in enumerate(rows):
+        for r, rank in enumerate(row):
+            if columns[r][u] != rank:
+                return (
+                    f"ulysses_group and ring_group do not tile their ranks as a grid: the ring of Ulysses rank {u} "
+                    f"holds global rank {rank} at ring rank {r}, but the Ulysses group of ring rank {r} holds global "
+                    f"rank {columns[r][u]} at Ulysses rank {u}; pass the two dimensions of one grid (a DeviceMesh's "
+                    "'ulysses' and 'ring')"
+                )
+    return None
+
+
+# per world (a new one after destroy_process_group): the (Ulysses, ring) group names whose topology was checked
+_checked: "weakref.WeakKeyDictionary[dist.ProcessGroup, set]" = weakref.WeakKeyDictionary()
+
+
+def _grid_key(grid: Grid) -> tuple:
+    return tuple(None if g is None else g.group_name for g in (grid.ulysses, grid.ring))
+
+
+def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
+    """Run a collective call's local `checks` (a callable returning its base signature fields) and its agreement
+    across the grid; return the fields (the signature class `signature`, with this rank's grid fields).
+
+    First over the Ulysses group (its ranks must hold the same ring rank), then over the ring group (the same
+    Ulysses rank), carrying the first exchange's error as this rank's refusal: in a grid every ring holds a rank of
+    every Ulysses group, so every rank raises the same error. At a grid's first call the two exchanges also gather
+    the groups' members, and each rank checks that they tile their ranks as a grid (_grid_problem); two more
+    exchanges (Ulysses, ring) carry a problem found, so that every rank raises it.
+
+    Raises:
+        ValueError, TypeError, RuntimeError: a rank's checks refused, the ranks disagree, or the groups do not
+            form a grid; on every rank of the grid alike (where the groups form a grid).
+    """
+    checked = _checked.setdefault(dist.group.WORLD, set())
+    first = _grid_key(grid) not in checked
+    carried: Exception | None = None
+    fields, rows, problem = None, None, None
+    try:
+        with _refusals(call, grid.ulysses):
+            check_grid_ranks(grid)
+            fields = signature(*checks(), grid.ring_rank, grid.ulysses_size, grid.ring_size)
+        _agree(call, fields, grid.ulysses)
+        if first:
+            rows = _gather_ranks(_members(grid.ring), grid.ulysses, call)
+    except REFUSALS as err:
+        carried = err
+    try:
+        with _refusals(call, grid.ring):
+            if carried is not None:
+                raise carried
+        _agree(call, fields._replace(grid_rank=grid.ulysses_rank), grid.ring)
+        if first:
+            problem = _grid_problem(rows, _gather_ranks(_members(grid.ulysses), grid.ring, call))
+    except REFUSALS as err:
+        carried = err
+    if first:  # a problem seen by some ranks only reaches the others through two more exchanges
+        for group in (grid.ulysses, grid.ring):
+            try:
+                with _refusals(call, group):
+                    if problem is not None:
+                        raise ValueError(problem)
+                _agree(call, None, group)
+            except REFUSALS as err:
+                problem, carried = str(err), err
+    if carried is not None:
+        raise carried
+    if first:
+        checked.add(_grid_key(grid))
+    return fields

@@ -1,0 +1,233 @@
+"""Ulysses x ring attention (2-D context parallelism): `ulysses_ring_attn_func` and `ulysses_ring_attn_varlen_func`.
+
+A U x R grid of ranks (parallel/grid.py) holds one sequence of S tokens, S / (U R) a rank, in the 2-D layout of
+parallel/layout.py: rank (u, r) holds the u-th of U equal pieces of ring shard r (grid_shard_indices). The Ulysses
+all-to-all (parallel/ulysses.py) trades the sequence split for a head split: each rank then holds its ring shard
+(S / R tokens) of Hq / U query heads and of the K/V heads those need; ring_attn_func (ring_attn_varlen_func) runs over
+the ring group on them; the inverse all-to-all brings the output (and lse) back to the sequence split. The backward
+runs the same in reverse: the all-to-alls are differentiable custom ops, the ring's own backward runs in between
+(docs/design.md, "Ulysses x ring").
+
+Signatures follow ring_attn_func's: every argument after q, k, v (and cu_seqlens) is keyword-only, with the groups
+(ulysses_group, ring_group, or a DeviceMesh `mesh` with dimensions "ulysses" and "ring") in place of `group`.
+"""
+
+import torch
+import torch.distributed as dist
+
+from .functional import (
+    _check_3d,
+    check_ring_inputs,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    ring_attn_func,
+    ring_attn_varlen_func,
+)
+from .ops.validation import check_flash_attn_options
+from .parallel.agreement import ring_signature
+from .parallel.documents import check_cu_seqlens, check_cu_seqlens_tensor, fingerprint
+from .parallel.grid import Grid, UlyssesRingSignature, agree_across_grid, grid_groups
+from .parallel.groups import Group
+from .parallel.layout import check_layout, chunks_per_rank
+from .parallel.ulysses import heads_to_seq, rank_heads, seq_to_heads
+
+
+def check_ulysses_heads(heads_q: int, heads_k: int, ulysses_size: int) -> None:
+    """Raise ValueError, naming ulysses_group, unless U divides the query heads and U and the K/V heads divide one
+    another (each rank's query heads then need one K/V head, or a whole 1 / U of them)."""
+    if heads_q % ulysses_size != 0:
+        raise ValueError(
+            f"ulysses_group's size {ulysses_size} must divide q's head count {heads_q} (q.shape[2]): each Ulysses rank "
+            "attends with an equal share of the query heads"
+        )
+    if heads_k % ulysses_size != 0 and ulysses_size % heads_k != 0:
+        raise ValueError(
+            f"ulysses_group's size {ulysses_size} and k's head count {heads_k} (k.shape[2]) must divide one another: "
+            "each Ulysses rank needs 1 / U of the K/V heads, or one K/V head shared by U / nheads_k ranks"
+        )
+
+
+def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, sink):
+    """Checks and agreement across the grid, the exchange, the inner ring (or, for a ring of one, the fused call),
+    the inverse exchange: (out (B, L, Hq, D), lse (B, Hq, L)) of 4-D q, k, v, or with cu_seqlens of 3-D q, k, v
+    (L, H, D) taken as B = 1."""
+    size = grid.ulysses_size
+
+    def checks():
+        nonlocal q, k, v
+        if cu_seqlens is not None:
+            _check_3d(q, k, v, "total_local_tokens")
+            q, k, v = q[None], k[None], v[None]
+        causal, window, softcap, _ = check_flash_attn_options(
+            options["dropout_p"], options["causal"], options["window_size"], options["softcap"],
+            options["alibi_slopes"], options["deterministic"], options["return_attn_probs"],
+        )  # fmt: skip
+        check_layout(layout)
+        # the ring's length rule applies to the ring's local length U x L, checked below
+        scale, _ = check_ring_inputs(q, k, v, None, "contiguous", options["softmax_scale"], sink, call)
+        check_ulysses_heads(q.shape[2], k.shape[2], size)
+        if size * q.shape[1] % chunks_per_rank(layout):
+            raise ValueError(
+                f"the Ulysses degree {size} x the local length {q.shape[1]} (q.shape[1]), the ring's local length, "
+                f"must be even for layout {layout!r} (each ring rank holds two equal chunks)"
+            )
+        documents = 0
+        if cu_seqlens is not None:
+            check_cu_seqlens_tensor(cu_seqlens)
+            check_cu_seqlens(cu_seqlens, q.shape[1] * size * grid.ring_size)
+            documents = fingerprint(cu_seqlens)
+        requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return ring_signature(q, k, v, scale, causal, layout, requires_grad, documents, window, softcap,
+                              sink is not None)  # fmt: skip
+
+    fields = agree_across_grid(call, grid, checks, UlyssesRingSignature)
+    batch, heads_q = q.shape[0], q.shape[2]
+    q_h = seq_to_heads(q, grid.ulysses)  # (B, S / R, Hq / U, D)
+    k_h, v_h = seq_to_heads(torch.cat([k, v]), grid.ulysses).chunk(2)  # (B, S / R, h_kv, D) each
+    heads = rank_heads(heads_q, grid.ulysses_rank, size)
+    sink_h = None if sink is None else sink[heads.start : heads.stop]
+    inner = {name: options[name] for name in ("causal", "window_size", "softcap", "deterministic")}
+    inner.update(softmax_scale=fields.softmax_scale, return_lse=True, learnable_sink=sink_h)
+    if cu_seqlens is None and grid.ring is not None:
+        out_h, lse_h = ring_attn_func(q_h, k_h, v_h, group=grid.ring, layout=layout, **inner)
+    elif cu_seqlens is None:  # a ring of one: its shard is the whole sequence, in order
+        out_h, lse_h = flash_attn_func(q_h, k_h, v_h, **inner)
+    elif grid.ring is not None:
+        out_h, lse_h = ring_attn_varlen_func(q_h[0], k_h[0], v_h[0], cu_seqlens, group=grid.ring, layout=layout,
+                                             **inner)  # fmt: skip
+        out_h, lse_h = out_h[None], lse_h[None]
+    else:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        out_h, lse_h = flash_attn_varlen_func(q_h[0], k_h[0], v_h[0], cu_seqlens, cu_seqlens, longest, longest,
+                                              **inner)  # fmt: skip
+        out_h, lse_h = out_h[None], lse_h[None]
+    out = heads_to_seq(out_h, grid.ulysses, heads_q)  # (B, L, Hq, D)
+    lse = heads_to_seq(lse_h.detach().transpose(1, 2)[..., None], grid.ulysses, heads_q)  # (B, L, Hq, 1)
+    return out, lse[..., 0].transpose(1, 2).reshape(batch, heads_q, q.shape[1])
+
+
+def ulysses_ring_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    ulysses_group: Group = None,
+    ring_group: Group = None,
+    mesh=None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+    learnable_sink: torch.Tensor | None = None,
+):
+    """Exact attention over one global sequence split over a U x R grid of ranks: Ulysses (an all-to-all head split)
+    over `ulysses_group`, the ring over `ring_group`.
+
+    Every rank of the grid calls it with its own S / (U R) tokens of the global sequence of S tokens: rank (u, r)
+    (rank u of its Ulysses group, rank r of its ring) holds the u-th of U equal consecutive pieces of ring shard r of
+    `layout` ("contiguous" or "zigzag" over the R rings ranks, as ring_attn_func's); ringattn.shard, unshard and
+    position_ids with ulysses_group=, and ringattn.grid_shard_indices, map between full tensors and these shards. An
+    all-to-all over the Ulysses group gives each rank its ring shard (S / R tokens) of Hq / U query heads and of the
+    K/V heads they need (nheads_k / U, or with fewer K/V heads than U the one each needs: it travels to U / nheads_k
+    ranks); ring_attn_func runs over the ring group on them; an all-to-all brings the output back. With a Ulysses
+    degree of 1 the call is ring_attn_func (its checks, errors and bits); with a ring degree of 1 it is pure Ulysses
+    (the fused kernel on the whole sequence of the rank's heads).
+
+    Args:
+        q: (batch, S_local, nheads, headdim), this rank's shard; nheads divisible by U.
+        k, v: (batch, S_local, nheads_k, headdim); nheads % nheads_k == 0, and nheads_k and U divide one another.
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs: as in
+            ring_attn_func (causal and the window over global positions).
+        ulysses_group: the Ulysses group (a ProcessGroup or a 1-D DeviceMesh, mesh["ulysses"]); None: degree 1.
+        ring_group: the ring (a ProcessGroup or a 1-D DeviceMesh, mesh["ring"]); None: the world when ulysses_group
+            is None too, else degree 1 (pure Ulysses).
+        mesh: instead of the groups, a DeviceMesh with dimensions named "ulysses" and "ring" (others, such as "dp",
+            may be there too).
+        layout: the ring's layout, "contiguous" or "zigzag" (default; U x S_local must then be even).
+        return_lse: also return this shard's lse.
+        learnable_sink: (nheads,) attention sinks, as in ring_attn_func; each rank's gradient is its rows' share for
+            its Ulysses heads: sum it over the whole grid.
+    Returns:
+        out (batch, S_local, nheads, headdim) in q's dtype; with return_lse also lse (batch, nheads, S_local) fp32.
+    Raises:
+        ValueError: U not dividing nheads, U and nheads_k not dividing one another (naming ulysses_group); groups
+            that share a rank other than this one or do not tile their ranks as a U x R grid (naming ulysses_group
+            and ring_group); a mesh without dimensions "ulysses" and "ring"; otherwise as ring_attn_func. Raised on
+            every rank of the grid alike: the call is agreed over the Ulysses group, then the ring group, before any
+            data moves (parallel/grid.py).
+        TypeError, RuntimeError: as ring_attn_func.
+    """
+    grid = grid_groups(ulysses_group, ring_group, mesh)
+    options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                   return_attn_probs=return_attn_probs)  # fmt: skip
+    if grid.ulysses is None:  # degree 1: the ring alone
+        ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh)
+        return ring_attn_func(q, k, v, **options, group=ring, layout=layout, return_lse=return_lse,
+                              learnable_sink=learnable_sink)  # fmt: skip
+    out, lse = _ulysses_ring("ulysses_ring_attn_func", grid, q, k, v, None, options, layout, learnable_sink)
+    return (out, lse) if return_lse else out
+
+
+def ulysses_ring_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    ulysses_group: Group = None,
+    ring_group: Group = None,
+    mesh=None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+    learnable_sink: torch.Tensor | None = None,
+):
+    """Exact attention over one packed sequence of documents split over a U x R grid (ulysses_ring_attn_func's
+    layout); attention stays inside each document, as in ring_attn_varlen_func. Documents may cross the pieces of a
+    ring shard (Ulysses boundaries) and ring shards (ring boundaries) alike.
+
+    Args:
+        q: (S_local, nheads, headdim), this rank's shard (2-D layout) of the packed queries.
+        k, v: (S_local, nheads_k, headdim).
+        cu_seqlens: (n_docs + 1,) int32 or int64 global document boundaries: 0, ..., S_local x U x R, strictly
+            increasing; the same on every rank.
+        causal: causal inside each document (default True).
+        the rest: as ulysses_ring_attn_func's.
+    Returns:
+        out (S_local, nheads, headdim) in q's dtype, and lse (nheads, S_local) fp32 with return_lse.
+    Raises:
+        ValueError, TypeError, RuntimeError: as ulysses_ring_attn_func, and for q, k, v that are not 3-D or a bad
+            cu_seqlens; on every rank of the grid alike.
+    """
+    grid = grid_groups(ulysses_group, ring_group, mesh)
+    options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                   return_attn_probs=return_attn_probs)  # fmt: skip
+    if grid.ulysses is None:  # degree 1: the ring alone
+        ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh)
+        return ring_attn_varlen_func(q, k, v, cu_seqlens, **options, group=ring, layout=layout,
+                                     return_lse=return_lse, learnable_sink=learnable_sink)  # fmt: skip
+    call = "ulysses_ring_attn_varlen_func"
+    out, lse = _ulysses_ring(call, grid, q, k, v, cu_seqlens, options, layout, learnable_sink)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _own_group(ring_group: Group, mesh) -> dist.ProcessGroup:
+    """The ring of a grid whose both degrees are 1: the group as given (of one rank), or the world's."""
+    if mesh is not None:
+        return mesh.get_group("ring")
+    return ring_group if ring_group is not None else dist.group.WORLD

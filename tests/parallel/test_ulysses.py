@@ -1,0 +1,304 @@
+"""Ulysses x ring attention (ulysses_ring_attn_func, its varlen form, shard / unshard with ulysses_group) on U x R
+grids of spawned gloo ranks against float64 attention on the whole sequence; the 2-D layout's index map and the
+head split as pure functions; bad grids and bad inputs refused on every rank alike."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import ringattn
+from ringattn.parallel import LAYOUTS, grid_shard_ranges, shard_indices
+from ringattn.parallel.documents import document_ids
+from ringattn.parallel.grid import _grid_problem
+from ringattn.parallel.ulysses import heads_per_rank, rank_heads
+from ringattn.testing import check_close, magnitude
+from tests.distributed import raised_errors, run_ranks
+from tests.test_sinks import sink_reference
+from tests.utils import make_qkv, reference_attention
+
+GRIDS = [(2, 2), (1, 4), (4, 1), (2, 3), (3, 2)]  # (U, R)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("ulysses_size,ring_size", GRIDS + [(3, 1), (1, 1)])
+def test_grid_shards_are_pieces_of_ring_shards(ulysses_size, ring_size, layout):
+    """Rank (u, r) holds the u-th of U equal pieces of ring shard r: the pieces in Ulysses order are ring shard r, in
+    increasing global order; every position is on exactly one rank; with U = 1 it is shard_indices."""
+    seqlen = 2 * ulysses_size * ring_size * 3
+    for r in range(ring_size):
+        pieces = [ringattn.grid_shard_indices(seqlen, u, ulysses_size, r, ring_size, layout)
+                  for u in range(ulysses_size)]  # fmt: skip
+        ring_shard = shard_indices(seqlen, r, ring_size, layout)
+        assert torch.equal(torch.cat(pieces), ring_shard)
+        assert all(p.numel() == seqlen // (ulysses_size * ring_size) for p in pieces)
+        assert all(bool((p[1:] > p[:-1]).all()) for p in pieces)
+
+
+def test_zigzag_piece_spanning_both_chunks():
+    """U = 3 pieces of a zigzag ring shard of 2 chunks of 3: the middle piece takes the end of the first chunk and
+    the start of the second."""
+    # R = 2, S = 12: ring shard 0 = c_0 + c_3 = [0, 1, 2] + [9, 10, 11]
+    assert grid_shard_ranges(12, 1, 3, 0, 2, "zigzag") == [range(2, 3), range(9, 10)]
+    assert ringattn.grid_shard_indices(12, 2, 3, 0, 2, "zigzag").tolist() == [10, 11]
+    with pytest.raises(ValueError, match=r"seqlen = 8 must be a multiple of the Ulysses degree 3 x the ring degree 2"):
+        ringattn.grid_shard_indices(8, 0, 3, 0, 2, "zigzag")
+    with pytest.raises(ValueError, match="ulysses_rank must be in"):
+        ringattn.grid_shard_indices(12, 3, 3, 0, 2, "zigzag")
+
+
+def test_head_split():
+    """Query heads and K/V heads split over U ranks: 1 / U each, or one K/V head copied to U / Hkv ranks."""
+    assert [rank_heads(8, u, 4) for u in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [rank_heads(2, u, 4) for u in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert [rank_heads(1, u, 3) for u in range(3)] == [range(0, 1)] * 3
+    assert heads_per_rank(6, 3) == 2 and heads_per_rank(3, 6) == 1
+    with pytest.raises(ValueError, match="3 heads cannot be split over 2 Ulysses ranks"):
+        heads_per_rank(3, 2)
+
+
+def test_grid_problem_names_the_rank_placed_twice():
+    """8 ranks as 2 x 2 grids whose rings were crossed ({0, 1} and {2, 3} Ulysses groups, rings {0, 2} and {1, 7}):
+    each rank's field checks pass (the same ring rank across a Ulysses group, the same Ulysses rank across a ring),
+    but rank 0 sees the ring of its Ulysses mate 1 hold rank 7 where its ring mate's Ulysses group holds 3."""
+    rows = [[0, 2], [1, 7]]  # the rings of Ulysses ranks 0 and 1, as rank 0 gathers them
+    columns = [[0, 1], [2, 3]]  # the Ulysses groups of ring ranks 0 and 1
+    problem = _grid_problem(rows, columns)
+    assert "do not tile their ranks as a grid" in problem and "holds global rank 7 at ring rank 1" in problem
+    assert _grid_problem([[0, 2], [1, 3]], columns) is None
+
+
+def _mesh(ulysses_size, ring_size):
+    return init_device_mesh("cpu", (ulysses_size, ring_size), mesh_dim_names=("ulysses", "ring"))
+
+
+def _check_against_reference(what, ours, q, k, v, dout, idx, causal, **docs):
+    """ours = (out, lse, dq, dk, dv) of this rank's tokens idx, against float64 attention of the whole sequence under
+    the tolerance rule."""
+    scale = q.shape[-1] ** -0.5
+    ref = reference_attention(q, k, v, dout, scale, causal, torch.float64, **docs)
+    pt = reference_attention(q, k, v, dout, scale, causal, q.dtype, **docs)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        local = (lambda t: t[:, :, idx]) if i == 1 else (lambda t: t[:, idx])
+        check_close(f"{what} {name}", ours[i], local(pt[i]), local(ref[i]), None if i < 2 else grad_scale)
+    return ref, pt
+
+
+def _dense_grid_matches_reference(rank, world_size, ulysses_size, ring_size, cases):
+    """Each case (layout, causal, heads_q, heads_k, seqlen_local, groups): ulysses_ring_attn_func on this grid, forward
+    and backward, against float64; shard / unshard / position_ids of the 2-D layout alike."""
+    mesh = _mesh(ulysses_size, ring_size)
+    u, r = mesh.get_local_rank("ulysses"), mesh.get_local_rank("ring")
+    for layout, causal, heads_q, heads_k, seqlen_local, groups, *options in cases:
+        options = options[0] if options else {}
+        seqlen = seqlen_local * ulysses_size * ring_size
+        q, k, v, dout = make_qkv(2, seqlen, seqlen, heads_q, heads_k, 16, torch.float32, "cpu", seed=seqlen + heads_k)
+        idx = ringattn.grid_shard_indices(seqlen, u, ulysses_size, r, ring_size, layout)
+        where = dict(mesh=mesh) if groups == "mesh" else dict(ulysses_group=mesh["ulysses"], ring_group=mesh["ring"])
+        place = dict(group=mesh["ring"], ulysses_group=mesh["ulysses"], layout=layout)
+        q_l, k_l, v_l = (ringattn.shard(t, **place).requires_grad_() for t in (q, k, v))
+        assert torch.equal(q_l, q[:, idx]) and torch.equal(ringattn.position_ids(seqlen, **place), idx)
+        out, lse = ringattn.ulysses_ring_attn_func(q_l, k_l, v_l, causal=causal, layout=layout, return_lse=True,
+                                                   **where, **options)  # fmt: skip
+        out.backward(dout[:, idx])
+        what = f"U{ulysses_size} x R{ring_size} rank ({u}, {r}) {layout} causal={causal} Hq{heads_q} Hkv{heads_k}"
+        ref_options = {}
+        if options:
+            ref_options = dict(window=tuple(None if w == -1 else w for w in options["window_size"]),
+                               softcap=options["softcap"])  # fmt: skip
+        ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
+        ref, pt = _check_against_reference(what, ours, q, k, v, dout, idx, causal, **ref_options)
+        check_close(f"{what} unshard(out)", ringattn.unshard(out, dim=1, **place), pt[0], ref[0])
+        check_close(f"{what} unshard(lse)", ringattn.unshard(lse, dim=2, **place), pt[1], ref[1])
+    return True
+
+
+# (U, R) -> cases: GQA with Hkv = U, Hkv < U and Hkv = 1 among them; zigzag and contiguous, causal and not
+DENSE_CASES = {
+    (2, 2): [
+        ("zigzag", True, 4, 2, 6, "mesh"),
+        ("contiguous", True, 4, 1, 5, "groups"),
+        ("contiguous", True, 4, 2, 4, "groups", {"window_size": (5, 0), "softcap": 3.0}),
+    ],
+    (1, 4): [("zigzag", True, 4, 2, 6, "groups"), ("contiguous", False, 2, 1, 5, "mesh")],
+    (4, 1): [("zigzag", True, 8, 2, 3, "mesh"), ("contiguous", True, 4, 4, 5, "groups")],
+    (2, 3): [("zigzag", True, 4, 1, 5, "groups"), ("contiguous", False, 2, 2, 4, "mesh")],
+    (3, 2): [("zigzag", True, 6, 3, 4, "mesh"), ("contiguous", True, 3, 1, 3, "groups")],
+}
+
+
+@pytest.mark.parametrize(
+    "ulysses_size,ring_size",
+    list(DENSE_CASES),
+    ids=[f"U{u}xR{r}" for u, r in DENSE_CASES],
+)
+def test_ulysses_ring_matches_reference(ulysses_size, ring_size):
+    cases = DENSE_CASES[(ulysses_size, ring_size)]
+    world_size = ulysses_size * ring_size
+    assert (
+        run_ranks(_dense_grid_matches_reference, world_size, ulysses_size, ring_size, cases, timeout=300)
+        == [True] * world_size
+    )
+
+
+def _varlen_grid_matches_reference(rank, world_size, ulysses_size, ring_size, lengths, heads_q, heads_k, layout):
+    mesh = _mesh(ulysses_size, ring_size)
+    u, r = mesh.get_local_rank("ulysses"), mesh.get_local_rank("ring")
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    seqlen = int(cu_seqlens[-1])
+    q, k, v, dout = make_qkv(1, seqlen, seqlen, heads_q, heads_k, 16, torch.float32, "cpu", seed=seqlen)
+    idx = ringattn.grid_shard_indices(seqlen, u, ulysses_size, r, ring_size, layout)
+    q_l, k_l, v_l = (t[0, idx].requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.ulysses_ring_attn_varlen_func(q_l, k_l, v_l, cu_seqlens, layout=layout, return_lse=True,
+                                                      mesh=mesh)  # fmt: skip
+    out.backward(dout[0, idx])
+    ids = document_ids(cu_seqlens, seqlen)
+    ours = (out[None], lse[None], q_l.grad[None], k_l.grad[None], v_l.grad[None])
+    _check_against_reference(f"U{ulysses_size} x R{ring_size} rank ({u}, {r}) varlen", ours, q, k, v, dout, idx, True,
+                             q_doc_ids=ids, k_doc_ids=ids)  # fmt: skip
+    return True
+
+
+# documents crossing Ulysses pieces and ring shards, documents of one token, shorter than a piece
+VARLEN_CASES = {
+    (2, 2): ([5, 1, 9, 3, 6], 4, 2, "zigzag"),  # S = 24, pieces of 6
+    (4, 1): ([7, 1, 1, 11, 4], 4, 1, "zigzag"),  # pure Ulysses: the fused varlen kernel on the whole sequence
+    (1, 4): ([3, 10, 1, 10], 4, 2, "zigzag"),  # ring_attn_varlen_func
+    (3, 2): ([2, 13, 1, 5, 3], 6, 1, "contiguous"),  # S = 24, pieces of 4; MQA, Hkv < U
+}
+
+
+@pytest.mark.parametrize(
+    "ulysses_size,ring_size",
+    list(VARLEN_CASES),
+    ids=[f"U{u}xR{r}" for u, r in VARLEN_CASES],
+)
+def test_ulysses_ring_varlen_matches_reference(ulysses_size, ring_size):
+    world_size = ulysses_size * ring_size
+    args = VARLEN_CASES[(ulysses_size, ring_size)]
+    results = run_ranks(_varlen_grid_matches_reference, world_size, ulysses_size, ring_size, *args, timeout=300)
+    assert results == [True] * world_size
+
+
+def _sinks_match_reference(rank, world_size):
+    mesh = _mesh(2, 2)
+    u, r = mesh.get_local_rank("ulysses"), mesh.get_local_rank("ring")
+    q, k, v, dout = make_qkv(1, 24, 24, 4, 2, 16, torch.float32, "cpu", seed=11)
+    sink = torch.tensor([-1.0, 0.5, 2.0, 6.0], requires_grad=True)
+    idx = ringattn.grid_shard_indices(24, u, 2, r, 2, "zigzag")
+    q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.ulysses_ring_attn_func(q_l, k_l, v_l, causal=True, mesh=mesh, return_lse=True,
+                                               learnable_sink=sink)  # fmt: skip
+    out.backward(dout[:, idx])
+    dsink = sink.grad.clone()
+    dist.all_reduce(dsink)  # each rank's share: its rows, its Ulysses heads
+    ref = sink_reference(q, k, v, dout, sink, 16**-0.5, True, torch.float64)
+    pt = sink_reference(q, k, v, dout, sink, 16**-0.5, True, torch.float32)
+    grad_scale = max(magnitude(g) for g in ref[2:5])
+    ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        local = (lambda t: t[:, :, idx]) if i == 1 else (lambda t: t[:, idx])
+        check_close(f"rank ({u}, {r}) {name}", ours[i], local(pt[i]), local(ref[i]), None if i < 2 else grad_scale)
+    check_close("dsink summed over the grid", dsink, pt[5], ref[5])
+    return True
+
+
+def test_ulysses_ring_sinks_match_reference():
+    """learnable_sink on a 2 x 2 grid: each rank's Ulysses heads take their sinks; the gradient summed over the grid
+    is the whole sequence's."""
+    assert run_ranks(_sinks_match_reference, 4) == [True] * 4
+
+
+def _ulysses_of_one_is_the_ring(rank, world_size):
+    mesh = _mesh(1, world_size)
+    q, k, v, dout = make_qkv(1, 24, 24, 4, 2, 16, torch.float32, "cpu", seed=3)
+    results = []
+    for attn in (
+        lambda *a: ringattn.ring_attn_func(*a, causal=True, layout="zigzag", group=mesh["ring"], return_lse=True),
+        lambda *a: ringattn.ulysses_ring_attn_func(*a, causal=True, mesh=mesh, return_lse=True),
+        lambda *a: ringattn.ulysses_ring_attn_func(*a, causal=True, ring_group=mesh["ring"], return_lse=True),
+    ):
+        q_l, k_l, v_l = (ringattn.shard(t, group=mesh["ring"]).requires_grad_() for t in (q, k, v))
+        out, lse = attn(q_l, k_l, v_l)
+        out.backward(ringattn.shard(dout, group=mesh["ring"]))
+        results.append((out, lse, q_l.grad, k_l.grad, v_l.grad))
+    for other in results[1:]:
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[0], other, strict=True):
+            assert torch.equal(a, b), name
+    return True
+
+
+def test_ulysses_degree_one_is_ring_attn_func():
+    """U = 1 (a mesh's "ulysses" dimension of size 1, or no ulysses_group): the same bits as ring_attn_func."""
+    assert run_ranks(_ulysses_of_one_is_the_ring, 2) == [True, True]
+
+
+def _bad_grids_and_inputs(rank, world_size):
+    """Each case raises on every rank; returns {case: (message, seconds)}."""
+    mesh = _mesh(2, 2)  # rank = 2 u + r
+    u_group, ring = mesh["ulysses"], mesh["ring"]
+    world = dist.group.WORLD
+    crossed_ulysses = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every process creates every group
+    crossed_rings = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    named_wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+
+    def attn(heads_q=4, heads_k=2, **kw):
+        q = torch.zeros(1, 6, heads_q, 16)
+        k = torch.zeros(1, 6, heads_k, 16)
+        grids = {} if {"ulysses_group", "ring_group", "mesh"} & kw.keys() else {"mesh": mesh}
+        return lambda: ringattn.ulysses_ring_attn_func(q, k, k, causal=True, **grids, **kw)
+
+    cases = {
+        "u-not-dividing-hq": attn(heads_q=3, heads_k=1),
+        "u-and-hkv": attn(heads_q=6, heads_k=3),
+        "overlapping": attn(ulysses_group=world, ring_group=world),
+        "not-a-grid": attn(ulysses_group=crossed_ulysses[rank // 2], ring_group=crossed_rings[rank in (1, 2)]),
+        "mesh-names": attn(mesh=named_wrong),
+        "one-rank-dtype": lambda: ringattn.ulysses_ring_attn_func(
+            *(torch.zeros(1, 6, 4, 16, dtype=torch.float64 if rank == 3 else torch.float32),) * 3, mesh=mesh
+        ),
+        "one-rank-causal": lambda: ringattn.ulysses_ring_attn_func(
+            *(torch.zeros(1, 6, 4, 16),) * 3, causal=rank != 2, mesh=mesh
+        ),  # fmt: skip
+        "shard-length": lambda: ringattn.shard(
+            torch.zeros(1, 6), group=ring, ulysses_group=u_group, layout="contiguous"
+        ),
+        "unshard-one-rank": lambda: ringattn.unshard(
+            torch.zeros(1, 6 if rank == 1 else 4), group=ring, ulysses_group=u_group
+        ),  # fmt: skip
+    }
+    errors = raised_errors({n: c for n, c in cases.items() if n != "one-rank-dtype"})
+    start = time.monotonic()
+    with pytest.raises(TypeError) as err:
+        cases["one-rank-dtype"]()
+    errors["one-rank-dtype"] = (str(err.value), time.monotonic() - start)
+    return errors
+
+
+BAD_GRID_EXPECTED = {
+    "u-not-dividing-hq": "ulysses_group's size 2 must divide q's head count 3 (q.shape[2])",
+    "u-and-hkv": "ulysses_group's size 2 and k's head count 3 (k.shape[2]) must divide one another",
+    "overlapping": "ulysses_group and ring_group must share only this rank",
+    "not-a-grid": "disagree on rank in the other group",
+    "mesh-names": "mesh must have dimensions named 'ulysses' and 'ring', got ('dp', 'cp')",
+    "one-rank-dtype": "refused on group rank 1 of 2: q must be float16, bfloat16 or float32, got torch.float64",
+    "one-rank-causal": "disagree on causal (rank 0: True, rank 1: False)",
+    "shard-length": "x.shape[1] = 6 must be a multiple of the Ulysses degree 2 x the ring degree 2",
+    "unshard-one-rank": "disagree on x_local.shape",
+}
+
+
+def test_bad_grids_and_inputs_raise_on_every_rank():
+    """U not dividing the query heads, U and the K/V heads not dividing one another, overlapping groups, groups that
+    do not form a grid, a mesh without the dimension names, one rank's bad dtype or different causal, bad lengths for
+    shard / unshard: the same error on every rank of the 2 x 2 grid, naming the argument, within seconds."""
+    results = run_ranks(_bad_grids_and_inputs, 4)
+    for name, expected in BAD_GRID_EXPECTED.items():
+        messages = {r[name][0] for r in results}
+        # groups that are no grid: each ring says what its ranks disagree on
+        assert len(messages) == 1 or name == "not-a-grid", f"{name}: ranks raised different errors: {messages}"
+        assert all(expected in m for m in messages), f"{name}: {messages}"
+        assert all(r[name][1] < 5.0 for r in results), f"{name}: {[r[name][1] for r in results]}"
