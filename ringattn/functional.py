@@ -20,6 +20,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from .ops import KERNEL_OPS, add_sink_, capped_ops, kernel_ops, kernel_override, sink_grad
 from .ops.custom_ops import attn_bwd_op, attn_fwd_op
 from .ops.validation import (
+    LSE_DTYPE,
     check_attn_inputs,
     check_flash_attn_options,
     check_kernel_device,
@@ -50,6 +51,12 @@ def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, 
     lse = lse.clone()
     add_sink_(out, lse, sink)
     return out.to(dtype), lse, out
+
+
+def public_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The lse the public functions return, (B, Hq, S) fp32, from the float64 one the kernels keep for the
+    backward."""
+    return lse.to(torch.float32)
 
 
 def _check_not_double_backward() -> None:
@@ -144,7 +151,7 @@ def flash_attn_func(
     sink = check_sink(learnable_sink, q)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
     out, lse = FlashAttnFunction.apply(q, k, v, scale, causal, window, softcap, deterministic, None, None, sink)
-    return (out, lse) if return_lse else out
+    return (out, public_lse(lse)) if return_lse else out
 
 
 def flash_attn_varlen_func(
@@ -200,7 +207,7 @@ def flash_attn_varlen_func(
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
     out, lse = FlashAttnFunction.apply(q[None], k[None], v[None], scale, causal, window, softcap, deterministic,
                                        q_doc_ids, k_doc_ids, sink)  # fmt: skip
-    return (out[0], lse[0]) if return_lse else out[0]
+    return (out[0], public_lse(lse[0])) if return_lse else out[0]
 
 
 def _check_3d(q, k, v, rows: str) -> None:
@@ -349,7 +356,7 @@ def ring_attn_fwd_op(
         learnable_sink (Hq,) or None; softmax_scale, causal, the window's sides (None: no limit), softcap as the
         kernels take them; deterministic: for the backward (saved by the autograd registration).
     Returns:
-        out (B, S_local, Hq, D) in q's dtype, contiguous; lse (B, Hq, S_local) fp32 (with sinks, counting them);
+        out (B, S_local, Hq, D) in q's dtype, contiguous; lse (B, Hq, S_local) float64 (with sinks, counting them);
         and the fp32 out with the sinks merged in, for their gradient, where it is not out itself (_keeps_state),
         else an empty tensor.
     Raises:
@@ -380,7 +387,7 @@ def ring_attn_fwd_op(
 @ring_attn_fwd_op.register_fake
 def _ring_attn_fwd_fake(q, k, v, cu_seqlens, learnable_sink, *options):
     batch, seqlen, heads_q, _ = q.shape
-    lse = q.new_empty((batch, heads_q, seqlen), dtype=state_dtype(q))
+    lse = q.new_empty((batch, heads_q, seqlen), dtype=LSE_DTYPE)
     state = q.new_empty(q.shape if _keeps_state(q, learnable_sink) else (0,), dtype=state_dtype(q))
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse, state
 
@@ -528,7 +535,7 @@ def ring_attn_func(
         scale, group_name = check_ring_inputs(q, k, v, group, layout, softmax_scale, learnable_sink)
     out, lse = _ring_attn("ring_attn_func", q, k, v, None, learnable_sink, scale, causal, window, softcap,
                           deterministic, group_name, layout)  # fmt: skip
-    return (out, lse) if return_lse else out
+    return (out, public_lse(lse)) if return_lse else out
 
 
 def ring_attn_varlen_func(
@@ -600,7 +607,7 @@ def ring_attn_varlen_func(
                           group_name, layout)  # fmt: skip
     if rows:
         out, lse = out[0], lse[0]
-    return (out, lse) if return_lse else out
+    return (out, public_lse(lse)) if return_lse else out
 
 
 def _check_varlen_ring_dims(q, k, v) -> bool:

@@ -48,7 +48,7 @@ ring.add_share_, the very functions the ring calls at every step after the first
 kernel launch, merge into the fp32 running state, dQ added into fp32, dK/dV stored as an fp32 share and
 added to the block's accumulators), on a full off-diagonal S_local x S_local block (contiguous
 causal, rank 1 holding kv block 0 of W = 2), against the public attn_fwd (out in bf16) and attn_bwd
-(delta computed inside) on the same block: providers block_step and block_public, modes fwd and bwd.
+(the row stats computed inside) on the same block: providers block_step and block_public, modes fwd and bwd.
 
 Timing: triton.testing.do_bench median (--warmup, --rep in ms), no host syncs inside the timed calls.
 The ring and the fused call it is compared with are timed in turn, --rounds times each (fused, ring, grids,
@@ -390,13 +390,14 @@ def bench_block(seqlen_local: int, args) -> list[dict]:
     step = (KERNEL_OPS, layout, rank, kv_rank, world_size, causal, scale)
     out, lse = attn_fwd(q, k, v, scale, False)  # the ring saves out in the input dtype
     f32 = dict(dtype=torch.float32, device=args.device)
-    state = (torch.zeros(q.shape, **f32), torch.full(lse.shape, float("-inf"), **f32))  # the merge's identity
-    delta = KERNEL_OPS.bwd_preprocess(out, dout)
+    # the merge's identity
+    state = (torch.zeros(q.shape, **f32), torch.full(lse.shape, float("-inf"), dtype=lse.dtype, device=args.device))
+    stats = KERNEL_OPS.bwd_preprocess(out, dout, lse)  # the row stats, once for the ring
     grads = [torch.zeros(t.shape, **f32) for t in (q, k, v)]
     shares = [torch.empty(t.shape, **f32) for t in (k, v)]
 
     def ring_bwd_step():  # a later step's backward as the ring runs it: dK, dV stored as a share, then added
-        rows = backward_step(*step, dout, q, k, v, out, lse, delta, grads[0], *shares, add_dkdv=False)
+        rows = backward_step(*step, dout, q, k, v, out, lse, stats, grads[0], *shares, add_dkdv=False)
         add_share_(*grads[1:], *shares, rows)
 
     calls = {  # mode: (public, ring step); the step merges into `state` and adds into `grads` at every call

@@ -111,24 +111,25 @@ def _backend(kernel: str) -> str:
     return kernel.split(".")[0]
 
 
-def _bwd_call(dout, q, k, v, lse, delta, scale: float, causal: bool) -> BwdCall:
+def _bwd_call(dout, q, k, v, stats, scale: float, causal: bool) -> BwdCall:
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    return BwdCall(dout, q, k, v, lse, delta, *grads, scale, causal)
+    return BwdCall(dout, q, k, v, stats, *grads, scale, causal)
 
 
 def _launched(kernel: str, q, k, v, causal: bool) -> bool:
     """Whether the swept call, on `kernel`'s backend, runs `kernel`: asked of the dispatch, nothing run."""
-    stats = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     if kernel.endswith(".fwd"):
-        launch = fwd_launch(FwdCall(q, k, v, 1.0, causal, torch.empty_like(q), stats), _backend(kernel))
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64, device=q.device)
+        launch = fwd_launch(FwdCall(q, k, v, 1.0, causal, torch.empty_like(q), lse), _backend(kernel))
         return launch.name == kernel
-    names = [launch.name for launch in bwd_launches(_bwd_call(q, q, k, v, stats, stats, 1.0, causal), _backend(kernel))]
+    stats = torch.empty(3, q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    names = [launch.name for launch in bwd_launches(_bwd_call(q, q, k, v, stats, 1.0, causal), _backend(kernel))]
     return kernel in names
 
 
 def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
-    """The launch of backward kernel `kernel` alone, on buffers of its own, delta computed once."""
-    call = _bwd_call(dout, q, k, v, lse, attn_bwd_preprocess(out, dout), scale, causal)
+    """The launch of backward kernel `kernel` alone, on buffers of its own, the row stats computed once."""
+    call = _bwd_call(dout, q, k, v, attn_bwd_preprocess(out, dout, lse), scale, causal)
     return next(launch for launch in bwd_launches(call, _backend(kernel)) if launch.name == kernel)
 
 

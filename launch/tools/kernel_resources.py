@@ -69,7 +69,7 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
     target = Target(divmod(arch, 10))
     q, dout = (torch.empty(1, SEQLEN, HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.empty(1, SEQLEN, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    lse, delta = (torch.empty(1, HEADS, SEQLEN) for _ in range(2))
+    lse, stats = torch.empty(1, HEADS, SEQLEN, dtype=torch.float64), torch.empty(3, 1, HEADS, SEQLEN)
     scale = head_dim**-0.5
     with override_configs({name: cfg} if cfg is not None else {}):
         if name.endswith(".fwd"):
@@ -80,7 +80,7 @@ def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
             # kernels as deterministic calls take them (where the Gluon backward takes the others)
             acc = [torch.empty(t.shape) for t in (q, k, v)]
             split = name in ("sm90.dkdv", "sm90.dq")
-            call = BwdCall(dout, q, k, v, lse, delta, *acc, scale, causal, add_dq=True, add_dkdv=False,
+            call = BwdCall(dout, q, k, v, stats, *acc, scale, causal, add_dq=True, add_dkdv=False,
                            deterministic=split, window=window, softcap=softcap)  # fmt: skip
             launches = bwd_launches(call, backend, target)
     launch = next((launch for launch in launches if launch.name == name), None)

@@ -25,6 +25,7 @@ from .dispatch import (
 from .final_rows import FinalRows
 from .launch import KernelLaunch, LaunchConfig
 from .merge import add_sink_, merge_attn_states_, sink_grad
+from .validation import LSE_DTYPE
 
 
 class AttnOps(NamedTuple):
@@ -69,6 +70,7 @@ __all__ = [
     "FinalRows",
     "FwdCall",
     "KERNEL_OPS",
+    "LSE_DTYPE",
     "KernelLaunch",
     "LaunchConfig",
     "REFERENCE_OPS",

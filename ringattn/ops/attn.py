@@ -1,9 +1,10 @@
 """The attention launchers: validate, allocate, ask the dispatch (ops/dispatch.py) for the launches, run them.
 
 The pure-PyTorch twins with the same signatures live in ops/attn_ref.py.
-Layout everywhere: q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse, delta (B, Hq, Sq) fp32,
-natural log. Causal masking is aligned bottom-right (row i sees keys j <= i + Sk - Sq); so are sliding windows
-(ops/calls.py).
+Layout everywhere: q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse (B, Hq, Sq) float64, natural log (the
+backward recomputes P = exp(s - lse), so lse keeps the digits an fp32 lse would lose at large |lse|; the public
+functions return it in fp32); the backward's row stats (3, B, Hq, Sq) fp32 (attn_bwd_preprocess). Causal masking is
+aligned bottom-right (row i sees keys j <= i + Sk - Sq); so are sliding windows (ops/calls.py).
 Each launcher takes `backend` (None or "auto", "portable", "sm90": ops/dispatch.py); its reference does not.
 """
 
@@ -14,9 +15,12 @@ from .calls import BwdCall, FwdCall
 from .final_rows import FinalRows, check_dq_final, check_final_rows
 from .launch import device_guard, run_side_by_side
 from .validation import (
+    LSE_DTYPE,
     check_attn_inputs,
     check_attn_state,
+    check_bwd_stats,
     check_doc_ids,
+    check_lse,
     check_runnable_device,
     check_softcap,
     check_window,
@@ -66,7 +70,7 @@ def attn_fwd(
         softcap: scores -> softcap * tanh(scores / softcap) after the scale; 0 for none.
         backend: the kernels' backend, None or "auto", "portable" or "sm90" (ops/dispatch.py).
     Returns:
-        out (B, Sq, Hq, D) and lse (B, Hq, Sq) fp32 natural log; rows that see no key get out 0, lse -inf.
+        out (B, Sq, Hq, D) and lse (B, Hq, Sq) float64 natural log; rows that see no key get out 0, lse -inf.
     Raises:
         ValueError, TypeError: bad shapes, dtypes or devices (see check_attn_inputs, check_doc_ids,
             check_final_rows); a backend that is unknown or cannot run here.
@@ -79,7 +83,7 @@ def attn_fwd(
     window, softcap = check_window(window), check_softcap(softcap)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=LSE_DTYPE, device=q.device)
     call = FwdCall(q, k, v, softmax_scale, bool(causal), out, lse, q_doc_ids, k_doc_ids, False, final, window, softcap)
     _launch_fwd(call, backend)
     return out, lse
@@ -107,7 +111,7 @@ def attn_fwd_merge_(
         q, k, v, softmax_scale, causal, q_doc_ids, k_doc_ids, final, window, softcap, backend: as in attn_fwd
             (final's rows of the merged out go to final.out; lse is updated in every row).
         out: (B, Sq, Hq, D) fp32 running output, last dim contiguous (views of a larger state are fine).
-        lse: (B, Hq, Sq) fp32 running lse, natural log, -inf for rows without keys yet; last dim contiguous.
+        lse: (B, Hq, Sq) float64 running lse, natural log, -inf for rows without keys yet; last dim contiguous.
     Raises:
         as attn_fwd; ValueError or TypeError for a state of the wrong shape, dtype, device or strides.
     """
@@ -122,16 +126,19 @@ def attn_fwd_merge_(
     _launch_fwd(call, backend)
 
 
-def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """delta = rowsum(dout * out) in fp32: out, dout (B, Sq, Hq, D) -> delta (B, Hq, Sq)."""
+def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The backward's row stats, (3, B, Hq, Sq) fp32 contiguous, from out, dout (B, Sq, Hq, D) and lse (B, Hq, Sq)
+    float64: [0] lse * log2(e) rounded to fp32 (+inf where lse is -inf: P = 0), [1] the rest of lse * log2(e) (so
+    that P = exp2((s log2(e) - [0]) - [1]) misses no digit of lse), [2] delta = rowsum(dout * out)."""
     check_runnable_device(out)
-    out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout)
+    check_lse(lse, out)
+    out, dout, lse = _last_dim_contiguous(out), _last_dim_contiguous(dout), lse.contiguous()
     batch, seqlen_q, heads_q, _ = out.shape
-    delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=out.device)
-    launch = dispatch.preprocess_launch(out, dout, delta)
+    stats = torch.empty((3, batch, heads_q, seqlen_q), dtype=torch.float32, device=out.device)
+    launch = dispatch.preprocess_launch(out, dout, lse, stats)
     with device_guard(out):
         launch()
-    return delta
+    return stats
 
 
 def attn_bwd(
@@ -143,7 +150,7 @@ def attn_bwd(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
-    delta: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
     dq_acc: torch.Tensor | None = None,
     dk_acc: torch.Tensor | None = None,
     dv_acc: torch.Tensor | None = None,
@@ -161,9 +168,10 @@ def attn_bwd(
 
     Args:
         dout, out: (B, Sq, Hq, D); q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D).
-        lse: (B, Hq, Sq) fp32 natural log, the softmax normaliser of each row; in the ring it is the
+        lse: (B, Hq, Sq) float64 natural log, the softmax normaliser of each row; in the ring it is the
             global one, so P computed here is this block's slice of the global softmax.
-        delta: (B, Hq, Sq) fp32 rowsum(dout * out); computed from out and dout when None.
+        stats: the row stats (3, B, Hq, Sq) of attn_bwd_preprocess(out, dout, lse), which the ring computes once
+            for all its steps; computed here when None (lse is then read through them alone).
         dq_acc, dk_acc, dv_acc: optional buffers shaped like q, k, v (the ring passes fp32
             accumulators); when given, the gradients are added to them in place and they are returned.
             All three or none.
@@ -189,8 +197,7 @@ def attn_bwd(
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
     window, softcap = check_window(window), check_softcap(softcap)
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
-    lse = lse.contiguous()
-    delta = attn_bwd_preprocess(out, dout) if delta is None else delta.contiguous()
+    stats = attn_bwd_preprocess(out, dout, lse) if stats is None else check_bwd_stats(stats, q)
     accumulate = dq_acc is not None
     if accumulate != (dk_acc is not None) or accumulate != (dv_acc is not None):
         raise ValueError("dq_acc, dk_acc and dv_acc must be given together or not at all")
@@ -204,7 +211,7 @@ def attn_bwd(
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     call = BwdCall(
-        dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale, bool(causal), q_doc_ids, k_doc_ids,
+        dout, q, k, v, stats, dq, dk, dv, softmax_scale, bool(causal), q_doc_ids, k_doc_ids,
         accumulate and add_dq, accumulate and add_dkdv, dq_final, bool(deterministic), window, softcap,
     )  # fmt: skip
     launches = dispatch.bwd_launches(call, backend)

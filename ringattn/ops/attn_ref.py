@@ -5,12 +5,15 @@ meant for tests, for small CPU rings and as the float64 ground truth. They compu
 dtype of their inputs (upcast the inputs for a float64 reference).
 """
 
+import math
+
 import torch
 from einops import reduce, repeat
 
 from .calls import key_band
 from .final_rows import FinalRows, check_dq_final, check_final_rows
 from .merge import merge_attn_states_
+from .validation import LSE_DTYPE
 
 
 def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
@@ -84,8 +87,8 @@ def attn_fwd_ref(
     window: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of attn_fwd: out (B, Sq, Hq, D) in out_dtype (default q.dtype), lse (B, Hq, Sq) fp32
-    (float64 for float64 inputs); final's rows also go to final.out (out keeps them too)."""
+    """Reference of attn_fwd: out (B, Sq, Hq, D) in out_dtype (default q.dtype), lse (B, Hq, Sq) float64 (computed
+    in fp32, or float64 for float64 inputs); final's rows also go to final.out (out keeps them too)."""
     check_final_rows(final, q)
     s, _ = _scores(q, k, softmax_scale, causal, q_doc_ids, k_doc_ids, window, softcap)
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -93,7 +96,7 @@ def attn_fwd_ref(
     p = _probs(s.to(stat_dtype), lse).to(v.dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.shape[2])).to(out_dtype or q.dtype)
     _write_final(final, out)
-    return out, lse
+    return out, lse.to(LSE_DTYPE)
 
 
 def attn_fwd_merge_ref_(
@@ -119,10 +122,16 @@ def attn_fwd_merge_ref_(
     _write_final(final, out)
 
 
-def attn_bwd_preprocess_ref(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """Reference of attn_bwd_preprocess: delta (B, Hq, Sq) = rowsum(dout * out), fp32 or wider."""
+def attn_bwd_preprocess_ref(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Reference of attn_bwd_preprocess: the row stats (3, B, Hq, Sq), fp32 or wider: lse * log2(e) as hi (+inf
+    where lse is -inf) + lo, and delta = rowsum(dout * out)."""
     stat_dtype = torch.promote_types(out.dtype, torch.float32)
-    return (dout.to(stat_dtype) * out.to(stat_dtype)).sum(-1).transpose(1, 2).contiguous()
+    lse2 = lse.to(torch.float64) * math.log2(math.e)
+    empty = lse2 == float("-inf")
+    hi = lse2.to(stat_dtype)
+    lo = (lse2 - hi.to(torch.float64)).masked_fill(empty, 0.0).to(stat_dtype)
+    delta = (dout.to(stat_dtype) * out.to(stat_dtype)).sum(-1).transpose(1, 2)
+    return torch.stack((hi.masked_fill(empty, float("inf")), lo, delta))
 
 
 def attn_bwd_ref(
@@ -134,7 +143,7 @@ def attn_bwd_ref(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
-    delta: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
     dq_acc: torch.Tensor | None = None,
     dk_acc: torch.Tensor | None = None,
     dv_acc: torch.Tensor | None = None,
@@ -147,15 +156,15 @@ def attn_bwd_ref(
     window: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference of attn_bwd: P = exp(s - lse); dV = P^T dO; dS = P (dO V^T - delta) (with softcap times 1 - t^2, tanh's
-    derivative); dQ = scale dS K; dK = scale dS^T Q. Accumulators, when given, are added to in place (dQ stored instead
-    with add_dq False, dK and dV with add_dkdv False); then dq_final's rows of dq_acc go to dq_final.out. deterministic
-    is taken for attn_bwd's signature: the reference always is."""
+    """Reference of attn_bwd: P = exp(s - lse) (lse rounded to the inputs' precision); dV = P^T dO;
+    dS = P (dO V^T - delta) (with softcap times 1 - t^2, tanh's derivative); dQ = scale dS K; dK = scale dS^T Q.
+    Accumulators, when given, are added to in place (dQ stored instead with add_dq False, dK and dV with add_dkdv
+    False); then dq_final's rows of dq_acc go to dq_final.out. deterministic is taken for attn_bwd's signature: the
+    reference always is."""
     check_dq_final(dq_final, q, dq_acc)
     heads_q, heads_k = q.shape[2], k.shape[2]
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
-    if delta is None:
-        delta = attn_bwd_preprocess_ref(out, dout)
+    delta = (attn_bwd_preprocess_ref(out, dout, lse) if stats is None else stats)[2]
     s, t = _scores(q, k, softmax_scale, causal, q_doc_ids, k_doc_ids, window, softcap)
     p = _probs(s.to(stat_dtype), lse.to(stat_dtype))
     dout_c = dout.to(stat_dtype)

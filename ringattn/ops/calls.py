@@ -1,6 +1,7 @@
 """One attention call as the dispatch and the backends see it: its tensors, checked and allocated by ops/attn.py,
-and its flags. Layout: q, out, dout, dq (B, Sq, Hq, D); k, v, dk, dv (B, Sk, Hkv, D); lse, delta (B, Hq, Sq) fp32;
-document ids q_doc_ids (B, Sq), k_doc_ids (B, Sk) int32 with contiguous rows (batch stride 0: one row for all).
+and its flags. Layout: q, out, dout, dq (B, Sq, Hq, D); k, v, dk, dv (B, Sk, Hkv, D); lse (B, Hq, Sq) float64; the
+backward's row stats (3, B, Hq, Sq) fp32 (ops/attn.py's attn_bwd_preprocess); document ids q_doc_ids (B, Sq),
+k_doc_ids (B, Sk) int32 with contiguous rows (batch stride 0: one row for all).
 
 Every call may carry a sliding window, `window = (left, right)`: row i sees keys j with
 i + Sk - Sq - left <= j <= i + Sk - Sq + right (bottom-right aligned, as flash-attn's window_size; None: no limit
@@ -36,16 +37,16 @@ class FwdCall(NamedTuple):
 
 
 class BwdCall(NamedTuple):
-    """A backward into dq, dk, dv (add_dq, add_dkdv: added into what they hold, else stored), lse and delta
-    contiguous; dq_final: dQ's rows written, rounded, into dq_final.out instead of dq; deterministic: the same bits
-    every run (no kernel that adds dQ atomically)."""
+    """A backward into dq, dk, dv (add_dq, add_dkdv: added into what they hold, else stored), from the row stats
+    (3, B, Hq, Sq) fp32 contiguous (attn_bwd_preprocess: lse in log2 units as hi + lo, and delta); dq_final: dQ's
+    rows written, rounded, into dq_final.out instead of dq; deterministic: the same bits every run (no kernel that
+    adds dQ atomically)."""
 
     dout: torch.Tensor
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    lse: torch.Tensor
-    delta: torch.Tensor
+    stats: torch.Tensor
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor

@@ -15,6 +15,7 @@ out_dtype, attn_bwd accumulating into fp32 buffers in place): its loop is not tr
 import torch
 
 from .attn import attn_bwd, attn_fwd
+from .validation import LSE_DTYPE
 
 
 @torch.library.custom_op("ringattn::attn_fwd", mutates_args=())
@@ -31,7 +32,8 @@ def attn_fwd_op(
     k_doc_ids: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """attn_fwd as a custom op: out (B, Sq, Hq, D) contiguous in out_dtype (default q's), lse (B, Hq, Sq) fp32."""
+    """attn_fwd as a custom op: out (B, Sq, Hq, D) contiguous in out_dtype (default q's), lse (B, Hq, Sq)
+    float64."""
     return attn_fwd(q, k, v, softmax_scale, causal, out_dtype, q_doc_ids=q_doc_ids, k_doc_ids=k_doc_ids,
                     window=(window_left, window_right), softcap=softcap)  # fmt: skip
 
@@ -41,7 +43,7 @@ def _attn_fwd_fake(q, k, v, softmax_scale, causal, window_left=None, window_righ
                    k_doc_ids=None, out_dtype=None):  # fmt: skip
     batch, seqlen_q, heads_q, _ = q.shape
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=LSE_DTYPE, device=q.device)
     return out, lse
 
 

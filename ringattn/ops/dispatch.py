@@ -189,9 +189,10 @@ def bwd_launches(call: BwdCall, backend: str | None = None, target: Target | Non
     return dkdv, dq
 
 
-def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor) -> KernelLaunch:
-    """The backward's preprocess, delta = rowsum(dout * out), on every backend (ops/portable.py)."""
-    return portable.preprocess_launch(out, dout, delta)
+def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor) -> KernelLaunch:
+    """The backward's preprocess, the row stats (ops/attn.py's attn_bwd_preprocess), on every backend
+    (ops/portable.py)."""
+    return portable.preprocess_launch(out, dout, lse, stats)
 
 
 def short_backward(call: BwdCall) -> bool:

@@ -91,15 +91,15 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig, target: Target) -> KernelLaunch
     )  # fmt: skip
 
 
-def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor) -> KernelLaunch:
-    """_attn_bwd_preprocess_kernel: delta (B, Hq, Sq) = rowsum(dout * out) in fp32; out, dout (B, Sq, Hq, D) with
-    a contiguous last dim."""
+def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor) -> KernelLaunch:
+    """_attn_bwd_preprocess_kernel: the row stats (3, B, Hq, Sq) fp32 (ops/attn.py's attn_bwd_preprocess) from out,
+    dout (B, Sq, Hq, D) with a contiguous last dim and lse (B, Hq, Sq) float64 contiguous."""
     batch, seqlen_q, heads_q, head_dim = out.shape
     return KernelLaunch(
         "portable.preprocess",
         _attn_bwd_preprocess_kernel,
         (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), heads_q, batch),
-        (out, dout, delta, *strides(out), *strides(dout), seqlen_q, heads_q),
+        (out, dout, lse, stats, *strides(out), *strides(dout), seqlen_q, heads_q, stats.stride(0)),
         dict(
             HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=PREPROCESS_BLOCK_M,
             enable_fp_fusion=True,  # as the forward's: triton's default will flip
@@ -119,8 +119,8 @@ def _bwd_common(call: BwdCall) -> tuple[tuple, dict]:
 
 
 def _doc_args(call: BwdCall) -> tuple:
-    """The kernels' QDoc, KDoc arguments: the document ids, or lse (never read) without documents."""
-    return (call.q_doc_ids, call.k_doc_ids) if call.q_doc_ids is not None else (call.lse, call.lse)
+    """The kernels' QDoc, KDoc arguments: the document ids, or the row stats (never read) without documents."""
+    return (call.q_doc_ids, call.k_doc_ids) if call.q_doc_ids is not None else (call.stats, call.stats)
 
 
 def _doc_strides(call: FwdCall | BwdCall) -> tuple[int, int]:
@@ -142,9 +142,9 @@ def dkdv_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
         _attn_bwd_dkdv_kernel,
         (triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch),
         (
-            q, k, v, dout, call.lse, call.delta, dk, dv, *_doc_args(call),
+            q, k, v, dout, call.stats, dk, dv, *_doc_args(call),
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv), *_doc_strides(call),
-            seqlen_q, seqlen_k, heads_k, *band, call.softmax_scale,
+            seqlen_q, seqlen_k, heads_k, call.stats.stride(0), *band, call.softmax_scale,
         ),
         dict(
             **common, ACCUMULATE=call.add_dkdv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -166,9 +166,10 @@ def dq_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
         _attn_bwd_dq_kernel,
         (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
         (
-            q, k, v, dout, call.lse, call.delta, dq, *_doc_args(call), final_dq,
+            q, k, v, dout, call.stats, dq, *_doc_args(call), final_dq,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq), *final_strides,
-            seqlen_q, seqlen_k, heads_q, *band, call.softmax_scale, *_doc_strides(call), final_lo, final_hi,
+            seqlen_q, seqlen_k, heads_q, call.stats.stride(0), *band, call.softmax_scale, *_doc_strides(call),
+            final_lo, final_hi,
         ),
         dict(
             **common, ACCUMULATE=call.add_dq, HAS_FINAL_ROWS=call.dq_final is not None,

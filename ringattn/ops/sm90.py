@@ -78,20 +78,19 @@ def bwd_supported(call: BwdCall, target: Target) -> bool:
     return all(descriptor_aligned(t) for t in (q, call.k, call.v, dout))
 
 
-def _bwd_stats(call: BwdCall, block_m: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
-    """lse and delta as the Gluon backward loads them, (B, Hq, Sq') with Sq' the multiple of block_m at or above Sq
-    and zeros past Sq: the call's own where they are so, else copies of them (made by the returned function)."""
-    lse, delta = call.lse, call.delta
-    batch, heads_q, seqlen_q = lse.shape
-    if seqlen_q % block_m == 0 and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (lse, delta)):
-        return lse, delta, None
-    padded = [torch.zeros(batch, heads_q, triton.cdiv(seqlen_q, block_m) * block_m, device=lse.device) for _ in "ld"]
+def _bwd_stats(call: BwdCall, block_m: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """The row stats as the Gluon backward loads them, (3, B, Hq, Sq') with Sq' the multiple of block_m at or above
+    Sq and zeros past Sq: the call's own where they are so, else a copy of them (made by the returned function)."""
+    stats = call.stats
+    _, batch, heads_q, seqlen_q = stats.shape
+    if seqlen_q % block_m == 0 and stats.is_contiguous() and stats.data_ptr() % 16 == 0:
+        return stats, None
+    padded = stats.new_zeros(3, batch, heads_q, triton.cdiv(seqlen_q, block_m) * block_m)
 
     def copy() -> None:
-        for dst, src in zip(padded, (lse, delta), strict=True):
-            dst[..., :seqlen_q].copy_(src)
+        padded[..., :seqlen_q].copy_(stats)
 
-    return *padded, copy
+    return padded, copy
 
 
 def _split_kernel_dtype(q: torch.Tensor, target: Target) -> bool:
@@ -132,14 +131,14 @@ def dkdv_supported(call: BwdCall, target: Target) -> bool:
     heads_packed = q.stride(2) == q.shape[-1] and dout.stride(2) == dout.shape[-1]
     if call.add_dkdv or (q.shape[2] != k.shape[2] and not heads_packed):
         return False
-    tensors = (q, k, call.v, dout, call.lse, call.delta, call.dk, call.dv)
+    tensors = (q, k, call.v, dout, call.stats, call.dk, call.dv)
     return _split_supported("dkdv", call, tensors, target)
 
 
 def dq_supported(call: BwdCall, target: Target) -> bool:
     """Whether the split dQ kernel takes `call`: no final rows (the ring's last step), and what both split kernels
     need."""
-    tensors = (call.q, call.k, call.v, call.dout, call.lse, call.delta, call.dq)
+    tensors = (call.q, call.k, call.v, call.dout, call.stats, call.dq)
     return call.dq_final is None and _split_supported("dq", call, tensors, target)
 
 
@@ -184,7 +183,7 @@ def bwd_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
     dq = call.dq if accumulator else torch.empty(q.shape, dtype=torch.float32, device=q.device)
     zero_first = not (accumulator and call.add_dq)
     final = call.dq_final
-    lse, delta, copy_stats = _bwd_stats(call, cfg.block_m)
+    stats, copy_stats = _bwd_stats(call, cfg.block_m)
     band, band_flags = band_args(call)
 
     def prepare() -> None:
@@ -204,10 +203,10 @@ def bwd_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
         _attn_bwd_gluon_kernel,
         (triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch),
         (
-            q, k, v, dout, lse, delta, dq, dk, dv,
+            q, k, v, dout, stats, dq, dk, dv,
             q.stride(0), q.stride(1), *strides(k), *strides(v), dout.stride(0), dout.stride(1),
             dq.stride(0), dq.stride(1), *strides(dk), *strides(dv),
-            lse.shape[-1], seqlen_q, seqlen_k, heads_q, *band, call.softmax_scale,
+            stats.shape[-1], stats.stride(0), seqlen_q, seqlen_k, heads_q, *band, call.softmax_scale,
         ),
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
@@ -222,9 +221,9 @@ def bwd_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
 
 def mask_positions(call: BwdCall) -> torch.Tensor:
     """Row and key positions 0, 1, ..., max(Sq, Sk) - 1 (int32) that the split kernels' causal masks load (their
-    module docstring says why they are loaded); lse (never read) when not causal."""
+    module docstring says why they are loaded); the row stats (never read) when not causal."""
     if not call.causal:
-        return call.lse
+        return call.stats
     return torch.arange(max(call.q.shape[1], call.k.shape[1]), dtype=torch.int32, device=call.q.device)
 
 
@@ -238,9 +237,9 @@ def dkdv_launch(call: BwdCall, cfg: LaunchConfig, positions: torch.Tensor) -> Ke
         _attn_bwd_dkdv_ws_kernel,
         (triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch),
         (
-            q, k, v, dout, call.lse, call.delta, dk, dv, positions,
+            q, k, v, dout, call.stats, dk, dv, positions,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
-            seqlen_q, seqlen_k, heads_k, call.softmax_scale * LOG2E, call.softmax_scale,
+            seqlen_q, seqlen_k, heads_k, call.stats.stride(0), call.softmax_scale * LOG2E, call.softmax_scale,
         ),
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
@@ -262,9 +261,9 @@ def dq_launch(call: BwdCall, cfg: LaunchConfig, positions: torch.Tensor) -> Kern
         _attn_bwd_dq_ws_kernel,
         (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
         (
-            q, k, v, dout, call.lse, call.delta, dq, positions,
+            q, k, v, dout, call.stats, dq, positions,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
-            seqlen_q, seqlen_k, heads_q, call.softmax_scale * LOG2E, call.softmax_scale,
+            seqlen_q, seqlen_k, heads_q, call.stats.stride(0), call.softmax_scale * LOG2E, call.softmax_scale,
         ),
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,

@@ -12,6 +12,7 @@ from .dispatch import kernel_override
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_GRID_DIM = 65535  # batch and heads are CUDA grid dimensions 2 and 1
+LSE_DTYPE = torch.float64  # the ops' lse, and the running state's: P = exp(s - lse) needs its digits at large |lse|
 
 
 def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -275,23 +276,49 @@ def check_doc_ids(
     return checked[0], checked[1]
 
 
+def _check_stat(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device, what: str) -> None:
+    """One per-row tensor of a call: a `dtype` tensor of `shape` on `device` with a contiguous last dim."""
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise TypeError(f"{name} ({what}) must be a {dtype_name} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} ({what}) must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} ({what}) must be on {device}, got {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} ({what}) must have a contiguous last dim, got strides {t.stride()}")
+
+
 def check_attn_state(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor) -> None:
-    """Check a running (out, lse) state for q (attn_fwd_merge_): out (B, Sq, Hq, D) and lse (B, Hq, Sq), fp32
-    on q's device, each with a contiguous last dim (views into a larger state are fine).
+    """Check a running (out, lse) state for q (attn_fwd_merge_): out (B, Sq, Hq, D) fp32 and lse (B, Hq, Sq)
+    float64 on q's device, each with a contiguous last dim (views into a larger state are fine).
 
     Raises:
-        TypeError: a non-tensor or a dtype other than float32.
+        TypeError: a non-tensor or another dtype.
         ValueError: a wrong shape, device or last-dim stride.
     """
     batch, seqlen_q, heads_q, _ = q.shape
-    for name, t, shape in (("out", out, tuple(q.shape)), ("lse", lse, (batch, heads_q, seqlen_q))):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-            raise TypeError(
-                f"{name} (running state) must be a float32 tensor, got {getattr(t, 'dtype', type(t).__name__)}"
-            )
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} (running state) must have shape {shape}, got {tuple(t.shape)}")
-        if t.device != q.device:
-            raise ValueError(f"{name} (running state) must be on {q.device}, got {t.device}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} (running state) must have a contiguous last dim, got strides {t.stride()}")
+    _check_stat("out", out, torch.float32, tuple(q.shape), q.device, "running state")
+    _check_stat("lse", lse, LSE_DTYPE, (batch, heads_q, seqlen_q), q.device, "running state")
+
+
+def check_lse(lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Check the lse (B, Hq, Sq) float64 of the forward whose output out (B, Sq, Hq, D) a backward takes.
+
+    Raises:
+        TypeError, ValueError: as check_attn_state.
+    """
+    batch, seqlen_q, heads_q, _ = out.shape
+    _check_stat("lse", lse, LSE_DTYPE, (batch, heads_q, seqlen_q), out.device, "the forward's normaliser")
+
+
+def check_bwd_stats(stats: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The backward's row stats (3, B, Hq, Sq) fp32 (attn_bwd_preprocess) checked against q (B, Sq, Hq, D), made
+    contiguous (a copy, for the rows of a view).
+
+    Raises:
+        TypeError, ValueError: as check_attn_state.
+    """
+    batch, seqlen_q, heads_q, _ = q.shape
+    _check_stat("stats", stats, torch.float32, (3, batch, heads_q, seqlen_q), q.device, "attn_bwd_preprocess's")
+    return stats.contiguous()

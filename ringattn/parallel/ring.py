@@ -22,7 +22,7 @@ compute bitwise the same thing.
 
 import torch
 
-from ..ops import AttnOps, FinalRows
+from ..ops import LSE_DTYPE, AttnOps, FinalRows
 from .comm import RingComm
 from .documents import ShardDocuments
 from .schedule import BlockMode, block_tasks, kv_source_rank, last_computing_step
@@ -190,7 +190,7 @@ def own_block_forward(
             the rows this step finishes go there, rounded; None: into out.
         window: the sliding window over global positions (block_tasks).
     Returns:
-        out (B, S_local, Hq, D) and lse (B, Hq, S_local) in state_dtype(q), for forward_step to merge into: the
+        out (B, S_local, Hq, D) in state_dtype(q) and lse (B, Hq, S_local) float64, for forward_step to merge into: the
         same bits as merging the block into the merge's identity (out 0, lse -inf), without filling that
         identity and reading it back (but where a window splits a zigzag block: then merged into it). Rows
         written to final are unspecified in out.
@@ -201,7 +201,7 @@ def own_block_forward(
         return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, state_dtype(q), **kwargs,
                        final=_task_final_rows(finished, finishing, 0, 1, task.q_rows))  # fmt: skip
     out = torch.zeros(q.shape, dtype=state_dtype(q), device=q.device)
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=state_dtype(q), device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=LSE_DTYPE, device=q.device)
     _merge_tasks_(ops, tasks, softmax_scale, q, k, v, out, lse, finished, finishing)
     return out, lse
 
@@ -252,7 +252,7 @@ def own_block_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
+    stats: torch.Tensor,
     docs: ShardDocuments | None = None,
     dq_finished: torch.Tensor | None = None,
     finishing: list[range] | None = None,
@@ -264,7 +264,8 @@ def own_block_backward(
 
     Args:
         dout, q, out: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D), this rank's shards;
-        lse, delta: (B, Hq, S_local), the global lse and rowsum(dout * out).
+        lse: (B, Hq, S_local) float64, the global lse; stats: its row stats (3, B, Hq, S_local), ops'
+            attn_bwd_preprocess(out, dout, lse), once for the whole ring.
         dq_finished, finishing: where the dq rows this step finishes go, rounded, as own_block_forward's.
         window: as in own_block_forward.
     Returns:
@@ -274,13 +275,13 @@ def own_block_backward(
     dtype = state_dtype(q)
     if not whole:  # a window over a zigzag shard: the tasks add into zeroed buffers
         dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
-        _backward_tasks_(ops, tasks, softmax_scale, dout, q, k, v, out, lse, delta, dq, dk, dv, True, dq_finished,
+        _backward_tasks_(ops, tasks, softmax_scale, dout, q, k, v, out, lse, stats, dq, dk, dv, True, dq_finished,
                          finishing)  # fmt: skip
         return dq, dk, dv
     task, kwargs = tasks[0]
     dq, dk, dv = (torch.empty(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
     return ops.bwd(
-        dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, delta=delta,
+        dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, stats=stats,
         dq_acc=dq, dk_acc=dk, dv_acc=dv, **kwargs, add_dq=False, add_dkdv=False,
         dq_final=_task_final_rows(dq_finished, finishing, 0, 1, task.q_rows),
     )  # fmt: skip
@@ -296,7 +297,7 @@ def _backward_tasks_(
     v_blk: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
+    stats: torch.Tensor,
     dq: torch.Tensor,
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
@@ -327,7 +328,7 @@ def _backward_tasks_(
             _rows(lse, qs, 2),
             softmax_scale,
             task.mode is BlockMode.CAUSAL,
-            delta=_rows(delta, qs, 2),
+            stats=_rows(stats, qs, 3),
             dq_acc=_rows(dq, qs),
             dk_acc=_rows(dk_acc, kvs),
             dv_acc=_rows(dv_acc, kvs),
@@ -363,7 +364,7 @@ def backward_step(
     v_blk: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
+    stats: torch.Tensor,
     dq: torch.Tensor,
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
@@ -377,7 +378,7 @@ def backward_step(
     into dq (this rank's) and dk_acc, dv_acc (the accumulators of the block in hand), in place.
 
     Args:
-        dout, q, out: (B, S_local, Hq, D); lse, delta: (B, Hq, S_local), the global lse and rowsum(dout * out).
+        dout, q, out: (B, S_local, Hq, D); lse, stats: the global lse and its row stats, as own_block_backward's.
         k_blk, v_blk, dk_acc, dv_acc: (B, S_local, Hkv, D).
         docs: packed documents, as in forward_step.
         add_dkdv: False stores the block's dK, dV into the rows of dk_acc, dv_acc it computes instead of adding
@@ -389,7 +390,7 @@ def backward_step(
         the K/V rows whose dK, dV were added or stored, as disjoint ranges.
     """
     tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs, window))
-    return _backward_tasks_(ops, tasks, softmax_scale, dout, q, k_blk, v_blk, out, lse, delta, dq, dk_acc, dv_acc,
+    return _backward_tasks_(ops, tasks, softmax_scale, dout, q, k_blk, v_blk, out, lse, stats, dq, dk_acc, dv_acc,
                             add_dkdv, dq_finished, finishing)  # fmt: skip
 
 
@@ -455,8 +456,7 @@ def ring_attn_forward(
         keep_state: return out unrounded, in state_dtype(q) (for a merge after the ring: attention sinks).
     Returns:
         out (B, S_local, Hq, D) in q's dtype (each row rounded from the fp32 state by the step that finishes it;
-        with W = 1 one fused call), or with keep_state the fp32 state, and lse (B, Hq, S_local) fp32 (float64 for
-        float64 inputs).
+        with W = 1 one fused call), or with keep_state the fp32 state, and lse (B, Hq, S_local) float64.
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
@@ -508,7 +508,7 @@ def ring_attn_backward(
 
     Args:
         dout, out: (B, S_local, Hq, D); q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D);
-        lse: (B, Hq, S_local) fp32, the global normaliser from the forward.
+        lse: (B, Hq, S_local) float64, the global normaliser from the forward.
         layout, docs, window: what the forward ran with. K/V travel as far as the forward's (last_computing_step),
             the dK, dV accumulators with their blocks, and from the last step straight home (one hop back over
             the steps taken: the next rank with the whole ring); steps without tasks run no kernel.
@@ -523,13 +523,13 @@ def ring_attn_backward(
     if world_size == 1:
         ((task, kwargs),), _ = _own_block_tasks(layout, 0, 1, causal, q.shape[1], docs, window)
         return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **kwargs)
-    delta = ops.bwd_preprocess(out, dout)
+    stats = ops.bwd_preprocess(out, dout, lse)
     plan = finishing_plan(layout, comm.rank, world_size, causal, q.shape[1], docs, window)
     steps = last_computing_step(layout, world_size, causal, q.shape[1], window) + 1
     dq_finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # each row written once, rounded
     if steps == 1:  # a window inside each rank's own block: nothing travels
         dq, dk, dv = own_block_backward(ops, layout, comm.rank, world_size, causal, softmax_scale, dout, q, k, v,
-                                        out, lse, delta, docs, dq_finished, plan[0], window)  # fmt: skip
+                                        out, lse, stats, docs, dq_finished, plan[0], window)  # fmt: skip
         return dq_finished, dk.to(k.dtype), dv.to(v.dtype)
     # this rank's share of a later step's block
     share_k, share_v = (torch.empty(t.shape, dtype=state_dtype(q), device=t.device) for t in (k, v))
@@ -543,14 +543,14 @@ def ring_attn_backward(
         last = step == steps - 1
         if step == 0:  # dq and the accumulators of this rank's own block
             dq, dk, dv = own_block_backward(ops, layout, comm.rank, world_size, causal, softmax_scale, dout, q, k_cur,
-                                            v_cur, out, lse, delta, docs, dq_finished, plan[step], window)  # fmt: skip
+                                            v_cur, out, lse, stats, docs, dq_finished, plan[step], window)  # fmt: skip
         else:
             # From step 1 on the accumulators arrive only after the kernels (they overlap the transfer): the kernels
             # store this rank's share, which is then added to the arrived accumulators, in the rows it covers.
             kv_rank = kv_source_rank(comm.rank, step, world_size)
             rows = backward_step(
                 ops, layout, comm.rank, kv_rank, world_size, causal, softmax_scale,
-                dout, q, k_cur, v_cur, out, lse, delta, dq, share_k, share_v, docs, add_dkdv=False,
+                dout, q, k_cur, v_cur, out, lse, stats, dq, share_k, share_v, docs, add_dkdv=False,
                 dq_finished=dq_finished, finishing=plan[step], window=window,
             )  # fmt: skip
         comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block

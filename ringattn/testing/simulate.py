@@ -56,7 +56,7 @@ def simulate_ring_forward(
             None: state_dtype (fp32, or float64 for float64 inputs), the unrounded result.
         window: a sliding window over global positions (ops' form: None for no limit on a side), as the ring's.
     Returns:
-        [(out, lse)] per rank: out (B, S_local, Hq, D) in out_dtype, lse (B, Hq, S_local) in state_dtype, as
+        [(out, lse)] per rank: out (B, S_local, Hq, D) in out_dtype, lse (B, Hq, S_local) float64, as
         ring.ring_attn_forward returns them on that rank when W > 1 (also for W = 1 here).
     Raises:
         ValueError: shard lists of different lengths, an unknown layout, an odd S_local with "zigzag".
@@ -105,7 +105,7 @@ def simulate_ring_backward(
     Args:
         dout_shards, out_shards: W tensors (B, S_local, Hq, D); out as the forward returned it.
         q_shards, k_shards, v_shards: as in simulate_ring_forward.
-        lse_shards: W tensors (B, Hq, S_local), the global lse from the forward.
+        lse_shards: W tensors (B, Hq, S_local) float64, the global lse from the forward.
         grad_dtype: the dtype of the gradients, as ring_attn_backward returns the inputs' dtype: the finishing
             step of each dq row writes it in grad_dtype, and dk, dv are rounded to it with each block's last
             share (W > 1). None: state_dtype (fp32, or float64 for float64 inputs), unrounded.
@@ -119,14 +119,14 @@ def simulate_ring_backward(
     _check_shards("lse_shards", lse_shards, world_size)
     k_shards = [k.contiguous() for k in k_shards]
     v_shards = [v.contiguous() for v in v_shards]
-    deltas = [ops.bwd_preprocess(o, d) for o, d in zip(out_shards, dout_shards, strict=True)]
+    stats = [ops.bwd_preprocess(o, d, lse) for o, d, lse in zip(out_shards, dout_shards, lse_shards, strict=True)]
     plans = [finishing_plan(layout, rank, world_size, causal, q.shape[1], window=window)
              for rank, q in enumerate(q_shards)]  # fmt: skip
     dq_finished = [torch.empty(q.shape, dtype=grad_dtype or state_dtype(q), device=q.device) for q in q_shards]
     # as ring_attn_backward: step 0 stores dq and the own block's accumulators, later shares are stored then added
     grads = [
         own_block_backward(ops, layout, rank, world_size, causal, softmax_scale, dout_shards[rank], q_shards[rank],
-                           k_shards[rank], v_shards[rank], out_shards[rank], lse_shards[rank], deltas[rank],
+                           k_shards[rank], v_shards[rank], out_shards[rank], lse_shards[rank], stats[rank],
                            dq_finished=dq_finished[rank], finishing=plans[rank][0], window=window)
         for rank in range(world_size)
     ]  # fmt: skip
@@ -141,7 +141,7 @@ def simulate_ring_backward(
             rows = backward_step(
                 ops, layout, rank, kv, world_size, causal, softmax_scale,
                 dout_shards[rank], q_shards[rank], k_shards[kv], v_shards[kv], out_shards[rank],
-                lse_shards[rank], deltas[rank], dq[rank], share_k, share_v, add_dkdv=False,
+                lse_shards[rank], stats[rank], dq[rank], share_k, share_v, add_dkdv=False,
                 dq_finished=dq_finished[rank], finishing=plans[rank][step], window=window,
             )  # fmt: skip
             if step == last and grad_dtype is not None:
@@ -202,7 +202,7 @@ def simulate_ring_attn(
     ops = capped_ops(ops, softcap)
     states = simulate_ring_forward(ops, qs, ks, vs, softmax_scale, causal, layout, window=window)
     outs, lses = [s[0] for s in states], [s[1] for s in states]
-    result = (join(outs), join(lses, dim=2))
+    result = (join(outs), join(lses, dim=2).to(state_dtype(q)))  # lse as ring_attn_func returns it
     if dout is None:
         return result
     # the backward sees the forward's output in the input dtype, as ringattn::ring_attn_fwd's autograd saves it

@@ -48,14 +48,14 @@ def _tensors(seqlen_q=64, seqlen_k=64, heads=(2, 2), head_dim=128, dtype=torch.b
 
 def _fwd(q, k, v, out_dtype=None, merge_state=False, causal=False, **kwargs):
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64)
     return FwdCall(q, k, v, 0.125, causal, out, lse, merge_state=merge_state, **kwargs)
 
 
 def _bwd(q, k, v, dout, grads_dtype=None, causal=False, **kwargs):
     grads = [torch.empty(t.shape, dtype=grads_dtype or t.dtype) for t in (q, k, v)]
-    lse, delta = (torch.empty(q.shape[0], q.shape[2], q.shape[1]) for _ in range(2))
-    return BwdCall(dout, q, k, v, lse, delta, *grads, 0.125, causal, **kwargs)
+    stats = torch.empty(3, q.shape[0], q.shape[2], q.shape[1])
+    return BwdCall(dout, q, k, v, stats, *grads, 0.125, causal, **kwargs)
 
 
 def _fwd_name(call, backend="sm90", target=HOPPER):

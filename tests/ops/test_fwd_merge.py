@@ -13,11 +13,12 @@ EMPTY_ROWS = 5  # rows 0..4 start with an empty running state (no key seen yet)
 
 def _running_state(q, k_seen, v_seen, softmax_scale, pad=3):
     """A running state after the keys k_seen, v_seen, as views into a larger buffer (the ring's sub-blocks):
-    out (B, Sq, Hq, D) and lse (B, Hq, Sq) fp32 from a float64 reference; rows < EMPTY_ROWS reset to (0, -inf)."""
+    out (B, Sq, Hq, D) fp32 and lse (B, Hq, Sq) float64 from a float64 reference; rows < EMPTY_ROWS reset to
+    (0, -inf)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     out64, lse64 = attn_fwd_ref(q.double(), k_seen.double(), v_seen.double(), softmax_scale, False)
     out_buf = torch.full((batch, seqlen_q + 2 * pad, heads_q, head_dim), float("nan"), device=q.device)
-    lse_buf = torch.full((batch, heads_q, seqlen_q + 2 * pad), float("nan"), device=q.device)
+    lse_buf = torch.full((batch, heads_q, seqlen_q + 2 * pad), float("nan"), dtype=torch.float64, device=q.device)
     out, lse = out_buf.narrow(1, pad, seqlen_q), lse_buf.narrow(2, pad, seqlen_q)
     out.copy_(out64)
     lse.copy_(lse64)
@@ -64,7 +65,7 @@ def test_fwd_merge_into_the_empty_state_is_the_forward():
     """From (0, -inf), one merge gives attn_fwd's fp32 result (the ring's first step)."""
     q, k, v, _ = make_qkv(1, 33, 50, 2, 2, 32, DTYPES[0], seed=3)
     out = torch.zeros(q.shape, device=DEVICE)
-    lse = torch.full((1, 2, 33), NEG_INF, device=DEVICE)
+    lse = torch.full((1, 2, 33), NEG_INF, dtype=torch.float64, device=DEVICE)
     attn_fwd_merge_(q, k, v, 0.2, True, out, lse)
     want_out, want_lse = attn_fwd(q, k, v, 0.2, True, out_dtype=torch.float32)
     torch.testing.assert_close(out, want_out, rtol=0, atol=4 * torch.finfo(torch.float32).eps)
@@ -73,9 +74,11 @@ def test_fwd_merge_into_the_empty_state_is_the_forward():
 
 def test_bad_running_state_raises_clear_errors():
     q, k, v, _ = make_qkv(1, 8, 8, 2, 1, 32, DTYPES[0])
-    out, lse = torch.zeros(q.shape, device=DEVICE), torch.zeros(1, 2, 8, device=DEVICE)
+    out, lse = torch.zeros(q.shape, device=DEVICE), torch.zeros(1, 2, 8, dtype=torch.float64, device=DEVICE)
     with pytest.raises(TypeError, match=r"out \(running state\) must be a float32 tensor"):
         attn_fwd_merge_(q, k, v, 1.0, False, out.double(), lse)
+    with pytest.raises(TypeError, match=r"lse \(running state\) must be a float64 tensor"):
+        attn_fwd_merge_(q, k, v, 1.0, False, out, lse.float())
     with pytest.raises(ValueError, match=r"lse \(running state\) must have shape \(1, 2, 8\)"):
         attn_fwd_merge_(q, k, v, 1.0, False, out, lse[:, :, :7])
     with pytest.raises(ValueError, match="out \\(running state\\) must have a contiguous last dim"):

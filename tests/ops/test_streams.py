@@ -14,8 +14,8 @@ def _call(batch, heads_q, seqlen_q, seqlen_k, causal):
     """A BwdCall of those sizes over expanded (unallocated) views: only its shapes are read."""
     q = torch.empty(1, 1, 1, 8).expand(batch, seqlen_q, heads_q, 8)
     k = torch.empty(1, 1, 1, 8).expand(batch, seqlen_k, 1, 8)
-    stats = torch.empty(1, 1, 1).expand(batch, heads_q, seqlen_q)
-    return BwdCall(q, q, k, k, stats, stats, q, k, k, 0.125, causal)
+    stats = torch.empty(1, 1, 1, 1).expand(3, batch, heads_q, seqlen_q)
+    return BwdCall(q, q, k, k, stats, q, k, k, 0.125, causal)
 
 
 def test_short_backwards_are_counted_in_score_entries():
@@ -33,8 +33,8 @@ def test_short_backwards_are_counted_in_score_entries():
 
 def test_two_streams_only_on_cuda():
     q = torch.empty(1, 64, 4, 32, device=DEVICE)
-    stats = torch.empty(1, 4, 64, device=DEVICE)
-    call = BwdCall(q, q, q, q, stats, stats, q, q, q, 0.125, False)
+    stats = torch.empty(3, 1, 4, 64, device=DEVICE)
+    call = BwdCall(q, q, q, q, stats, q, q, q, 0.125, False)
     assert dispatch.bwd_on_two_streams(call) == (DEVICE.type == "cuda")
 
 
@@ -48,14 +48,14 @@ def test_two_streams_give_the_bits_of_one(form, causal):
     runs several times as long as dQ on the current one, so a missing join would be read before it is done."""
     q, k, v, dout = make_qkv(1, 8000, 100, 8, 1, 64, DTYPES[0], seed=5)
     out, lse = attn_fwd(q, k, v, 0.125, causal)
-    delta = attn_bwd_preprocess(out, dout)
+    stats = attn_bwd_preprocess(out, dout, lse)
     results = {}
     for two_streams in (False, True):
         if form == "public":
             grads = [torch.empty_like(t) for t in (q, k, v)]
         else:
             grads = [torch.ones(t.shape, dtype=torch.float32, device=DEVICE) for t in (q, k, v)]
-        call = BwdCall(dout, q, k, v, lse, delta, *grads, 0.125, causal, add_dq=form == "ring-step")
+        call = BwdCall(dout, q, k, v, stats, *grads, 0.125, causal, add_dq=form == "ring-step")
         assert dispatch.bwd_on_two_streams(call)
         dkdv, dq = bwd_launches(call, "portable")  # a pair (on Hopper the Gluon backward is one kernel)
         if two_streams:

@@ -163,10 +163,10 @@ def test_stored_share_of_tasks_sharing_key_rows_adds_the_later_ones(monkeypatch,
     monkeypatch.setattr(ring, "block_tasks", lambda *args: two)
     q, k, v, dout = make_qkv(1, 8, 8, 2, 2, 16, torch.float32, seed=1)
     out, lse = REFERENCE_OPS.fwd(q, k, v, 0.25, False)
-    delta = REFERENCE_OPS.bwd_preprocess(out, dout)
+    stats = REFERENCE_OPS.bwd_preprocess(out, dout, lse)
     added = [torch.zeros(t.shape) for t in (q, k, v)]
     stored = [added[0].clone(), *(torch.full(t.shape, torch.nan) for t in (k, v))]
-    step = (REFERENCE_OPS, "contiguous", 1, 0, 2, False, 0.25, dout, q, k, v, out, lse, delta)
+    step = (REFERENCE_OPS, "contiguous", 1, 0, 2, False, 0.25, dout, q, k, v, out, lse, stats)
     assert ring.backward_step(*step, *stored, add_dkdv=False) == [whole]
     assert ring.backward_step(*step, *added) == [whole]
     for name, got, want in zip(("dq", "dk", "dv"), stored, added, strict=True):
@@ -185,15 +185,18 @@ def test_own_block_step_stores_what_merging_into_the_identity_gives(layout, caus
     q, k, v, dout = make_qkv(1, 24, 24, 4, 2, 16, torch.float32, seed=3)
     step = (ops, layout, 1, 1, 2, causal, 0.25)
     out, lse = ring.own_block_forward(ops, layout, 1, 2, causal, 0.25, q, k, v)
-    merged = (torch.zeros(q.shape, device=q.device), torch.full(lse.shape, float("-inf"), device=q.device))
+    merged = (
+        torch.zeros(q.shape, device=q.device),
+        torch.full(lse.shape, float("-inf"), dtype=lse.dtype, device=q.device),
+    )
     ring.forward_step(*step, q, k, v, *merged)
     assert out.dtype == torch.float32 and torch.equal(out, merged[0]) and torch.equal(lse, merged[1])
 
     out_in = out.to(q.dtype)
-    delta = ops.bwd_preprocess(out_in, dout)
-    stored = ring.own_block_backward(ops, layout, 1, 2, causal, 0.25, dout, q, k, v, out_in, lse, delta)
+    stats = ops.bwd_preprocess(out_in, dout, lse)
+    stored = ring.own_block_backward(ops, layout, 1, 2, causal, 0.25, dout, q, k, v, out_in, lse, stats)
     added = [torch.zeros(t.shape, device=t.device) for t in (q, k, v)]
-    ring.backward_step(*step, dout, q, k, v, out_in, lse, delta, *added)
+    ring.backward_step(*step, dout, q, k, v, out_in, lse, stats, *added)
     for s_, a_ in zip(stored, added, strict=True):
         assert s_.dtype == torch.float32 and torch.equal(s_, a_)
 
@@ -211,9 +214,9 @@ def test_own_block_step_of_part_of_the_block_merges_into_the_identity(monkeypatc
     torch.testing.assert_close(out[:, :4], top_out, rtol=1e-6, atol=0)
     torch.testing.assert_close(lse[:, :, :4], top_lse, rtol=1e-6, atol=0)
     assert torch.equal(out[:, 4:], torch.zeros_like(out[:, 4:])) and bool((lse[:, :, 4:] == -torch.inf).all())
-    delta = REFERENCE_OPS.bwd_preprocess(out, dout)
+    stats = REFERENCE_OPS.bwd_preprocess(out, dout, lse)
     dq, dk, dv = ring.own_block_backward(REFERENCE_OPS, "contiguous", 1, 2, False, 0.25, dout, q, k, v, out, lse,
-                                         delta)  # fmt: skip
+                                         stats)  # fmt: skip
     want = REFERENCE_OPS.bwd(dout[:, :4], q[:, :4], k, v, top_out, top_lse, 0.25, False)
     torch.testing.assert_close(dq[:, :4], want[0], rtol=1e-6, atol=1e-7)
     assert torch.equal(dq[:, 4:], torch.zeros_like(dq[:, 4:]))

@@ -1,14 +1,17 @@
 """Backward attention kernels (FlashAttention-2 scheme): P is recomputed from (Q, K, lse).
 
 Three launches, no atomics:
-  _attn_bwd_preprocess_kernel  delta = rowsum(dOut * Out)                  grid (Sq tiles, Hq, B)
+  _attn_bwd_preprocess_kernel  the row stats: lse in log2 units as an      grid (Sq tiles, Hq, B)
+                               fp32 pair, delta = rowsum(dOut * Out)
   _attn_bwd_dkdv_kernel        dK, dV for one K/V tile, looping over Q      grid (Sk tiles, Hkv, B)
                                tiles of every q head of its GQA group
   _attn_bwd_dq_kernel          dQ for one Q tile, looping over K/V tiles    grid (Sq tiles, Hq, B)
 With ACCUMULATE the gradients are added to what the output buffers hold (the ring's fp32
 accumulators); with HAS_FINAL_ROWS the dQ rows the ring finishes go rounded to their own buffer.
-Rows whose lse is -inf (every key masked) get probability 0 everywhere, so they give zero
-gradients. HAS_DOCS masks pairs of different documents and skips tiles whose documents do
+P = exp2((s * scale - lse2_hi) - lse2_lo): the row's normaliser lse * log2(e) (from the forward's float64 lse)
+split into fp32 hi + lo, so that P is as exact as fp32 scores allow at any |lse| (one fp32 lse would carry half
+an ulp of |lse|: 2.4e-4 at 4096). Rows whose lse is -inf (every key masked) get lse2_hi = +inf: P = 0
+everywhere, so they give zero gradients. HAS_DOCS masks pairs of different documents and skips tiles whose documents do
 not meet, LOWER and UPPER mask a sliding window's (or causal's) edges and skip tiles outside it, as
 in the forward; with SOFTCAP, dS gains tanh's derivative 1 - t^2. Derivation in docs/design.md.
 """
@@ -16,8 +19,8 @@ in the forward; with SOFTCAP, dS gains tanh's derivative 1 - t^2. Derivation in 
 import triton
 import triton.language as tl
 
+from ..merge import LOG2E_F64
 from .common import (
-    LOG2E,
     _capped,
     _doc_span,
     _key_range,
@@ -28,15 +31,17 @@ from .common import (
 )
 
 
-@triton.jit(do_not_specialize=["seqlen_q"])  # one compile for every length
+@triton.jit(do_not_specialize=["seqlen_q", "stride_stat"])  # one compile for every length
 def _attn_bwd_preprocess_kernel(
-    Out, DOut, Delta,
+    Out, DOut, Lse, Stats,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
-    seqlen_q, num_heads_q,
+    seqlen_q, num_heads_q, stride_stat,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Delta[b, h, m] = sum_d Out[b, m, h, d] * DOut[b, m, h, d] in fp32; Delta (B, Hq, Sq)."""
+    """The backward's row stats, Stats (3, B, Hq, Sq) fp32 contiguous (planes stride_stat = B Hq Sq apart), from
+    Lse (B, Hq, Sq) float64 contiguous: [0] lse2_hi = lse * log2(e) rounded to fp32 (+inf where lse is -inf),
+    [1] lse2_lo = the rest (0 there), [2] delta[b, h, m] = sum_d Out[b, m, h, d] * DOut[b, m, h, d] in fp32."""
     start_m = tl.program_id(0)
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
@@ -48,22 +53,30 @@ def _attn_bwd_preprocess_kernel(
     do = tl.load(DOut + off_b * stride_dob + off_h * stride_doh + rows * stride_dos + offs_d[None, :], mask=mask,
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + (off_b * num_heads_q + off_h) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    mask_m = offs_m < seqlen_q
+    row = (off_b * num_heads_q + off_h) * seqlen_q + offs_m
+    lse2 = tl.load(Lse + row, mask=mask_m, other=0.0) * LOG2E_F64
+    hi = lse2.to(tl.float32)
+    lo = tl.where(lse2 == float("-inf"), 0.0, (lse2 - hi.to(tl.float64)).to(tl.float32))
+    tl.store(Stats + row, tl.where(lse2 == float("-inf"), float("inf"), hi), mask=mask_m)
+    tl.store(Stats + stride_stat + row, lo, mask=mask_m)
+    tl.store(Stats + 2 * stride_stat + row, delta, mask=mask_m)
 
 
 @triton.jit
-def _load_row_stats(lse_base, delta_base, offs_m, seqlen_q):
-    """(lse in log2 units, delta) for rows offs_m; padded or fully masked rows get lse = +inf (P = 0)."""
+def _load_row_stats(stats_base, stride_stat, offs_m, seqlen_q):
+    """(lse2_hi, lse2_lo, delta) of rows offs_m from the row stats at stats_base (planes stride_stat apart); rows
+    past seqlen_q get lse2_hi = +inf (P = 0)."""
     mask_m = offs_m < seqlen_q
-    lse2 = tl.load(lse_base + offs_m, mask=mask_m, other=float("inf")) * LOG2E
-    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-    delta = tl.load(delta_base + offs_m, mask=mask_m, other=0.0)
-    return lse2, delta
+    lse2_hi = tl.load(stats_base + offs_m, mask=mask_m, other=float("inf"))
+    lse2_lo = tl.load(stats_base + stride_stat + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(stats_base + 2 * stride_stat + offs_m, mask=mask_m, other=0.0)
+    return lse2_hi, lse2_lo, delta
 
 
 @triton.jit
 def _attn_bwd_dkdv_tile(
-    dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, QDoc, stride_qm, stride_dom,
+    dk, dv, k, v, k_doc, q_base, do_base, stats_base, stride_stat, QDoc, stride_qm, stride_dom,
     offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -78,18 +91,18 @@ def _attn_bwd_dkdv_tile(
     rows = offs_m[:, None].to(tl.int64)
     q = tl.load(q_base + rows * stride_qm + offs_d[None, :], mask=row_mask, other=0.0)
     do = tl.load(do_base + rows * stride_dom + offs_d[None, :], mask=row_mask, other=0.0)
-    lse2, delta = _load_row_stats(lse_base, delta_base, offs_m, seqlen_q)
+    lse2_hi, lse2_lo, delta = _load_row_stats(stats_base, stride_stat, offs_m, seqlen_q)
     t = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP)  # (BLOCK_M, BLOCK_N)
-    s = t * qk_scale
-    if MASKED:  # mask the scores, not P: exp2 of a masked score past fp32's range would be inf
+    x = t * qk_scale - lse2_hi[:, None]  # one FMA a score
+    if MASKED:  # mask the exponents, not P: exp2 of a masked score past fp32's range would be inf
         if LOWER:
-            s = tl.where(offs_n[None, :] >= offs_m[:, None] + lower, s, float("-inf"))
+            x = tl.where(offs_n[None, :] >= offs_m[:, None] + lower, x, float("-inf"))
         if UPPER:
-            s = tl.where(offs_n[None, :] <= offs_m[:, None] + upper, s, float("-inf"))
+            x = tl.where(offs_n[None, :] <= offs_m[:, None] + upper, x, float("-inf"))
     if DOCS:
         q_doc = tl.load(QDoc + offs_m, mask=offs_m < seqlen_q, other=-1)
-        s = tl.where(q_doc[:, None] == k_doc[None, :], s, float("-inf"))
-    p = tl.math.exp2(s - lse2[:, None])  # masked: exp2(-inf) = 0
+        x = tl.where(q_doc[:, None] == k_doc[None, :], x, float("-inf"))
+    p = tl.math.exp2(x - lse2_lo[:, None])  # masked: exp2(-inf) = 0
     dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
@@ -101,7 +114,7 @@ def _attn_bwd_dkdv_tile(
 
 @triton.jit
 def _attn_bwd_dkdv_tiles(
-    dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, lse_base, delta_base, QDoc,
+    dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
     stride_qm, stride_dom, offs_n, offs_d, mask_d, start_m, end_m, seqlen_q, lower, upper, qk_scale, cap_scale,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -112,13 +125,13 @@ def _attn_bwd_dkdv_tiles(
             q_doc_first, q_doc_last = _doc_span(QDoc, m0, seqlen_q, BLOCK_M)
             if (q_doc_last >= k_doc_first) & (q_doc_first <= k_doc_last):
                 dk, dv = _attn_bwd_dkdv_tile(
-                    dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, QDoc, stride_qm, stride_dom,
+                    dk, dv, k, v, k_doc, q_base, do_base, stats_base, stride_stat, QDoc, stride_qm, stride_dom,
                     offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
                     BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, DOT_PRECISION,
                 )
         else:
             dk, dv = _attn_bwd_dkdv_tile(
-                dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, QDoc, stride_qm, stride_dom,
+                dk, dv, k, v, k_doc, q_base, do_base, stats_base, stride_stat, QDoc, stride_qm, stride_dom,
                 offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
                 BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, DOT_PRECISION,
             )
@@ -127,7 +140,7 @@ def _attn_bwd_dkdv_tiles(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, QDoc, KDoc,
+    Q, K, V, DOut, Stats, DK, DV, QDoc, KDoc,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -135,7 +148,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_qdb, stride_kdb,
-    seqlen_q, seqlen_k, num_heads_k, lower, upper, qk_scale, cap_scale, sm_scale,
+    seqlen_q, seqlen_k, num_heads_k, stride_stat, lower, upper, qk_scale, cap_scale, sm_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
@@ -143,7 +156,8 @@ def _attn_bwd_dkdv_kernel(
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) for one BLOCK_N tile of keys of one (batch, kv head).
 
-    Q, DOut (B, Sq, Hq, HEAD_DIM); Lse, Delta (B, Hq, Sq) fp32. The GROUP_SIZE q heads that
+    Q, DOut (B, Sq, Hq, HEAD_DIM); Stats (3, B, Hq, Sq) the row stats (_attn_bwd_preprocess_kernel; planes
+    stride_stat apart). The GROUP_SIZE q heads that
     share this kv head are summed in registers, so no two programs write the same rows.
     lower, upper, LOWER, UPPER, qk_scale, cap_scale, SOFTCAP, and QDoc, KDoc, stride_qdb, stride_kdb, HAS_DOCS: as in
     the forward kernel.
@@ -198,20 +212,20 @@ def _attn_bwd_dkdv_kernel(
         q_base = Q + off_b * stride_qb + off_hq * stride_qh
         do_base = DOut + off_b * stride_dob + off_hq * stride_doh
         row_offset = (off_b * num_heads_q + off_hq) * seqlen_q
-        lse_base, delta_base = Lse + row_offset, Delta + row_offset
+        stats_base = Stats + row_offset
         if UPPER:
             dk, dv = _attn_bwd_dkdv_tiles(
-                dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, lse_base, delta_base, QDoc,
+                dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
                 stride_qs, stride_dos, offs_n, offs_d, mask_d, start_m, tl.minimum(full_start, end_m), seqlen_q,
                 lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
             )
         dk, dv = _attn_bwd_dkdv_tiles(
-            dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, lse_base, delta_base, QDoc,
+            dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
             stride_qs, stride_dos, offs_n, offs_d, mask_d, full_start, full_end, seqlen_q,
             lower, upper, qk_scale, cap_scale, BLOCK_M, False, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
         )
         dk, dv = _attn_bwd_dkdv_tiles(
-            dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, lse_base, delta_base, QDoc,
+            dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
             stride_qs, stride_dos, offs_n, offs_d, mask_d, tl.maximum(full_start, full_end), end_m, seqlen_q,
             lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, DOT_PRECISION,
         )
@@ -228,7 +242,7 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_tile(
-    dq, q, do, lse2, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn,
+    dq, q, do, lse2_hi, lse2_lo, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn,
     offs_m, offs_d, mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -237,11 +251,11 @@ def _attn_bwd_dq_tile(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
     t = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP)
-    s = t * qk_scale
-    if MASKED:  # mask the scores, not P (as in the dK/dV kernel)
+    x = t * qk_scale - lse2_hi[:, None]  # one FMA a score
+    if MASKED:  # mask the exponents, not P (as in the dK/dV kernel)
         visible = _key_tile_visible(offs_m, offs_n, seqlen_k, lower, upper, q_doc, KDoc, LOWER, UPPER, DOCS)
-        s = tl.where(visible, s, float("-inf"))
-    p = tl.math.exp2(s - lse2[:, None])
+        x = tl.where(visible, x, float("-inf"))
+    p = tl.math.exp2(x - lse2_lo[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
@@ -251,8 +265,8 @@ def _attn_bwd_dq_tile(
 
 @triton.jit
 def _attn_bwd_dq_tiles(
-    dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_kn, stride_vn,
-    offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, lower, upper, qk_scale, cap_scale,
+    dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_kn,
+    stride_vn, offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, lower, upper, qk_scale, cap_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -262,13 +276,13 @@ def _attn_bwd_dq_tiles(
             k_doc_first, k_doc_last = _doc_span(KDoc, n0, seqlen_k, BLOCK_N)
             if (k_doc_last >= q_doc_first) & (k_doc_first <= q_doc_last):
                 dq = _attn_bwd_dq_tile(
-                    dq, q, do, lse2, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m, offs_d,
-                    mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, BLOCK_N, MASKED, LOWER, UPPER, DOCS,
-                    SOFTCAP, DOT_PRECISION,
+                    dq, q, do, lse2_hi, lse2_lo, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m,
+                    offs_d, mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, BLOCK_N, MASKED, LOWER, UPPER,
+                    DOCS, SOFTCAP, DOT_PRECISION,
                 )
         else:
             dq = _attn_bwd_dq_tile(
-                dq, q, do, lse2, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m, offs_d,
+                dq, q, do, lse2_hi, lse2_lo, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m, offs_d,
                 mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, BLOCK_N, MASKED, LOWER, UPPER, DOCS,
                 SOFTCAP, DOT_PRECISION,
             )
@@ -277,13 +291,13 @@ def _attn_bwd_dq_tiles(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "final_lo", "final_hi"])  # one compile for every length
 def _attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, QDoc, KDoc, DQFinal, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+    Q, K, V, DOut, Stats, DQ, QDoc, KDoc, DQFinal, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
     stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
-    stride_fb, stride_fs, stride_fh, seqlen_q, seqlen_k, num_heads_q, lower, upper, qk_scale, cap_scale, sm_scale,
-    stride_qdb, stride_kdb,
-    final_lo, final_hi, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
-    ACCUMULATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_fb, stride_fs, stride_fh, seqlen_q, seqlen_k, num_heads_q, stride_stat, lower, upper, qk_scale, cap_scale,
+    sm_scale, stride_qdb, stride_kdb,
+    final_lo, final_hi, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head).
 
@@ -311,7 +325,7 @@ def _attn_bwd_dq_kernel(
     do_ptrs = DOut + off_b * stride_dob + off_hq * stride_doh + rows * stride_dos + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_mask, other=0.0)
     do = tl.load(do_ptrs, mask=row_mask, other=0.0)
-    lse2, delta = _load_row_stats(Lse + off_bh * seqlen_q, Delta + off_bh * seqlen_q, offs_m, seqlen_q)
+    lse2_hi, lse2_lo, delta = _load_row_stats(Stats + off_bh * seqlen_q, stride_stat, offs_m, seqlen_q)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -324,17 +338,17 @@ def _attn_bwd_dq_kernel(
 
     if LOWER:
         dq = _attn_bwd_dq_tiles(
-            dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
-            offs_m, offs_d, mask_d, start_n, tl.minimum(full_start, end_n), seqlen_k, lower, upper, qk_scale,
+            dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks,
+            stride_vs, offs_m, offs_d, mask_d, start_n, tl.minimum(full_start, end_n), seqlen_k, lower, upper, qk_scale,
             cap_scale, BLOCK_N, True, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
         )
     dq = _attn_bwd_dq_tiles(
-        dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
+        dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
         offs_m, offs_d, mask_d, full_start, full_end, seqlen_k, lower, upper, qk_scale, cap_scale,
         BLOCK_N, False, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
     )
     dq = _attn_bwd_dq_tiles(
-        dq, q, do, lse2, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
+        dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
         offs_m, offs_d, mask_d, tl.maximum(full_start, full_end), end_n, seqlen_k, lower, upper, qk_scale,
         cap_scale, BLOCK_N, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, DOT_PRECISION,
     )

@@ -14,9 +14,8 @@ fp32 state. See docs/design.md.
 import triton
 import triton.language as tl
 
-from ..merge import _merge_into_state
+from ..merge import _merge_into_state, _row_lse
 from .common import (
-    LN2,
     _capped,
     _doc_span,
     _key_range,
@@ -100,7 +99,7 @@ def _attn_fwd_kernel(
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile; Lse[b, h, m] in natural log.
 
     Shapes: Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), Out like Q,
-    Lse (B, Hq, Sq) fp32 with a contiguous last dim. qk_scale = softmax_scale * log2(e), or with SOFTCAP
+    Lse (B, Hq, Sq) float64 with a contiguous last dim. qk_scale = softmax_scale * log2(e), or with SOFTCAP
     softcap * log2(e), the scores then being tanh(q k^T * cap_scale), cap_scale = softmax_scale / softcap.
     Grid (Sq tiles, Hq, B).
     MERGE_STATE: Out (fp32) and Lse hold a running state on entry; the tile's result is merged into it.
@@ -165,10 +164,8 @@ def _attn_fwd_kernel(
         q_doc, q_doc_first, q_doc_last, KDoc, BLOCK_N, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, KV_TMA, DOT_PRECISION,
     )
 
-    empty = l_i == 0.0  # every key masked: output 0, lse -inf
-    l_safe = tl.where(empty, 1.0, l_i)
+    lse, l_safe = _row_lse(m_i, l_i)  # every key masked: output 0, lse -inf
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
     o_ptrs = Out + off_b * stride_ob + off_hq * stride_oh + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :]
     lse_ptrs = Lse + off_b * stride_lb + off_hq * stride_lh + offs_m

@@ -5,7 +5,6 @@ split off."""
 import triton
 import triton.language as tl
 
-LN2 = tl.constexpr(0.6931471805599453)  # log2 units -> natural log
 LOG2E = tl.constexpr(1.4426950408889634)  # natural log -> log2 units
 
 

@@ -16,13 +16,12 @@ first, or a loop nest, did not compile. Hence one loop per kernel: GQA's (head, 
 it, and the causal mask compares positions loaded from memory like the other row data, on both sides. A position
 made as `start + tl.arange(...)` from the program's own tile start is wrong in the second consumer: the
 partitioner (triton 3.9) moves both `start` and the range by that consumer's offset, so the sum has it twice (seen
-in a causal kernel's TTGIR). ops/sm90.py says where they are taken.
+in a causal kernel's TTGIR). P = exp2((s scale - lse2_hi) - lse2_lo), from the row stats of the portable
+preprocess (kernels/portable/attn_bwd.py says why lse comes as an fp32 pair). ops/sm90.py says where they are taken.
 """
 
 import triton
 import triton.language as tl
-
-LOG2E = tl.constexpr(1.4426950408889634)  # natural log -> log2 units
 
 
 @triton.jit
@@ -34,41 +33,62 @@ def _rows_descriptor(base, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def _ws_q_tile(q_desc, do_desc, lse_desc, delta_desc, m0, hq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-               GROUPED: tl.constexpr):  # fmt: skip
-    """Q, dO (BLOCK_M, HEAD_DIM), lse in log2 units and delta (BLOCK_M,) of the rows from m0 of q head hq (GROUPED:
-    descriptors over a batch's heads, Q and dO over its (Sq, Hq x HEAD_DIM) rows, the head at column hq x HEAD_DIM;
-    else over one head's rows, hq unused). Rows past Sq load as zeros."""
+def _ws_q_tile(q_desc, do_desc, hi_desc, lo_desc, delta_desc, m0, hq, HEAD_DIM: tl.constexpr,
+               BLOCK_M: tl.constexpr, GROUPED: tl.constexpr):  # fmt: skip
+    """Q, dO (BLOCK_M, HEAD_DIM) and the stats lse2_hi, lse2_lo, delta (BLOCK_M,) of the rows from m0 of q head hq
+    (GROUPED: descriptors over a batch's heads, Q and dO over its (Sq, Hq x HEAD_DIM) rows, the head at column
+    hq x HEAD_DIM; else over one head's rows, hq unused). Rows past Sq load as zeros."""
     if GROUPED:
         q = q_desc.load([m0, hq * HEAD_DIM])
         do = do_desc.load([m0, hq * HEAD_DIM])
-        lse2 = lse_desc.load([hq, m0]).reshape(BLOCK_M) * LOG2E
+        lse2_hi = hi_desc.load([hq, m0]).reshape(BLOCK_M)
+        lse2_lo = lo_desc.load([hq, m0]).reshape(BLOCK_M)
         delta = delta_desc.load([hq, m0]).reshape(BLOCK_M)
     else:
         q = q_desc.load([m0, 0])
         do = do_desc.load([m0, 0])
-        lse2 = lse_desc.load([m0]) * LOG2E
+        lse2_hi = hi_desc.load([m0])
+        lse2_lo = lo_desc.load([m0])
         delta = delta_desc.load([m0])
-    return q, do, lse2, delta
+    return q, do, lse2_hi, lse2_lo, delta
 
 
 @triton.jit
-def _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2, delta, pos_desc, m0, causal_shift, qk_scale,
-                           CAUSAL: tl.constexpr):  # fmt: skip
+def _ws_stats_descriptors(Stats, start, stride_plane, num_heads_q, seqlen_q, BLOCK_M: tl.constexpr,
+                          GROUPED: tl.constexpr):  # fmt: skip
+    """Descriptors of the three row stats (lse2_hi, lse2_lo, delta; planes stride_plane apart) from element start:
+    GROUPED over a batch's (Hq, Sq) rows in (1, BLOCK_M) blocks, else over one head's Sq in BLOCK_M blocks."""
+    if GROUPED:
+        hi = tl.make_tensor_descriptor(Stats + start, shape=[num_heads_q, seqlen_q], strides=[seqlen_q, 1],
+                                       block_shape=[1, BLOCK_M])
+        lo = tl.make_tensor_descriptor(Stats + stride_plane + start, shape=[num_heads_q, seqlen_q],
+                                       strides=[seqlen_q, 1], block_shape=[1, BLOCK_M])
+        delta = tl.make_tensor_descriptor(Stats + 2 * stride_plane + start, shape=[num_heads_q, seqlen_q],
+                                          strides=[seqlen_q, 1], block_shape=[1, BLOCK_M])
+    else:
+        hi = tl.make_tensor_descriptor(Stats + start, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
+        lo = tl.make_tensor_descriptor(Stats + stride_plane + start, shape=[seqlen_q], strides=[1],
+                                       block_shape=[BLOCK_M])
+        delta = tl.make_tensor_descriptor(Stats + 2 * stride_plane + start, shape=[seqlen_q], strides=[1],
+                                          block_shape=[BLOCK_M])
+    return hi, lo, delta
+
+
+@triton.jit
+def _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2_hi, lse2_lo, delta, pos_desc, m0, causal_shift,
+                           qk_scale, CAUSAL: tl.constexpr):  # fmt: skip
     """Add the share of the Q tile at row m0 to dK (unscaled) and dV of a key tile (k, v (BLOCK_N, HEAD_DIM), keys
     offs_n).
 
     Zero rows past Sq add nothing: their P is 1 (stats load as zeros) against zero Q and dOut rows. CAUSAL masks
-    key n for row m where n > m + causal_shift, m loaded through pos_desc (the positions); rows whose lse is -inf
-    (no key at all) get P = 0.
+    key n for row m where n > m + causal_shift, m loaded through pos_desc (the positions); rows that see no key at
+    all (lse2_hi +inf) get P = 0.
     """
-    if CAUSAL:  # rows that see no key (lse -inf): +inf, so that their P is 0 (every score of theirs is masked too)
-        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-    st = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]  # (BLOCK_N, BLOCK_M); one FMA a score
+    st = tl.dot(k, tl.trans(q)) * qk_scale - lse2_hi[None, :]  # (BLOCK_N, BLOCK_M); one FMA a score
     if CAUSAL:  # masked after the FMA (exp2's argument, not P): a mask between the product and the sum splits it
         last_key = pos_desc.load([m0]) + causal_shift
         st = tl.where(offs_n[:, None] <= last_key[None, :], st, float("-inf"))
-    pt = tl.math.exp2(st)
+    pt = tl.math.exp2(st - lse2_lo[None, :])
     dv = tl.dot(pt.to(do.dtype), do, dv)
     dpt = tl.dot(v, tl.trans(do))
     dst = pt * (dpt - delta[None, :])
@@ -77,14 +97,14 @@ def _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2, delta, pos_desc, m
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_dkdv_ws_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, Pos,
+    Q, K, V, DOut, Stats, DK, DV, Pos,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    seqlen_q, seqlen_k, num_heads_k, qk_scale, sm_scale,
+    seqlen_q, seqlen_k, num_heads_k, stride_plane, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
 ):
@@ -92,9 +112,10 @@ def _attn_bwd_dkdv_ws_kernel(
 
     Q, DOut (B, Sq, Hq, HEAD_DIM) and K, V (B, Sk, Hkv, HEAD_DIM): HEAD_DIM a power of two, the base addresses and
     every stride but the last 16-byte aligned (GROUP_SIZE > 1: Q's and DOut's heads packed, stride_qh = stride_doh =
-    HEAD_DIM); Lse, Delta (B, Hq, Sq) fp32 contiguous, Sq a multiple of 4 (each head's row of stats 16-byte
-    aligned); DK, DV like K and V, aligned alike, written in their dtype (the ring's shares: fp32). The GROUP_SIZE
-    q heads sharing the kv head are summed in registers. CAUSAL (bottom-right): Pos int32 (>= max(Sq, Sk),) holds
+    HEAD_DIM); Stats the row stats (3, B, Hq, Sq) fp32 contiguous (ops/attn.py's attn_bwd_preprocess; planes
+    stride_plane apart), Sq a multiple of 4 (each head's row of stats 16-byte aligned); DK, DV like K and V, aligned
+    alike, written in their dtype (the ring's shares: fp32). The GROUP_SIZE q heads sharing the kv head are summed
+    in registers. CAUSAL (bottom-right): Pos int32 (>= max(Sq, Sk),) holds
     0, 1, 2, ..., and the loop starts at the first Q tile that sees a key of the tile.
     """
     start_n = tl.program_id(0)
@@ -115,16 +136,9 @@ def _attn_bwd_dkdv_ws_kernel(
                                    BLOCK_M)
     k_desc = _rows_descriptor(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N)
     v_desc = _rows_descriptor(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N)
-    if GROUPED:
-        stats = off_b * num_heads_q * seqlen_q
-        lse_desc = tl.make_tensor_descriptor(Lse + stats, shape=[num_heads_q, seqlen_q], strides=[seqlen_q, 1],
-                                             block_shape=[1, BLOCK_M])
-        delta_desc = tl.make_tensor_descriptor(Delta + stats, shape=[num_heads_q, seqlen_q], strides=[seqlen_q, 1],
-                                               block_shape=[1, BLOCK_M])
-    else:
-        row = (off_b * num_heads_k + off_hk) * seqlen_q
-        lse_desc = tl.make_tensor_descriptor(Lse + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
-        delta_desc = tl.make_tensor_descriptor(Delta + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
+    start = off_b * num_heads_q * seqlen_q if GROUPED else (off_b * num_heads_k + off_hk) * seqlen_q
+    hi_desc, lo_desc, delta_desc = _ws_stats_descriptors(Stats, start, stride_plane, num_heads_q, seqlen_q, BLOCK_M,
+                                                         GROUPED)  # fmt: skip
 
     n0 = start_n * BLOCK_N
     k = k_desc.load([n0, 0])  # (BLOCK_N, HEAD_DIM); rows past Sk load as zeros
@@ -150,14 +164,16 @@ def _attn_bwd_dkdv_ws_kernel(
             g = tl.minimum(i // tl.maximum(num_m, 1), GROUP_SIZE - 1)
             m0 = start_m + (i - g * num_m) * BLOCK_M
             hq = (off_hk * GROUP_SIZE + g).to(tl.int32)
-            q, do, lse2, delta = _ws_q_tile(q_desc, do_desc, lse_desc, delta_desc, m0, hq, HEAD_DIM, BLOCK_M, True)
-            dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2, delta, pos_desc, m0, causal_shift,
-                                            qk_scale, CAUSAL)  # fmt: skip
+            q, do, lse2_hi, lse2_lo, delta = _ws_q_tile(q_desc, do_desc, hi_desc, lo_desc, delta_desc, m0, hq,
+                                                        HEAD_DIM, BLOCK_M, True)  # fmt: skip
+            dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2_hi, lse2_lo, delta, pos_desc, m0,
+                                            causal_shift, qk_scale, CAUSAL)  # fmt: skip
     else:
         for m0 in tl.range(start_m, seqlen_q, BLOCK_M, warp_specialize=True):
-            q, do, lse2, delta = _ws_q_tile(q_desc, do_desc, lse_desc, delta_desc, m0, 0, HEAD_DIM, BLOCK_M, False)
-            dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2, delta, pos_desc, m0, causal_shift,
-                                            qk_scale, CAUSAL)  # fmt: skip
+            q, do, lse2_hi, lse2_lo, delta = _ws_q_tile(q_desc, do_desc, hi_desc, lo_desc, delta_desc, m0, 0,
+                                                        HEAD_DIM, BLOCK_M, False)  # fmt: skip
+            dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2_hi, lse2_lo, delta, pos_desc, m0,
+                                            causal_shift, qk_scale, CAUSAL)  # fmt: skip
 
     dk_desc = _rows_descriptor(DK + off_b * stride_dkb + off_hk * stride_dkh, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N)
     dv_desc = _rows_descriptor(DV + off_b * stride_dvb + off_hk * stride_dvh, seqlen_k, stride_dvs, HEAD_DIM, BLOCK_N)
@@ -167,13 +183,13 @@ def _attn_bwd_dkdv_ws_kernel(
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_dq_ws_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, Pos,
+    Q, K, V, DOut, Stats, DQ, Pos,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
-    seqlen_q, seqlen_k, num_heads_q, qk_scale, sm_scale,
+    seqlen_q, seqlen_k, num_heads_q, stride_plane, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
@@ -181,7 +197,7 @@ def _attn_bwd_dq_ws_kernel(
 
     Inputs as _attn_bwd_dkdv_ws_kernel's; DQ like Q, aligned alike, in its own dtype (the ring's accumulator:
     fp32); ACCUMULATE adds dQ to what DQ holds. Zero keys past Sk add nothing to dQ (dS K with zero K rows); rows
-    whose lse is -inf get P = 0.
+    that see no key (lse2_hi +inf) get P = 0.
     """
     start_m = tl.program_id(0)
     off_hq = tl.program_id(1)
@@ -192,13 +208,12 @@ def _attn_bwd_dq_ws_kernel(
     do_desc = _rows_descriptor(DOut + off_b * stride_dob + off_hq * stride_doh, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M)
     k_desc = _rows_descriptor(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N)
     v_desc = _rows_descriptor(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N)
-    row = (off_b * num_heads_q + off_hq) * seqlen_q
-    lse_desc = tl.make_tensor_descriptor(Lse + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
-    delta_desc = tl.make_tensor_descriptor(Delta + row, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
+    hi_desc, lo_desc, delta_desc = _ws_stats_descriptors(Stats, (off_b * num_heads_q + off_hq) * seqlen_q,
+                                                         stride_plane, num_heads_q, seqlen_q, BLOCK_M, False)
 
     m0 = start_m * BLOCK_M
-    q, do, lse2, delta = _ws_q_tile(q_desc, do_desc, lse_desc, delta_desc, m0, 0, HEAD_DIM, BLOCK_M, False)
-    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    q, do, lse2_hi, lse2_lo, delta = _ws_q_tile(q_desc, do_desc, hi_desc, lo_desc, delta_desc, m0, 0, HEAD_DIM,
+                                                BLOCK_M, False)  # fmt: skip
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     causal_shift = seqlen_k - seqlen_q
     if CAUSAL:  # keys from end_n on are seen by no row of the tile
@@ -212,10 +227,10 @@ def _attn_bwd_dq_ws_kernel(
     for n0 in tl.range(0, end_n, BLOCK_N, warp_specialize=True):
         k = k_desc.load([n0, 0])  # (BLOCK_N, HEAD_DIM); rows past Sk load as zeros
         v = v_desc.load([n0, 0])
-        s = tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]  # (BLOCK_M, BLOCK_N); one FMA a score
+        s = tl.dot(q, tl.trans(k)) * qk_scale - lse2_hi[:, None]  # (BLOCK_M, BLOCK_N); one FMA a score
         if CAUSAL:  # masked after the FMA, as in the dK/dV tile
             s = tl.where(pos_desc.load([n0])[None, :] <= last_key[:, None], s, float("-inf"))
-        p = tl.math.exp2(s)
+        p = tl.math.exp2(s - lse2_lo[:, None])
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)

@@ -5,7 +5,7 @@ its GQA group, in three partitions: a one-warp producer loads K and V once, then
 ring of NUM_BUFFERS shared-memory slots by TMA; two consumer warpgroups, BLOCK_N // 2 keys each, keep their rows
 of dK and dV in registers across the steps. A step costs five products, the scores and dP computed once:
 
-    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ scale - lse), dV += Pᵀ dO,
+    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2((Sᵀ scale - lse2_hi) - lse2_lo), dV += Pᵀ dO,
     dSᵀ = Pᵀ (dPᵀ - delta), dK += dSᵀ Q, dQ = dS K.
 
 For dQ the two consumers put their halves of dSᵀ into shared memory and meet at a barrier; each then multiplies the
@@ -13,7 +13,8 @@ whole dS by half of K's columns, so that every element of the step's dQ tile is 
 accumulator, by TMA's reduce-add from shared memory. A program visits only the query tiles whose band reaches its
 keys (row i sees keys j with i + lower <= j <= i + upper: causal and sliding windows), and only the steps on the
 band's edges compare positions. SOFTCAP recomputes the capped scores t = tanh(q k^T * cap_scale) as the forward
-(kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's derivative 1 - t^2. ops/sm90.py says when it is taken.
+(kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's derivative 1 - t^2. The rows' lse comes in log2 units as an
+fp32 pair, hi + lo (kernels/portable/attn_bwd.py says why). ops/sm90.py says when it is taken.
 """
 
 from triton.experimental import gluon
@@ -28,8 +29,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .attn_fwd import _band_visible, _tanh
 
-LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
-
 
 @gluon.jit
 def _query_tile(i, num_m, start_m, first_hq, BLOCK_M: gl.constexpr):
@@ -41,15 +40,15 @@ def _query_tile(i, num_m, start_m, first_hq, BLOCK_M: gl.constexpr):
 @gluon.jit
 def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr):
     """The producer: K and V once, then step i's Q and dO tiles into slot i % NUM_BUFFERS once both consumers freed
-    it, with the rows' lse and delta. args: the kernel's descriptors, buffers, barriers and scalars, as
-    _attn_bwd_gluon_kernel packs them."""
+    it, with the rows' stats (lse2_hi, lse2_lo, delta). args: the kernel's descriptors, buffers, barriers and
+    scalars, as _attn_bwd_gluon_kernel packs them."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
     kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
-    lse_desc, delta_desc, lse_bufs, delta_bufs, stats_row = args[19:24]
+    hi_desc, lo_desc, delta_desc, hi_bufs, lo_bufs, delta_bufs, stats_row = args[19:26]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
-    tiles_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes
+    tiles_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes + 3 * hi_desc.block_type.nbytes
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_load(k_desc, [n0, 0], kv_bar, k_smem)
     tma.async_load(v_desc, [n0, 0], kv_bar, v_smem)
@@ -61,7 +60,8 @@ def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.
         mbarrier.expect(ready, tiles_bytes)
         tma.async_load(q_desc, [m0, hq * HEAD_DIM], ready, q_bufs.index(slot))
         tma.async_load(do_desc, [m0, hq * HEAD_DIM], ready, do_bufs.index(slot))
-        tma.async_load(lse_desc, [hq * stats_row + m0], ready, lse_bufs.index(slot))
+        tma.async_load(hi_desc, [hq * stats_row + m0], ready, hi_bufs.index(slot))
+        tma.async_load(lo_desc, [hq * stats_row + m0], ready, lo_bufs.index(slot))
         tma.async_load(delta_desc, [hq * stats_row + m0], ready, delta_bufs.index(slot))
 
 
@@ -73,8 +73,8 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     seqlen_k are not)."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
     kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
-    lse_desc, delta_desc, lse_bufs, delta_bufs, stats_row = args[19:24]
-    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[24:]
+    hi_desc, lo_desc, delta_desc, hi_bufs, lo_bufs, delta_bufs, stats_row = args[19:26]
+    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[26:]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
@@ -118,20 +118,19 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         q_tile = q_bufs.index(slot)
         do_tile = do_bufs.index(slot)
         dpt = warpgroup_mma(v_rows, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # rows past seqlen_q load lse 0 and delta 0 (and add nothing: their Q and dO rows are zeros); rows that
-        # see no key (lse -inf) get lse +inf, so that their P is 0
-        lse2 = lse_bufs.index(slot).load(col_layout) * LOG2E
-        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+        # rows past seqlen_q load stats 0 (and add nothing: their Q and dO rows are zeros); rows that see no key
+        # have lse2_hi = +inf, so that their P is 0
+        lse2_hi = hi_bufs.index(slot).load(col_layout)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
         if SOFTCAP:
             st = _tanh(st * cap_scale)  # t, kept for tanh's derivative
-        x = st * qk_scale - lse2[None, :]  # one FMA a score
+        x = st * qk_scale - lse2_hi[None, :]  # one FMA a score
         if LOWER or UPPER:
             if (m0 < full_lo) | (m0 > full_hi):  # the band's edge: some key here is outside some row's band
                 offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
                 visible = _band_visible(offs_m[None, :], offs_n[:, None], lower, upper, LOWER, UPPER)
                 x = gl.where(visible, x, float("-inf"))
-        pt = gl.exp2(x)
+        pt = gl.exp2(x - lo_bufs.index(slot).load(col_layout)[None, :])
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
         if SOFTCAP:  # dS's factors but dP - delta, so that only one (KEYS, BLOCK_M) tile stays live till dP is in
             pt = pt * (1.0 - st * st)
@@ -192,7 +191,7 @@ def _grad_partition_1(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: g
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_gluon_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
+    Q, K, V, DOut, Stats, DQ, DK, DV,
     stride_qb, stride_qs,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -200,7 +199,7 @@ def _attn_bwd_gluon_kernel(
     stride_dqb, stride_dqs,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_stats, seqlen_q, seqlen_k, num_heads_q, lower, upper, qk_scale, cap_scale, sm_scale,
+    stride_stats, stride_plane, seqlen_q, seqlen_k, num_heads_q, lower, upper, qk_scale, cap_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
     LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
@@ -209,13 +208,14 @@ def _attn_bwd_gluon_kernel(
     into DQ; grid (Sk tiles, Hkv, B), 4 warps (the first consumer; the partitions add 5).
 
     Q, DOut (B, Sq, Hq, HEAD_DIM) with their heads packed (head stride HEAD_DIM) and K, V (B, Sk, Hkv, HEAD_DIM), all
-    16-bit (bf16 or fp16), HEAD_DIM 64 or 128, base addresses and every stride but the last 16-byte aligned; Lse,
-    Delta (B, Hq, stride_stats) fp32 contiguous, 16-byte aligned, stride_stats >= Sq a multiple of BLOCK_M, the
+    16-bit (bf16 or fp16), HEAD_DIM 64 or 128, base addresses and every stride but the last 16-byte aligned; Stats
+    the row stats (3, B, Hq, stride_stats) fp32 contiguous (lse2_hi, lse2_lo, delta: ops/attn.py's
+    attn_bwd_preprocess; planes stride_plane apart), 16-byte aligned, stride_stats >= Sq a multiple of BLOCK_M, the
     entries past Sq zeros. DQ (B, Sq, Hq, HEAD_DIM) fp32 with its heads packed, aligned alike: dQ is
     added into it (atomically: every key tile adds its share). DK, DV like K and V, in their dtype or fp32 (the
     ring's shares), last dim contiguous; stored, or with ADD_DKDV added into. Row i sees keys j with (LOWER)
-    i + lower <= j and (UPPER) j <= i + upper; qk_scale, cap_scale, SOFTCAP as in the forward kernel; rows whose lse
-    is -inf (no key) add nothing. The additions into DQ come in the order the
+    i + lower <= j and (UPPER) j <= i + upper; qk_scale, cap_scale, SOFTCAP as in the forward kernel; rows whose
+    lse2_hi is +inf (no key) add nothing. The additions into DQ come in the order the
     programs reach them, so dQ's last bits vary from run to run.
     """
     start_n = gl.program_id(0)
@@ -235,11 +235,13 @@ def _attn_bwd_gluon_kernel(
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(DQ + off_b * stride_dqb, [seqlen_q, num_heads_q * HEAD_DIM],
                                          [stride_dqs, 1], [BLOCK_M, HEAD_DIM // 2], dq_layout)  # fmt: skip
-    # each step's rows of lse and delta, by TMA: a BLOCK_M block never crosses into the next head's
+    # each step's rows of the three stats, by TMA: a BLOCK_M block never crosses into the next head's
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    stats = off_b * num_heads_q * stride_stats
-    lse_desc = tma.make_tensor_descriptor(Lse + stats, [num_heads_q * stride_stats], [1], [BLOCK_M], stats_layout)
-    delta_desc = tma.make_tensor_descriptor(Delta + stats, [num_heads_q * stride_stats], [1], [BLOCK_M],
+    stats = Stats + off_b * num_heads_q * stride_stats
+    hi_desc = tma.make_tensor_descriptor(stats, [num_heads_q * stride_stats], [1], [BLOCK_M], stats_layout)
+    lo_desc = tma.make_tensor_descriptor(stats + stride_plane, [num_heads_q * stride_stats], [1], [BLOCK_M],
+                                         stats_layout)  # fmt: skip
+    delta_desc = tma.make_tensor_descriptor(stats + 2 * stride_plane, [num_heads_q * stride_stats], [1], [BLOCK_M],
                                             stats_layout)  # fmt: skip
     # dSᵀ (keys x rows) as the dQ product's left operand, transposed
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BLOCK_M), element_bitwidth=16,
@@ -250,10 +252,11 @@ def _attn_bwd_gluon_kernel(
     do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], tile_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_layout)  # one per consumer
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
+    hi_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
+    lo_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    # per slot, two barriers: [2 * slot] its tiles landed (Q, dO, lse, delta; dS: both halves stored), [2 * slot + 1]
+    # per slot, two barriers: [2 * slot] its tiles landed (Q, dO, the stats; dS: both halves stored), [2 * slot + 1]
     # both consumers are done with it
     qdo_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     ds_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
@@ -280,7 +283,8 @@ def _attn_bwd_gluon_kernel(
     dv_base = DV + off_b * stride_dvb + off_hk.to(gl.int64) * stride_dvh
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs,
             kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, off_hk * GROUP_SIZE, GROUP_SIZE * num_m,
-            lse_desc, delta_desc, lse_bufs, delta_bufs, stride_stats, dk_base, dv_base, stride_dks, stride_dvs,
+            hi_desc, lo_desc, delta_desc, hi_bufs, lo_bufs, delta_bufs, stride_stats, dk_base, dv_base, stride_dks,
+            stride_dvs,
             seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale)  # fmt: skip
     gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [

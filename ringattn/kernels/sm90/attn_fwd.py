@@ -25,9 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..merge import _merge_states
-
-LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+from ..merge import _merge_states, _row_lse
 
 
 @gluon.jit
@@ -178,10 +176,8 @@ def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_bars.index(2 * last + 1), count=1)
 
-    empty = l_i == 0.0  # every key masked: output 0, lse -inf
-    l_safe = gl.where(empty, 1.0, l_i)
+    lse, l_safe = _row_lse(m_i, l_i)  # every key masked: output 0, lse -inf
     out = acc / gl.convert_layout(l_safe, acc_rows)[:, None]
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
     if OUT_FP32:  # the ring's fp32 state, merged into (MERGE_STATE) or started, by pointers (any row stride)
         rows = r0 + gl.arange(0, ROWS, layout=acc_rows)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -237,7 +233,7 @@ def _attn_fwd_gluon_kernel(
     4 warps (the first consumer; the partitions add 5).
 
     Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), all 16-bit (bf16 or fp16), HEAD_DIM 64 or
-    128, base addresses and every stride but the last 16-byte aligned; Out like Q, and Lse (B, Hq, Sq) fp32 with its
+    128, base addresses and every stride but the last 16-byte aligned; Out like Q, and Lse (B, Hq, Sq) float64 with its
     last dim contiguous. Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <= i + upper (ops/calls.py's
     key_band: causal and sliding windows, bottom-right aligned). qk_scale = softmax_scale * log2(e), or with SOFTCAP
     softcap * log2(e), the scores then tanh(q k^T * cap_scale), cap_scale = softmax_scale / softcap.
