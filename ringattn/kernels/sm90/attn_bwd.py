@@ -16,8 +16,9 @@ first, or a loop nest, did not compile. Hence one loop per kernel: GQA's (head, 
 it, and the causal mask compares positions loaded from memory like the other row data, on both sides. A position
 made as `start + tl.arange(...)` from the program's own tile start is wrong in the second consumer: the
 partitioner (triton 3.9) moves both `start` and the range by that consumer's offset, so the sum has it twice (seen
-in a causal kernel's TTGIR). P = exp2((s scale - lse2_hi) - lse2_lo), from the row stats of the portable
-preprocess (kernels/portable/attn_bwd.py says why lse comes as an fp32 pair). ops/sm90.py says where they are taken.
+in a causal kernel's TTGIR). P = exp2(s scale - lse2_hi), from the row stats of the portable preprocess: 16-bit
+kernels leave lse2_lo unread, as the Gluon backward does (kernels/sm90/attn_bwd_gluon.py says why). ops/sm90.py says
+where they are taken.
 """
 
 import triton
@@ -33,50 +34,44 @@ def _rows_descriptor(base, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def _ws_q_tile(q_desc, do_desc, hi_desc, lo_desc, delta_desc, m0, hq, HEAD_DIM: tl.constexpr,
-               BLOCK_M: tl.constexpr, GROUPED: tl.constexpr):  # fmt: skip
-    """Q, dO (BLOCK_M, HEAD_DIM) and the stats lse2_hi, lse2_lo, delta (BLOCK_M,) of the rows from m0 of q head hq
+def _ws_q_tile(q_desc, do_desc, hi_desc, delta_desc, m0, hq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+               GROUPED: tl.constexpr):  # fmt: skip
+    """Q, dO (BLOCK_M, HEAD_DIM) and the stats lse2_hi, delta (BLOCK_M,) of the rows from m0 of q head hq
     (GROUPED: descriptors over a batch's heads, Q and dO over its (Sq, Hq x HEAD_DIM) rows, the head at column
     hq x HEAD_DIM; else over one head's rows, hq unused). Rows past Sq load as zeros."""
     if GROUPED:
         q = q_desc.load([m0, hq * HEAD_DIM])
         do = do_desc.load([m0, hq * HEAD_DIM])
         lse2_hi = hi_desc.load([hq, m0]).reshape(BLOCK_M)
-        lse2_lo = lo_desc.load([hq, m0]).reshape(BLOCK_M)
         delta = delta_desc.load([hq, m0]).reshape(BLOCK_M)
     else:
         q = q_desc.load([m0, 0])
         do = do_desc.load([m0, 0])
         lse2_hi = hi_desc.load([m0])
-        lse2_lo = lo_desc.load([m0])
         delta = delta_desc.load([m0])
-    return q, do, lse2_hi, lse2_lo, delta
+    return q, do, lse2_hi, delta
 
 
 @triton.jit
 def _ws_stats_descriptors(Stats, start, stride_plane, num_heads_q, seqlen_q, BLOCK_M: tl.constexpr,
                           GROUPED: tl.constexpr):  # fmt: skip
-    """Descriptors of the three row stats (lse2_hi, lse2_lo, delta; planes stride_plane apart) from element start:
+    """Descriptors of the row stats lse2_hi and delta (planes 0 and 2, stride_plane apart) from element start:
     GROUPED over a batch's (Hq, Sq) rows in (1, BLOCK_M) blocks, else over one head's Sq in BLOCK_M blocks."""
     if GROUPED:
         hi = tl.make_tensor_descriptor(Stats + start, shape=[num_heads_q, seqlen_q], strides=[seqlen_q, 1],
                                        block_shape=[1, BLOCK_M])
-        lo = tl.make_tensor_descriptor(Stats + stride_plane + start, shape=[num_heads_q, seqlen_q],
-                                       strides=[seqlen_q, 1], block_shape=[1, BLOCK_M])
         delta = tl.make_tensor_descriptor(Stats + 2 * stride_plane + start, shape=[num_heads_q, seqlen_q],
                                           strides=[seqlen_q, 1], block_shape=[1, BLOCK_M])
     else:
         hi = tl.make_tensor_descriptor(Stats + start, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
-        lo = tl.make_tensor_descriptor(Stats + stride_plane + start, shape=[seqlen_q], strides=[1],
-                                       block_shape=[BLOCK_M])
         delta = tl.make_tensor_descriptor(Stats + 2 * stride_plane + start, shape=[seqlen_q], strides=[1],
                                           block_shape=[BLOCK_M])
-    return hi, lo, delta
+    return hi, delta
 
 
 @triton.jit
-def _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2_hi, lse2_lo, delta, pos_desc, m0, causal_shift,
-                           qk_scale, CAUSAL: tl.constexpr):  # fmt: skip
+def _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2_hi, delta, pos_desc, m0, causal_shift, qk_scale,
+                           CAUSAL: tl.constexpr):  # fmt: skip
     """Add the share of the Q tile at row m0 to dK (unscaled) and dV of a key tile (k, v (BLOCK_N, HEAD_DIM), keys
     offs_n).
 
@@ -88,7 +83,7 @@ def _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2_hi, lse2_lo, delta,
     if CAUSAL:  # masked after the FMA (exp2's argument, not P): a mask between the product and the sum splits it
         last_key = pos_desc.load([m0]) + causal_shift
         st = tl.where(offs_n[:, None] <= last_key[None, :], st, float("-inf"))
-    pt = tl.math.exp2(st - lse2_lo[None, :])
+    pt = tl.math.exp2(st)
     dv = tl.dot(pt.to(do.dtype), do, dv)
     dpt = tl.dot(v, tl.trans(do))
     dst = pt * (dpt - delta[None, :])
@@ -137,8 +132,7 @@ def _attn_bwd_dkdv_ws_kernel(
     k_desc = _rows_descriptor(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N)
     v_desc = _rows_descriptor(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N)
     start = off_b * num_heads_q * seqlen_q if GROUPED else (off_b * num_heads_k + off_hk) * seqlen_q
-    hi_desc, lo_desc, delta_desc = _ws_stats_descriptors(Stats, start, stride_plane, num_heads_q, seqlen_q, BLOCK_M,
-                                                         GROUPED)  # fmt: skip
+    hi_desc, delta_desc = _ws_stats_descriptors(Stats, start, stride_plane, num_heads_q, seqlen_q, BLOCK_M, GROUPED)
 
     n0 = start_n * BLOCK_N
     k = k_desc.load([n0, 0])  # (BLOCK_N, HEAD_DIM); rows past Sk load as zeros
@@ -164,16 +158,14 @@ def _attn_bwd_dkdv_ws_kernel(
             g = tl.minimum(i // tl.maximum(num_m, 1), GROUP_SIZE - 1)
             m0 = start_m + (i - g * num_m) * BLOCK_M
             hq = (off_hk * GROUP_SIZE + g).to(tl.int32)
-            q, do, lse2_hi, lse2_lo, delta = _ws_q_tile(q_desc, do_desc, hi_desc, lo_desc, delta_desc, m0, hq,
-                                                        HEAD_DIM, BLOCK_M, True)  # fmt: skip
-            dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2_hi, lse2_lo, delta, pos_desc, m0,
-                                            causal_shift, qk_scale, CAUSAL)  # fmt: skip
+            q, do, lse2_hi, delta = _ws_q_tile(q_desc, do_desc, hi_desc, delta_desc, m0, hq, HEAD_DIM, BLOCK_M, True)
+            dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2_hi, delta, pos_desc, m0, causal_shift,
+                                            qk_scale, CAUSAL)  # fmt: skip
     else:
         for m0 in tl.range(start_m, seqlen_q, BLOCK_M, warp_specialize=True):
-            q, do, lse2_hi, lse2_lo, delta = _ws_q_tile(q_desc, do_desc, hi_desc, lo_desc, delta_desc, m0, 0,
-                                                        HEAD_DIM, BLOCK_M, False)  # fmt: skip
-            dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2_hi, lse2_lo, delta, pos_desc, m0,
-                                            causal_shift, qk_scale, CAUSAL)  # fmt: skip
+            q, do, lse2_hi, delta = _ws_q_tile(q_desc, do_desc, hi_desc, delta_desc, m0, 0, HEAD_DIM, BLOCK_M, False)
+            dk, dv = _attn_bwd_dkdv_ws_tile(dk, dv, k, v, offs_n, q, do, lse2_hi, delta, pos_desc, m0, causal_shift,
+                                            qk_scale, CAUSAL)  # fmt: skip
 
     dk_desc = _rows_descriptor(DK + off_b * stride_dkb + off_hk * stride_dkh, seqlen_k, stride_dks, HEAD_DIM, BLOCK_N)
     dv_desc = _rows_descriptor(DV + off_b * stride_dvb + off_hk * stride_dvh, seqlen_k, stride_dvs, HEAD_DIM, BLOCK_N)
@@ -208,12 +200,11 @@ def _attn_bwd_dq_ws_kernel(
     do_desc = _rows_descriptor(DOut + off_b * stride_dob + off_hq * stride_doh, seqlen_q, stride_dos, HEAD_DIM, BLOCK_M)
     k_desc = _rows_descriptor(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N)
     v_desc = _rows_descriptor(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N)
-    hi_desc, lo_desc, delta_desc = _ws_stats_descriptors(Stats, (off_b * num_heads_q + off_hq) * seqlen_q,
-                                                         stride_plane, num_heads_q, seqlen_q, BLOCK_M, False)
+    hi_desc, delta_desc = _ws_stats_descriptors(Stats, (off_b * num_heads_q + off_hq) * seqlen_q, stride_plane,
+                                                num_heads_q, seqlen_q, BLOCK_M, False)
 
     m0 = start_m * BLOCK_M
-    q, do, lse2_hi, lse2_lo, delta = _ws_q_tile(q_desc, do_desc, hi_desc, lo_desc, delta_desc, m0, 0, HEAD_DIM,
-                                                BLOCK_M, False)  # fmt: skip
+    q, do, lse2_hi, delta = _ws_q_tile(q_desc, do_desc, hi_desc, delta_desc, m0, 0, HEAD_DIM, BLOCK_M, False)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     causal_shift = seqlen_k - seqlen_q
     if CAUSAL:  # keys from end_n on are seen by no row of the tile
@@ -230,7 +221,7 @@ def _attn_bwd_dq_ws_kernel(
         s = tl.dot(q, tl.trans(k)) * qk_scale - lse2_hi[:, None]  # (BLOCK_M, BLOCK_N); one FMA a score
         if CAUSAL:  # masked after the FMA, as in the dK/dV tile
             s = tl.where(pos_desc.load([n0])[None, :] <= last_key[:, None], s, float("-inf"))
-        p = tl.math.exp2(s - lse2_lo[:, None])
+        p = tl.math.exp2(s)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)

@@ -5,7 +5,7 @@ its GQA group, in three partitions: a one-warp producer loads K and V once, then
 ring of NUM_BUFFERS shared-memory slots by TMA; two consumer warpgroups, BLOCK_N // 2 keys each, keep their rows
 of dK and dV in registers across the steps. A step costs five products, the scores and dP computed once:
 
-    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2((Sᵀ scale - lse2_hi) - lse2_lo), dV += Pᵀ dO,
+    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ scale - lse2_hi), dV += Pᵀ dO,
     dSᵀ = Pᵀ (dPᵀ - delta), dK += dSᵀ Q, dQ = dS K.
 
 For dQ the two consumers put their halves of dSᵀ into shared memory and meet at a barrier; each then multiplies the
@@ -13,8 +13,10 @@ whole dS by half of K's columns, so that every element of the step's dQ tile is 
 accumulator, by TMA's reduce-add from shared memory. A program visits only the query tiles whose band reaches its
 keys (row i sees keys j with i + lower <= j <= i + upper: causal and sliding windows), and only the steps on the
 band's edges compare positions. SOFTCAP recomputes the capped scores t = tanh(q k^T * cap_scale) as the forward
-(kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's derivative 1 - t^2. The rows' lse comes in log2 units as an
-fp32 pair, hi + lo (kernels/portable/attn_bwd.py says why). ops/sm90.py says when it is taken.
+(kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's derivative 1 - t^2. The rows' lse is the row stats' lse2_hi
+alone (lse * log2(e) rounded to fp32): the rest, lse2_lo, moves P by at most 2^-24 |lse| relative, under half an ulp
+of P in the 16-bit input dtype up to |lse| = 8192 (fp16) and 65536 (bf16), and would cost an add per score
+(ops/attn.py's attn_bwd_preprocess). ops/sm90.py says when it is taken.
 """
 
 from triton.experimental import gluon
@@ -40,15 +42,15 @@ def _query_tile(i, num_m, start_m, first_hq, BLOCK_M: gl.constexpr):
 @gluon.jit
 def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr):
     """The producer: K and V once, then step i's Q and dO tiles into slot i % NUM_BUFFERS once both consumers freed
-    it, with the rows' stats (lse2_hi, lse2_lo, delta). args: the kernel's descriptors, buffers, barriers and
-    scalars, as _attn_bwd_gluon_kernel packs them."""
+    it, with the rows' lse2_hi and delta. args: the kernel's descriptors, buffers, barriers and scalars, as
+    _attn_bwd_gluon_kernel packs them."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
     kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
-    hi_desc, lo_desc, delta_desc, hi_bufs, lo_bufs, delta_bufs, stats_row = args[19:26]
+    hi_desc, delta_desc, hi_bufs, delta_bufs, stats_row = args[19:24]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
-    tiles_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes + 3 * hi_desc.block_type.nbytes
+    tiles_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_load(k_desc, [n0, 0], kv_bar, k_smem)
     tma.async_load(v_desc, [n0, 0], kv_bar, v_smem)
@@ -61,7 +63,6 @@ def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.
         tma.async_load(q_desc, [m0, hq * HEAD_DIM], ready, q_bufs.index(slot))
         tma.async_load(do_desc, [m0, hq * HEAD_DIM], ready, do_bufs.index(slot))
         tma.async_load(hi_desc, [hq * stats_row + m0], ready, hi_bufs.index(slot))
-        tma.async_load(lo_desc, [hq * stats_row + m0], ready, lo_bufs.index(slot))
         tma.async_load(delta_desc, [hq * stats_row + m0], ready, delta_bufs.index(slot))
 
 
@@ -73,8 +74,8 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     seqlen_k are not)."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
     kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
-    hi_desc, lo_desc, delta_desc, hi_bufs, lo_bufs, delta_bufs, stats_row = args[19:26]
-    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[26:]
+    hi_desc, delta_desc, hi_bufs, delta_bufs, stats_row = args[19:24]
+    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[24:]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
@@ -130,7 +131,7 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
                 offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
                 visible = _band_visible(offs_m[None, :], offs_n[:, None], lower, upper, LOWER, UPPER)
                 x = gl.where(visible, x, float("-inf"))
-        pt = gl.exp2(x - lo_bufs.index(slot).load(col_layout)[None, :])
+        pt = gl.exp2(x)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
         if SOFTCAP:  # dS's factors but dP - delta, so that only one (KEYS, BLOCK_M) tile stays live till dP is in
             pt = pt * (1.0 - st * st)
@@ -208,15 +209,14 @@ def _attn_bwd_gluon_kernel(
     into DQ; grid (Sk tiles, Hkv, B), 4 warps (the first consumer; the partitions add 5).
 
     Q, DOut (B, Sq, Hq, HEAD_DIM) with their heads packed (head stride HEAD_DIM) and K, V (B, Sk, Hkv, HEAD_DIM), all
-    16-bit (bf16 or fp16), HEAD_DIM 64 or 128, base addresses and every stride but the last 16-byte aligned; Stats
-    the row stats (3, B, Hq, stride_stats) fp32 contiguous (lse2_hi, lse2_lo, delta: ops/attn.py's
-    attn_bwd_preprocess; planes stride_plane apart), 16-byte aligned, stride_stats >= Sq a multiple of BLOCK_M, the
-    entries past Sq zeros. DQ (B, Sq, Hq, HEAD_DIM) fp32 with its heads packed, aligned alike: dQ is
-    added into it (atomically: every key tile adds its share). DK, DV like K and V, in their dtype or fp32 (the
-    ring's shares), last dim contiguous; stored, or with ADD_DKDV added into. Row i sees keys j with (LOWER)
-    i + lower <= j and (UPPER) j <= i + upper; qk_scale, cap_scale, SOFTCAP as in the forward kernel; rows whose
-    lse2_hi is +inf (no key) add nothing. The additions into DQ come in the order the
-    programs reach them, so dQ's last bits vary from run to run.
+    16-bit (bf16 or fp16), HEAD_DIM 64 or 128, base addresses and every stride but the last 16-byte aligned; Stats the
+    row stats (3, B, Hq, stride_stats) fp32 contiguous (lse2_hi, lse2_lo, delta: ops/attn.py's attn_bwd_preprocess;
+    planes stride_plane apart; lse2_lo is not read), 16-byte aligned, stride_stats >= Sq a multiple of BLOCK_M, the
+    entries past Sq zeros. DQ (B, Sq, Hq, HEAD_DIM) fp32 with its heads packed, aligned alike: dQ is added into it
+    (atomically: every key tile adds its share). DK, DV like K and V, in their dtype or fp32 (the ring's shares), last
+    dim contiguous; stored, or with ADD_DKDV added into. Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <=
+    i + upper; qk_scale, cap_scale, SOFTCAP as in the forward kernel; rows whose lse2_hi is +inf (no key) add nothing.
+    The additions into DQ come in the order the programs reach them, so dQ's last bits vary from run to run.
     """
     start_n = gl.program_id(0)
     off_hk = gl.program_id(1)
@@ -235,12 +235,10 @@ def _attn_bwd_gluon_kernel(
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(DQ + off_b * stride_dqb, [seqlen_q, num_heads_q * HEAD_DIM],
                                          [stride_dqs, 1], [BLOCK_M, HEAD_DIM // 2], dq_layout)  # fmt: skip
-    # each step's rows of the three stats, by TMA: a BLOCK_M block never crosses into the next head's
+    # each step's rows of lse2_hi and delta, by TMA: a BLOCK_M block never crosses into the next head's
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     stats = Stats + off_b * num_heads_q * stride_stats
     hi_desc = tma.make_tensor_descriptor(stats, [num_heads_q * stride_stats], [1], [BLOCK_M], stats_layout)
-    lo_desc = tma.make_tensor_descriptor(stats + stride_plane, [num_heads_q * stride_stats], [1], [BLOCK_M],
-                                         stats_layout)  # fmt: skip
     delta_desc = tma.make_tensor_descriptor(stats + 2 * stride_plane, [num_heads_q * stride_stats], [1], [BLOCK_M],
                                             stats_layout)  # fmt: skip
     # dSᵀ (keys x rows) as the dQ product's left operand, transposed
@@ -253,7 +251,6 @@ def _attn_bwd_gluon_kernel(
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_layout)  # one per consumer
     hi_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
-    lo_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     # per slot, two barriers: [2 * slot] its tiles landed (Q, dO, the stats; dS: both halves stored), [2 * slot + 1]
@@ -283,8 +280,7 @@ def _attn_bwd_gluon_kernel(
     dv_base = DV + off_b * stride_dvb + off_hk.to(gl.int64) * stride_dvh
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs,
             kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, off_hk * GROUP_SIZE, GROUP_SIZE * num_m,
-            hi_desc, lo_desc, delta_desc, hi_bufs, lo_bufs, delta_bufs, stride_stats, dk_base, dv_base, stride_dks,
-            stride_dvs,
+            hi_desc, delta_desc, hi_bufs, delta_bufs, stride_stats, dk_base, dv_base, stride_dks, stride_dvs,
             seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale)  # fmt: skip
     gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
