@@ -1,7 +1,8 @@
 """What every backend's launchers share: a launch built but not run, its config, stride and alignment helpers,
 the scratch memory of in-kernel tensor descriptors, and two launches side by side on two CUDA streams.
 
-Layout everywhere: q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse, delta (B, Hq, Sq) fp32.
+Layout everywhere: q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse (B, Hq, Sq) float64; the backward's row stats
+(3, B, Hq, Sq) fp32.
 """
 
 import contextlib

@@ -18,7 +18,7 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Te
 
     Args:
         out: (B, S, H, D) fp32 running output, updated in place.
-        lse: (B, H, S) fp32 running natural-log normaliser, updated in place.
+        lse: (B, H, S) float64 running natural-log normaliser, updated in place.
         block_out: (B, S, H, D) the new block's normalised output (any float dtype).
         block_lse: (B, H, S) the new block's lse.
     """

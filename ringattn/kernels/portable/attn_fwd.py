@@ -6,9 +6,9 @@ at all), then the tiles that need the causal (upper-edge) or the sequence-end ma
 sees (above the causal diagonal, before a sliding window) are never visited. SOFTCAP caps the scores with tanh. With
 document ids (HAS_DOCS, packed variable-length sequences) a query row sees only keys of its own document: every tile is
 masked, and tiles whose documents do not meet the Q tile's are skipped. With MERGE_STATE the tile's result is merged
-into a running fp32 (out, lse) state in place (the ring's step), in the epilogue, so a ring step needs no separate merge
-pass. With HAS_FINAL_ROWS the rows the ring finishes in this call are written rounded to the output dtype, not to the
-fp32 state. See docs/design.md.
+into a running (out fp32, lse float64) state in place (the ring's step), in the epilogue, so a ring step needs no
+separate merge pass. With HAS_FINAL_ROWS the rows the ring finishes in this call are written rounded to the output
+dtype, not to the fp32 state. See docs/design.md.
 """
 
 import triton
