@@ -14,13 +14,26 @@
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
                    cu_seq_lens_k=batch.cu_seqlens, use_cache=False).logits
 
+2-D context parallelism (Ulysses x ring): register and shard with the same grid, a DeviceMesh with dimensions
+"ulysses" and "ring" or the two groups, and call the model as above:
+
+    mesh = init_device_mesh("cuda", (U, R), mesh_dim_names=("ulysses", "ring"))
+    hf.register(layout="zigzag", mesh=mesh)          # or ulysses_group=mesh["ulysses"], group=mesh["ring"]
+    sp = ringattn.SequenceParallel(layout="zigzag", mesh=mesh)
+
+The attention function then runs ulysses_ring_attn_func (ulysses_ring_attn_varlen_func for packed documents, every
+row in one exchange and one ring) over the grid (U must divide the query heads, and U and the K/V heads one
+another), and prepare's check of each call compares the position ids with the 2-D layout (grid_shard_indices) in
+an agreement across the grid (parallel/grid.agree_across_grid: a few small all-gathers per model call, inside the
+custom op), so a refusal is raised by every rank of the grid.
+
 `register` adds an attention function under `name` to transformers' AttentionInterface and a mask
 function to its AttentionMaskInterface. The attention function is called by each attention layer with
 query (batch, heads, S_local, head_dim) and key, value (batch, kv_heads, S_local, head_dim) (GQA: fewer
 K/V heads, passed on unrepeated) and runs ring_attn_func (ring_attn_varlen_func for packed documents)
-over the group. The mask function makes the model build no mask at all: a dense (S_local, S_local)
-causal mask over local positions would be wrong for a shard, and the ring applies the causal mask (and
-the document boundaries) over global positions itself.
+over the group (over a grid, their Ulysses x ring forms). The mask function makes the model build no
+mask at all: a dense (S_local, S_local) causal mask over local positions would be wrong for a shard, and the
+ring applies the causal mask (and the document boundaries) over global positions itself.
 
 `prepare` selects the implementation for a model and checks each call of it (a forward pre-hook on each
 transformers model in it), on every rank alike and before any computation: position_ids are required (without
