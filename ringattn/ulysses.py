@@ -167,7 +167,7 @@ def ulysses_ring_attn_func(
                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                    return_attn_probs=return_attn_probs)  # fmt: skip
     if grid.ulysses is None:  # degree 1: the ring alone
-        ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh)
+        ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh, ulysses_group)
         return ring_attn_func(q, k, v, **options, group=ring, layout=layout, return_lse=return_lse,
                               learnable_sink=learnable_sink)  # fmt: skip
     out, lse = _ulysses_ring("ulysses_ring_attn_func", grid, q, k, v, None, options, layout, learnable_sink)
@@ -219,7 +219,7 @@ def ulysses_ring_attn_varlen_func(
                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                    return_attn_probs=return_attn_probs)  # fmt: skip
     if grid.ulysses is None:  # degree 1: the ring alone
-        ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh)
+        ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh, ulysses_group)
         return ring_attn_varlen_func(q, k, v, cu_seqlens, **options, group=ring, layout=layout,
                                      return_lse=return_lse, learnable_sink=learnable_sink)  # fmt: skip
     call = "ulysses_ring_attn_varlen_func"
@@ -229,8 +229,11 @@ def ulysses_ring_attn_varlen_func(
     return (out, lse) if return_lse else out
 
 
-def _own_group(ring_group: Group, mesh) -> dist.ProcessGroup:
-    """The ring of a grid whose both degrees are 1: the group as given (of one rank), or the world's."""
+def _own_group(ring_group: Group, mesh, ulysses_group: Group) -> Group:
+    """The ring of a grid whose both degrees are 1: the mesh's, the ring group as given (of one rank), the Ulysses
+    group as given (of one rank, when no ring is: a grid of this rank alone), or, neither given, the world's."""
     if mesh is not None:
         return mesh.get_group("ring")
-    return ring_group if ring_group is not None else dist.group.WORLD
+    if ring_group is not None:
+        return ring_group
+    return ulysses_group if ulysses_group is not None else dist.group.WORLD
