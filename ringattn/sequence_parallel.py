@@ -19,13 +19,20 @@ padding a document of its own) and gives each token its position inside its docu
 (ring_attn_varlen_func, all rows in one ring). No token's target is the next document's first token. A padding
 mask (`shard_batch(..., attention_mask=...)`, left or right padding per row) makes each row's padding a document
 of its own, out of the loss: the real tokens train as the unpadded rows would.
+
+2-D context parallelism (Ulysses x ring): `SequenceParallel(ulysses_group=..., group=ring)` or
+`SequenceParallel(mesh=mesh)` (dimensions "ulysses" and "ring") splits each sequence over the U x R ranks of the grid
+in the 2-D layout (ringattn.grid_shard_indices), runs ulysses_ring_attn_func (its varlen form for documents), and
+reduces the loss and the gradients over every rank of the grid.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from .functional import ring_attn_func, ring_attn_varlen_func
 from .parallel.agreement import check_agreement, shared_refusals
@@ -36,8 +43,18 @@ from .parallel.documents import (
     host_values,
     pad_cu_seqlens,
 )
+from .parallel.grid import GridSignature, agree_across_grid, grid_all_gather, grid_arguments
 from .parallel.groups import Group, ring_group
-from .parallel.layout import check_layout, chunks_per_rank, pad_to_multiple, shard, shard_indices, unshard
+from .parallel.layout import (
+    check_layout,
+    chunks_per_rank,
+    grid_shard_indices,
+    pad_to_multiple,
+    shard,
+    shard_indices,
+    unshard,
+)
+from .ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
 
 IGNORE_INDEX = -100
 GRAD_REDUCTIONS = ("sum", "mean")
@@ -166,7 +183,12 @@ def cross_entropy(
         ValueError: labels' shape does not match logits' leading dims; unknown grad_reduction.
         RuntimeError: torch.distributed not initialised.
     """
-    group = ring_group(group)
+    return _cross_entropy(logits, labels, [ring_group(group)], ignore_index, grad_reduction)
+
+
+def _cross_entropy(logits, labels, groups: list, ignore_index: int, grad_reduction: str) -> torch.Tensor:
+    """cross_entropy with its counts summed over each group of `groups` in turn (None: the world): one group, or a
+    grid's Ulysses group and ring; the gradient scale of "mean" is the product of their sizes."""
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
     if labels.shape != logits.shape[:-1]:
@@ -181,9 +203,10 @@ def cross_entropy(
     local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
     local_count = (flat_labels != ignore_index).sum()
     stats = torch.stack([local_sum.detach().double(), local_count.double()])  # (2,): sum, count
-    dist.all_reduce(stats, group=group)
+    for group in groups:
+        dist.all_reduce(stats, group=group)
     total, count = stats[0], stats[1].clamp(min=1.0)
-    grad_scale = float(dist.get_world_size(group)) if grad_reduction == "mean" else 1.0
+    grad_scale = float(math.prod(dist.get_world_size(g) for g in groups)) if grad_reduction == "mean" else 1.0
     return _GlobalMean.apply(local_sum, total, count, grad_scale)
 
 
@@ -197,7 +220,11 @@ def sync_gradients(parameters, group: Group = None) -> None:
         parameters: an nn.Module or an iterable of parameters.
         group: the sequence-parallel group (default: the world), or a 1-D DeviceMesh.
     """
-    group = ring_group(group)
+    _sync_gradients(parameters, [ring_group(group)])
+
+
+def _sync_gradients(parameters, groups: list) -> None:
+    """sync_gradients summing over each group of `groups` in turn (None: the world)."""
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -209,7 +236,8 @@ def sync_gradients(parameters, group: Group = None) -> None:
         buckets.setdefault((g.dtype, g.device), []).append(g)
     for bucket in buckets.values():
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)
+        for group in groups:
+            dist.all_reduce(flat, group=group)
         offset = 0
         for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -225,7 +253,7 @@ class ShardedBatch:
         models' `position_ids`: their global positions (an expanded view: one row repeated), or, for packed
         documents and padding masks, their positions inside their documents (each row its own).
     labels: (batch, S_local) the shifted targets of these tokens, or None.
-    seqlen: the global length S after padding (S_local = S / W).
+    seqlen: the global length S after padding (S_local = S / W, W the ranks of the group or of the grid).
     unpadded_seqlen: the length before padding; positions from it on are padding (label ignore_index).
     cu_seqlens: packed documents or a padding mask only (else None): (n_docs + 1,) int32 global document
         boundaries of the flattened batch * seqlen tokens (row b's token t is token b * seqlen + t, flash-attn's and
@@ -246,44 +274,75 @@ class ShardedBatch:
 
 
 class SequenceParallel:
-    """The group a sequence is split over and the layout of the split, with the helpers that use them.
+    """The ranks a sequence is split over and the layout of the split, with the helpers that use them: one group (a
+    ring), or a U x R grid of a Ulysses group and a ring (2-D context parallelism, ringattn.ulysses_ring_attn_func).
 
-    Pass the same `group` and `layout` to the attention (ring_attn_func, ringattn.nn.RingAttention,
-    ringattn.integrations.hf.register): a layout mismatch gives wrong results silently.
+    Pass the same groups and `layout` to the attention (ring_attn_func or ulysses_ring_attn_func,
+    ringattn.nn.RingAttention, ringattn.integrations.hf.register): a layout mismatch gives wrong results silently.
 
     Args:
-        group: the process group (default: the world), or a 1-D DeviceMesh (a (dp, cp) mesh's mesh["cp"]);
-            torch.distributed must be initialised.
+        group: the process group of the ring (default: the world; with ulysses_group, no ring: degree 1), or a 1-D
+            DeviceMesh (a (dp, cp) mesh's mesh["cp"]); torch.distributed must be initialised.
         layout: "zigzag" (default; balanced causal work) or "contiguous".
+        ulysses_group: the Ulysses group of a 2-D grid (a ProcessGroup or a 1-D DeviceMesh), or None (the ring
+            alone). Each rank (u, r) then holds the u-th of U pieces of ring shard r (ringattn.grid_shard_indices).
+        mesh: instead of the groups, a DeviceMesh with dimensions named "ulysses" and "ring" (others, such as "dp",
+            may be there too).
+    Attributes:
+        group, ulysses_group: the ProcessGroups of the ring and of the Ulysses dimension (ulysses_group None: the
+            ring alone; group None: the world for the ring alone, degree 1 with ulysses_group).
+        rank, world_size: this rank's index and the number of ranks a sequence is split over: those of the group,
+            or of the grid (ring rank x U + Ulysses rank, and U x R).
     Raises:
-        ValueError: unknown layout; a DeviceMesh of more than one dimension.
+        ValueError: unknown layout; a DeviceMesh of more than one dimension as a group; a mesh without dimensions
+            "ulysses" and "ring", or a mesh together with groups.
         TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
         RuntimeError: torch.distributed not initialised.
     """
 
-    def __init__(self, group: Group = None, layout: str = "zigzag"):
-        group = ring_group(group)
+    def __init__(
+        self,
+        group: Group = None,
+        layout: str = "zigzag",
+        *,
+        ulysses_group: Group = None,
+        mesh: DeviceMesh | None = None,
+    ):
         check_layout(layout)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("SequenceParallel needs torch.distributed initialised (dist.init_process_group)")
-        self.group, self.layout = group, layout
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.layout = layout
+        if ulysses_group is None and mesh is None:
+            self.group, self.ulysses_group, self.grid = ring_group(group), None, None
+            self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        else:
+            self.grid, self.ulysses_group, self.group = grid_arguments(ulysses_group, group, mesh)
+            self.rank, self.world_size = self.grid.rank, self.grid.size
 
     def __repr__(self) -> str:
-        return f"SequenceParallel(layout={self.layout!r}, rank={self.rank}, world_size={self.world_size})"
+        grid = "" if self.grid is None else f", ulysses_size={self.grid.ulysses_size}, ring_size={self.grid.ring_size}"
+        return f"SequenceParallel(layout={self.layout!r}, rank={self.rank}, world_size={self.world_size}{grid})"
 
     @property
     def multiple(self) -> int:
-        """The global length must be a multiple of this: W ("contiguous") or 2W ("zigzag")."""
-        return chunks_per_rank(self.layout) * self.world_size
+        """The global length must be a multiple of this: W ("contiguous") or 2W ("zigzag"); over a U x R grid, U R
+        ("contiguous") or R lcm(2, U) ("zigzag": ring shards of two equal chunks, each cut into U pieces)."""
+        if self.grid is None:
+            return chunks_per_rank(self.layout) * self.world_size
+        return self.grid.ring_size * math.lcm(chunks_per_rank(self.layout), self.grid.ulysses_size)
 
     def position_ids(self, seqlen: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """int64 (seqlen / W,): the global positions of this rank's tokens. Raises ValueError if not divisible."""
-        return shard_indices(seqlen, self.rank, self.world_size, self.layout, device=device)
+        """int64 (seqlen / W,): the global positions of this rank's tokens (over a grid, grid_shard_indices). Raises
+        ValueError if not divisible."""
+        if self.grid is None:
+            return shard_indices(seqlen, self.rank, self.world_size, self.layout, device=device)
+        grid = self.grid
+        return grid_shard_indices(seqlen, grid.ulysses_rank, grid.ulysses_size, grid.ring_rank, grid.ring_size,
+                                  self.layout, device=device)  # fmt: skip
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's shard of a full tensor along `dim`; a collective, differentiable (ringattn.shard)."""
-        return shard(x, dim=dim, group=self.group, layout=self.layout)
+        return shard(x, dim=dim, group=self.group, layout=self.layout, ulysses_group=self.ulysses_group)
 
     def gather(self, x_local: torch.Tensor, dim: int = 1, seqlen: int | None = None) -> torch.Tensor:
         """Every rank's shard reassembled in global order, on every rank; a collective, not differentiable.
@@ -295,7 +354,7 @@ class SequenceParallel:
         Raises:
             ValueError: as ringattn.unshard, on every rank alike.
         """
-        full = unshard(x_local, dim=dim, group=self.group, layout=self.layout)
+        full = unshard(x_local, dim=dim, group=self.group, layout=self.layout, ulysses_group=self.ulysses_group)
         return full if seqlen is None else full.narrow(dim % full.dim(), 0, seqlen)
 
     def shard_batch(
@@ -353,16 +412,18 @@ class SequenceParallel:
                 shape, with values other than 0 and 1, or with padding between a row's real tokens.
             TypeError: position_ids, cu_seqlens or attention_mask of the wrong type (as above).
         """
-        with shared_refusals("SequenceParallel.shard_batch", self.group):
+        batch, unpadded = input_ids.shape[0], input_ids.shape[1]
+
+        def checks():
             if labels is not None and labels.shape[:2] != input_ids.shape[:2]:
                 raise ValueError(
                     f"labels must have input_ids' (batch, seqlen) {tuple(input_ids.shape[:2])}, "
                     f"got {tuple(labels.shape)}"
                 )
-            batch, unpadded = input_ids.shape[0], input_ids.shape[1]
             padding = _padding(attention_mask, batch, unpadded)  # (B, S) bool on the host, or None
-            rows = self._documents(batch, unpadded, position_ids, cu_seqlens, padding)  # per-row boundaries or None
-        check_agreement("SequenceParallel.shard_batch", None, self.group)  # any rank's refusal, raised by all
+            return padding, self._documents(batch, unpadded, position_ids, cu_seqlens, padding)  # rows' boundaries
+
+        padding, rows = self._agreed("SequenceParallel.shard_batch", checks)  # any rank's refusal, raised by all
         self._check_same_batch(input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu_seqlens,
                                attention_mask=attention_mask)  # fmt: skip
         input_ids, _ = pad_to_multiple(input_ids, dim=1, multiple=self.multiple, value=pad_id)
@@ -396,28 +457,53 @@ class SequenceParallel:
             cu_seqlens=docs,
         )
 
-    def _check_same_batch(self, **tensors: torch.Tensor | None) -> None:
-        """Raise ValueError on every rank unless every rank of the group passed equal tensors (None counts as a value).
+    def _agreed(self, call: str, checks):
+        """Run a collective call's local `checks` (a callable) and return its result, after the agreement of the
+        group's ranks (of the grid's, parallel/grid.py): a rank's refusal is raised by every rank."""
+        if self.grid is not None:
+            result = None
 
-        One all_gather over the group of (numel, batch, seqlen, digest) int64 per tensor: a data pipeline that gives
-        each rank its own samples would otherwise mix them in one sequence and train on the mix silently.
+            def grid_checks():
+                nonlocal result
+                result = checks()
+                return ()
+
+            agree_across_grid(call, self.grid, grid_checks, GridSignature)
+            return result
+        with shared_refusals(call, self.group):
+            result = checks()
+        check_agreement(call, None, self.group)
+        return result
+
+    def _check_same_batch(self, **tensors: torch.Tensor | None) -> None:
+        """Raise ValueError on every rank unless every rank of the group (of the grid) passed equal tensors (None
+        counts as a value).
+
+        One all_gather over the group (over a grid, one over the Ulysses group and one over the ring) of (numel,
+        batch, seqlen, digest) int64 per tensor: a data pipeline that gives each rank its own samples would otherwise
+        mix them in one sequence and train on the mix silently.
         """
         if self.world_size == 1:
             return
         device = tensors["input_ids"].device
         local = torch.stack([self._fingerprint(t, device) for t in tensors.values()])  # (n_tensors, 4) int64
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local, group=self.group)
-        gathered = torch.stack(gathered).cpu()  # (W, n_tensors, 4)
-        differ = (gathered != gathered[:1]).any(dim=2)  # (W, n_tensors): differs from group rank 0's
+        if self.grid is None:
+            gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+            dist.all_gather(gathered, local, group=self.group)
+            gathered = torch.stack(gathered).cpu()  # (W, n_tensors, 4)
+        else:
+            gathered = grid_all_gather(local, self.grid).cpu()  # (U R, n_tensors, 4) in the order of Grid.rank
+        differ = (gathered != gathered[:1]).any(dim=2)  # (W, n_tensors): differs from rank 0's
         if bool(differ.any()):
             names = [name for name, d in zip(tensors, differ.any(dim=0).tolist(), strict=True) if d]
             ranks = torch.nonzero(differ.any(dim=1)).flatten().tolist()
+            which = "group" if self.grid is None else "grid"
+            order = "" if self.grid is None else " (grid rank: ring rank x U + Ulysses rank)"
             raise ValueError(
-                f"shard_batch needs the same full batch on every rank of the group: {', '.join(names)} of group "
-                f"ranks {ranks} differ from group rank 0's. A data pipeline that gives each rank its own samples (e.g. "
-                "a sampler sharding the data over every rank, not only over the sequence-parallel replicas) would mix "
-                "different samples in one sequence"
+                f"shard_batch needs the same full batch on every rank of the {which}: {', '.join(names)} of {which} "
+                f"ranks {ranks}{order} differ from {which} rank 0's. A data pipeline that gives each rank its own "
+                "samples (e.g. a sampler sharding the data over every rank, not only over the sequence-parallel "
+                "replicas) would mix different samples in one sequence"
             )
 
     @staticmethod
@@ -489,11 +575,13 @@ class SequenceParallel:
         softmax_scale: float | None = None,
         return_lse: bool = False,
     ):
-        """Ring attention over this group in this layout, inside each document when there are documents.
+        """Ring attention over this group in this layout (over a grid, Ulysses x ring attention), inside each
+        document when there are documents.
 
-        A collective: every rank of the group calls it with its shard. With `cu_seqlens` (a ShardedBatch's,
-        the same on every rank) it runs ring_attn_varlen_func, else ring_attn_func; so a model can call
-        `sp.attention(q, k, v, batch.cu_seqlens, causal=True)` for packed and unpacked batches alike.
+        A collective: every rank of the group (of the grid) calls it with its shard. With `cu_seqlens` (a
+        ShardedBatch's, the same on every rank) it runs ring_attn_varlen_func (ulysses_ring_attn_varlen_func), else
+        ring_attn_func (ulysses_ring_attn_func); so a model can call `sp.attention(q, k, v, batch.cu_seqlens,
+        causal=True)` for packed and unpacked batches alike.
 
         Args:
             q: (batch, S_local, nheads, headdim).
@@ -507,8 +595,14 @@ class SequenceParallel:
             out (batch, S_local, nheads, headdim) in q's dtype, and lse with return_lse.
         Raises:
             ValueError, TypeError, RuntimeError: as ring_attn_func and ring_attn_varlen_func (4-D q, k, v with
-                cu_seqlens).
+                cu_seqlens), or over a grid as ulysses_ring_attn_func and ulysses_ring_attn_varlen_func.
         """
+        if self.grid is not None:
+            kwargs = dict(softmax_scale=softmax_scale, causal=causal, ulysses_group=self.ulysses_group,
+                          ring_group=self.group, layout=self.layout, return_lse=return_lse)  # fmt: skip
+            if cu_seqlens is None:
+                return ulysses_ring_attn_func(q, k, v, **kwargs)
+            return ulysses_ring_attn_varlen_func(q, k, v, cu_seqlens, **kwargs)
         kwargs = dict(softmax_scale=softmax_scale, causal=causal, group=self.group, layout=self.layout)
         if cu_seqlens is None:
             return ring_attn_func(q, k, v, return_lse=return_lse, **kwargs)
@@ -528,9 +622,16 @@ class SequenceParallel:
         ignore_index: int = IGNORE_INDEX,
         grad_reduction: str = "sum",
     ) -> torch.Tensor:
-        """The unsharded mean loss from this rank's logits and shifted labels (module-level cross_entropy)."""
-        return cross_entropy(logits, labels, self.group, ignore_index, grad_reduction)
+        """The unsharded mean loss from this rank's logits and shifted labels (module-level cross_entropy), its
+        counts summed over the group (over every rank of the grid; grad_reduction="mean" scales by U x R)."""
+        return _cross_entropy(logits, labels, self._groups(), ignore_index, grad_reduction)
 
     def sync_gradients(self, parameters) -> None:
-        """Sum gradients over the group (module-level sync_gradients)."""
-        sync_gradients(parameters, self.group)
+        """Sum gradients over the group, or over every rank of the grid (module-level sync_gradients)."""
+        _sync_gradients(parameters, self._groups())
+
+    def _groups(self) -> list:
+        """The groups to sum over, in turn, for a sum over every rank (None: the world)."""
+        if self.grid is None:
+            return [self.group]
+        return [g for g in (self.grid.ulysses, self.grid.ring) if g is not None]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .functional import (
-    _check_3d,
+    _check_varlen_ring_dims,
     check_ring_inputs,
     flash_attn_func,
     flash_attn_varlen_func,
@@ -49,14 +49,13 @@ def check_ulysses_heads(heads_q: int, heads_k: int, ulysses_size: int) -> None:
 
 def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, sink):
     """Checks and agreement across the grid, the exchange, the inner ring (or, for a ring of one, the fused call),
-    the inverse exchange: (out (B, L, Hq, D), lse (B, Hq, L)) of 4-D q, k, v, or with cu_seqlens of 3-D q, k, v
-    (L, H, D) taken as B = 1."""
+    the inverse exchange: (out (B, L, Hq, D), lse (B, Hq, L)) of 4-D q, k, v; with cu_seqlens, of 4-D q, k, v (B
+    packed rows) or 3-D ones (L, H, D) taken as B = 1."""
     size = grid.ulysses_size
 
     def checks():
         nonlocal q, k, v
-        if cu_seqlens is not None:
-            _check_3d(q, k, v, "total_local_tokens")
+        if cu_seqlens is not None and _check_varlen_ring_dims(q, k, v):
             q, k, v = q[None], k[None], v[None]
         causal, window, softcap, _ = check_flash_attn_options(
             options["dropout_p"], options["causal"], options["window_size"], options["softcap"],
@@ -74,7 +73,8 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
         documents = 0
         if cu_seqlens is not None:
             check_cu_seqlens_tensor(cu_seqlens)
-            check_cu_seqlens(cu_seqlens, q.shape[1] * size * grid.ring_size)
+            row = q.shape[1] * size * grid.ring_size  # the global length of a row
+            check_cu_seqlens(cu_seqlens, q.shape[0] * row, row=row)
             documents = fingerprint(cu_seqlens)
         requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         return ring_signature(q, k, v, scale, causal, layout, requires_grad, documents, window, softcap,
@@ -92,15 +92,14 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
         out_h, lse_h = ring_attn_func(q_h, k_h, v_h, group=grid.ring, layout=layout, **inner)
     elif cu_seqlens is None:  # a ring of one: its shard is the whole sequence, in order
         out_h, lse_h = flash_attn_func(q_h, k_h, v_h, **inner)
-    elif grid.ring is not None:
-        out_h, lse_h = ring_attn_varlen_func(q_h[0], k_h[0], v_h[0], cu_seqlens, group=grid.ring, layout=layout,
-                                             **inner)  # fmt: skip
-        out_h, lse_h = out_h[None], lse_h[None]
-    else:
+    elif grid.ring is not None:  # every row in one ring
+        out_h, lse_h = ring_attn_varlen_func(q_h, k_h, v_h, cu_seqlens, group=grid.ring, layout=layout, **inner)
+    else:  # a ring of one: the rows, flattened, are the packed sequence cu_seqlens describes
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        out_h, lse_h = flash_attn_varlen_func(q_h[0], k_h[0], v_h[0], cu_seqlens, cu_seqlens, longest, longest,
-                                              **inner)  # fmt: skip
-        out_h, lse_h = out_h[None], lse_h[None]
+        out_h, lse_h = flash_attn_varlen_func(q_h.flatten(0, 1), k_h.flatten(0, 1), v_h.flatten(0, 1), cu_seqlens,
+                                              cu_seqlens, longest, longest, **inner)  # fmt: skip
+        out_h = out_h.view(q_h.shape)  # (B, S / R, h, D)
+        lse_h = lse_h.reshape(lse_h.shape[0], batch, -1).transpose(0, 1)  # (h, B S / R) -> (B, h, S / R)
     out = heads_to_seq(out_h, grid.ulysses, heads_q)  # (B, L, Hq, D)
     lse = heads_to_seq(lse_h.detach().transpose(1, 2)[..., None], grid.ulysses, heads_q)  # (B, L, Hq, 1)
     return out, lse[..., 0].transpose(1, 2).reshape(batch, heads_q, q.shape[1])
@@ -168,7 +167,7 @@ def ulysses_ring_attn_func(
                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                    return_attn_probs=return_attn_probs)  # fmt: skip
     if grid.ulysses is None:  # degree 1: the ring alone
-        ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh)
+        ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh, ulysses_group)
         return ring_attn_func(q, k, v, **options, group=ring, layout=layout, return_lse=return_lse,
                               learnable_sink=learnable_sink)  # fmt: skip
     out, lse = _ulysses_ring("ulysses_ring_attn_func", grid, q, k, v, None, options, layout, learnable_sink)
@@ -208,26 +207,33 @@ def ulysses_ring_attn_varlen_func(
         causal: causal inside each document (default True).
         the rest: as ulysses_ring_attn_func's.
     Returns:
-        out (S_local, nheads, headdim) in q's dtype, and lse (nheads, S_local) fp32 with return_lse.
+        out shaped like q in q's dtype, and lse (nheads, S_local), or (B, nheads, S_local) for 4-D inputs, fp32
+        with return_lse.
     Raises:
-        ValueError, TypeError, RuntimeError: as ulysses_ring_attn_func, and for q, k, v that are not 3-D or a bad
-            cu_seqlens; on every rank of the grid alike.
+        ValueError, TypeError, RuntimeError: as ulysses_ring_attn_func, and for q, k, v that are not all 3-D or all
+            4-D or a bad cu_seqlens (not ending at B * S, a row start that is not a boundary); on every rank of the
+            grid alike.
     """
     grid = grid_groups(ulysses_group, ring_group, mesh)
     options = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                    return_attn_probs=return_attn_probs)  # fmt: skip
     if grid.ulysses is None:  # degree 1: the ring alone
-        ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh)
+        ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh, ulysses_group)
         return ring_attn_varlen_func(q, k, v, cu_seqlens, **options, group=ring, layout=layout,
                                      return_lse=return_lse, learnable_sink=learnable_sink)  # fmt: skip
     call = "ulysses_ring_attn_varlen_func"
     out, lse = _ulysses_ring(call, grid, q, k, v, cu_seqlens, options, layout, learnable_sink)
-    return (out[0], lse[0]) if return_lse else out[0]
+    if q.dim() == 3:  # one packed sequence
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out
 
 
-def _own_group(ring_group: Group, mesh) -> dist.ProcessGroup:
-    """The ring of a grid whose both degrees are 1: the group as given (of one rank), or the world's."""
+def _own_group(ring_group: Group, mesh, ulysses_group: Group) -> Group:
+    """The ring of a grid whose both degrees are 1: the mesh's, the ring group as given (of one rank), the Ulysses
+    group as given (of one rank, when no ring is: a grid of this rank alone), or, neither given, the world's."""
     if mesh is not None:
         return mesh.get_group("ring")
-    return ring_group if ring_group is not None else dist.group.WORLD
+    if ring_group is not None:
+        return ring_group
+    return ulysses_group if ulysses_group is not None else dist.group.WORLD

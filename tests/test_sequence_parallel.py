@@ -243,11 +243,13 @@ def test_packed_documents_loss_and_gradients_equal_per_document(backend, world_s
     assert ranks == [True] * world_size
 
 
-def _rows_per_document(input_ids, labels, segments, vocab, max_len, dtype):
-    """The model run on each document of each row alone (segments[b]: row b's documents as (start, end), its
-    padding in none) with plain attention in `dtype`: logits (B, T, V) (zeros at padding), the mean loss over
-    every row's targets shifted inside their documents, gradients."""
-    model = _AttentionModel(vocab, max_len).to(input_ids.device, dtype)
+def _rows_per_document(input_ids, labels, segments, vocab, max_len, dtype, model=None):
+    """The model (a new _AttentionModel, or `model`) run on each document of each row alone (segments[b]: row b's
+    documents as (start, end), its padding in none) with plain attention in `dtype`: logits (B, T, V) (zeros at
+    padding), the mean loss over every row's targets shifted inside their documents, gradients."""
+    if model is None:
+        model = _AttentionModel(vocab, max_len).to(input_ids.device, dtype)
+    model.zero_grad(set_to_none=True)
 
     def attend(q, k, v):
         return attn_fwd_ref(q, k, v, q.shape[-1] ** -0.5, True)[0]
@@ -441,3 +443,106 @@ def test_different_batches_on_the_ranks_raise_on_every_rank(backend, world_size)
     skip_without_gpus(backend, world_size)
     ranks = run_ranks(_different_batches_raise_on_every_rank, world_size, backend, backend=backend)
     assert ranks == [True] * world_size
+
+
+# the batches of the grid tests: BATCHES, and rows of one sequence each (no documents: ulysses_ring_attn_func)
+GRID_BATCHES = {**BATCHES, "dense-B2": ([[(0, T)], [(0, T)]], False, None)}
+
+
+def _sgd_step(model, lr=0.5):
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+
+
+def _grid_toolkit_matches_single_process(rank, world_size, shape, groups, cases):
+    """Each case ({batch: layouts}) on a U x R grid (shape): shard_batch in the 2-D layout, the model with
+    sp.attention, cross_entropy and sync_gradients over the grid, against the model run on each document alone in
+    one process: logits, loss and gradients (fp32 against float64, tolerance rule), then the loss after one SGD step
+    of both (within 1e-5)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("ulysses", "ring"))
+    u, r = mesh.get_local_rank("ulysses"), mesh.get_local_rank("ring")
+    given = dict(mesh=mesh) if groups == "mesh" else dict(ulysses_group=mesh["ulysses"], group=mesh["ring"])
+    vocab = 13
+    for case, layouts in cases.items():
+        segments, packed, mask = GRID_BATCHES[case]
+        batch_size = len(segments)
+        gen = torch.Generator().manual_seed(batch_size)
+        input_ids = torch.randint(0, vocab, (batch_size, T), generator=gen)
+        labels = input_ids.clone()
+        labels[0, 3:6] = IGNORE_INDEX
+        positions = torch.full((batch_size, T), 7, dtype=torch.int64)
+        real = torch.zeros(batch_size, T, dtype=torch.bool)
+        for b, docs in enumerate(segments):
+            for start, end in docs:
+                positions[b, start:end] = torch.arange(end - start)
+                real[b, start:end] = True
+        documents = dict(position_ids=positions) if packed else {}
+        if mask is not None:
+            documents["attention_mask"] = torch.tensor(mask)
+        max_len = T + 2 * world_size
+        plain_model = _AttentionModel(vocab, max_len)
+        plain = _rows_per_document(input_ids, labels, segments, vocab, max_len, torch.float32, plain_model)
+        ref = _rows_per_document(input_ids, labels, segments, vocab, max_len, torch.float64)
+        _sgd_step(plain_model)
+        plain_after = _rows_per_document(input_ids, labels, segments, vocab, max_len, torch.float32, plain_model)[1]
+
+        for layout in layouts:
+            sp = ringattn.SequenceParallel(layout=layout, **given)
+            assert (sp.rank, sp.world_size) == (r * shape[0] + u, world_size)
+            batch = sp.shard_batch(input_ids, labels, **documents)
+            s_pad = batch.seqlen
+            assert s_pad % sp.multiple == 0 and s_pad - T < sp.multiple
+            assert (batch.cu_seqlens is None) == (case == "dense-B2")
+            idx = ringattn.grid_shard_indices(s_pad, u, shape[0], r, shape[1], layout)
+            assert torch.equal(sp.position_ids(s_pad), idx)
+            assert torch.equal(batch.input_ids, F.pad(input_ids, (0, s_pad - T))[:, idx])
+            assert torch.equal(sp.gather(batch.input_ids, seqlen=T), input_ids)
+            local_real = F.pad(real, (0, s_pad - T))[:, idx]  # (B, S_local)
+            assert (batch.labels[~local_real] == IGNORE_INDEX).all()
+
+            model = _AttentionModel(vocab, max_len)
+            where = f"U{shape[0]} x R{shape[1]} {case} {layout} rank ({u}, {r})"
+            for step in range(2):
+                model.zero_grad(set_to_none=True)
+                attend = functools.partial(sp.attention, cu_seqlens=batch.cu_seqlens, causal=True)
+                logits = model(batch.input_ids, batch.position_ids, attend)  # (B, S_local, V)
+                loss = sp.cross_entropy(logits, batch.labels)
+                loss.backward()
+                sp.sync_gradients(model)
+                if step == 0:
+                    cols = idx.clamp(max=T - 1)
+                    check_close(f"{where} logits", logits[local_real], plain[0][:, cols][local_real],
+                                ref[0][:, cols][local_real])  # fmt: skip
+                    check_close(f"{where} loss", loss, plain[1], ref[1])
+                    for i, p in enumerate(model.parameters()):
+                        check_close(f"{where} grad {i}", p.grad, plain[2][i], ref[2][i])
+                    _sgd_step(model)
+                else:
+                    torch.testing.assert_close(loss, plain_after, rtol=0, atol=1e-5)
+
+    # a rank given another batch: refused on every rank of the grid, naming it by its grid rank
+    last = rank == world_size - 1
+    with pytest.raises(ValueError, match=r"same full batch on every rank of the grid: labels of grid ranks \[3\]"):
+        sp.shard_batch(input_ids, labels.roll(1, dims=1) if last else labels)
+    return True
+
+
+GRID_CASES = {  # (U, R) -> (groups given as, {batch: layouts})
+    (2, 2): (
+        "mesh",
+        {"dense-B2": LAYOUTS, "packed-padded-B2": LAYOUTS, "packed-B3": ["contiguous"], "padded-B3": ["zigzag"]},
+    ),
+    (4, 1): ("groups", {"packed-padded-B2": ["zigzag"]}),  # pure Ulysses: the rows flattened into the fused call
+}
+
+
+@pytest.mark.parametrize("shape", list(GRID_CASES), ids=[f"U{u}xR{r}" for u, r in GRID_CASES])
+def test_grid_toolkit_trains_as_single_process(shape):
+    """SequenceParallel over a Ulysses x ring grid (a mesh, or ulysses_group and group): rows without documents,
+    packed rows (B 3), padded rows (left, right, none), packed and padded rows (B 2); both layouts on 2 x 2; 4 x 1
+    (a ring of one)."""
+    groups, cases = GRID_CASES[shape]
+    assert run_ranks(_grid_toolkit_matches_single_process, 4, shape, groups, cases, timeout=400) == [True] * 4

@@ -14,13 +14,26 @@
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
                    cu_seq_lens_k=batch.cu_seqlens, use_cache=False).logits
 
+2-D context parallelism (Ulysses x ring): register and shard with the same grid, a DeviceMesh with dimensions
+"ulysses" and "ring" or the two groups, and call the model as above:
+
+    mesh = init_device_mesh("cuda", (U, R), mesh_dim_names=("ulysses", "ring"))
+    hf.register(layout="zigzag", mesh=mesh)          # or ulysses_group=mesh["ulysses"], group=mesh["ring"]
+    sp = ringattn.SequenceParallel(layout="zigzag", mesh=mesh)
+
+The attention function then runs ulysses_ring_attn_func (ulysses_ring_attn_varlen_func for packed documents, every
+row in one exchange and one ring) over the grid (U must divide the query heads, and U and the K/V heads one
+another), and prepare's check of each call compares the position ids with the 2-D layout (grid_shard_indices) in
+an agreement across the grid (parallel/grid.agree_across_grid: a few small all-gathers per model call, inside the
+custom op), so a refusal is raised by every rank of the grid.
+
 `register` adds an attention function under `name` to transformers' AttentionInterface and a mask
 function to its AttentionMaskInterface. The attention function is called by each attention layer with
 query (batch, heads, S_local, head_dim) and key, value (batch, kv_heads, S_local, head_dim) (GQA: fewer
 K/V heads, passed on unrepeated) and runs ring_attn_func (ring_attn_varlen_func for packed documents)
-over the group. The mask function makes the model build no mask at all: a dense (S_local, S_local)
-causal mask over local positions would be wrong for a shard, and the ring applies the causal mask (and
-the document boundaries) over global positions itself.
+over the group (over a grid, their Ulysses x ring forms). The mask function makes the model build no
+mask at all: a dense (S_local, S_local) causal mask over local positions would be wrong for a shard, and the
+ring applies the causal mask (and the document boundaries) over global positions itself.
 
 `prepare` selects the implementation for a model and checks each call of it (a forward pre-hook on each
 transformers model in it), on every rank alike and before any computation: position_ids are required (without
@@ -71,14 +84,17 @@ import inspect
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..functional import ring_attn_func, ring_attn_varlen_func
 from ..parallel.agreement import shared_refusals
 from ..parallel.documents import check_cu_seqlens, check_cu_seqlens_tensor
+from ..parallel.grid import Grid, GridSignature, agree_across_grid, grid_arguments, shared_grid_refusals
 from ..parallel.groups import Group, ring_group
-from ..parallel.layout import check_layout, check_local_seqlen, shard_indices
+from ..parallel.layout import check_layout, check_local_seqlen, grid_shard_indices, shard_indices
 from ..sequence_parallel import document_positions
+from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
 
 try:
     from transformers import AttentionInterface, PreTrainedModel
@@ -111,14 +127,26 @@ class RingAttentionForTransformers:
     Called as fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs), the
     signature of transformers' attention functions; returns (attn_output (batch, S_local, heads,
     head_dim), None).
+
+    Attributes: group (the ring's ProcessGroup; None: the world, or with ulysses_group degree 1), ulysses_group
+    (None: the ring alone) and grid (the parallel.grid.Grid of a 2-D form, else None), layout, name.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, layout: str, name: str):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        layout: str,
+        name: str,
+        ulysses_group: dist.ProcessGroup | None = None,
+        grid: Grid | None = None,
+    ):
         check_layout(layout)
         self.group, self.layout, self.name = group, layout, name
+        self.ulysses_group, self.grid = ulysses_group, grid
 
     def __repr__(self) -> str:
-        return f"RingAttentionForTransformers(name={self.name!r}, layout={self.layout!r})"
+        grid = "" if self.grid is None else f", ulysses_size={self.grid.ulysses_size}, ring_size={self.grid.ring_size}"
+        return f"RingAttentionForTransformers(name={self.name!r}, layout={self.layout!r}{grid})"
 
     def __call__(
         self,
@@ -153,11 +181,16 @@ class RingAttentionForTransformers:
         ring = dict(
             softmax_scale=scaling, causal=bool(is_causal), window_size=self._window(kwargs.get("sliding_window")),
             softcap=kwargs.get("softcap") or 0.0, learnable_sink=sink if sink is not None else kwargs.get("sinks"),
-            group=self.group, layout=self.layout,
+            layout=self.layout,
         )  # fmt: skip
+        if self.grid is not None:  # Ulysses x ring
+            ring.update(ulysses_group=self.ulysses_group, ring_group=self.group)
+            if cu_seqlens is None:
+                return ulysses_ring_attn_func(q, k, v, **ring), None
+            return ulysses_ring_attn_varlen_func(q, k, v, cu_seqlens, **ring), None  # every row in one exchange
         if cu_seqlens is None:
-            return ring_attn_func(q, k, v, **ring), None
-        return ring_attn_varlen_func(q, k, v, cu_seqlens, **ring), None  # every row in one ring
+            return ring_attn_func(q, k, v, group=self.group, **ring), None
+        return ring_attn_varlen_func(q, k, v, cu_seqlens, group=self.group, **ring), None  # every row in one ring
 
     def _given_documents(self, kwargs: dict) -> torch.Tensor | None:
         """The global document boundaries passed as transformers' cu_seq_lens_q and cu_seq_lens_k, or None (one
@@ -213,8 +246,8 @@ class RingAttentionForTransformers:
         cu_seqlens_k: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """position_ids (batch or 1, S_local), checked by ringattn::hf_checked_position_ids on this group, layout
-        and name: a copy, for the model to use in their place, so that the check stays in a compiled graph.
+        """position_ids (batch or 1, S_local), checked by ringattn::hf_checked_position_ids on this group (grid),
+        layout and name: a copy, for the model to use in their place, so that the check stays in a compiled graph.
 
         Raises:
             RuntimeError: torch.distributed not initialised.
@@ -224,6 +257,10 @@ class RingAttentionForTransformers:
             raise RuntimeError(f"attn_implementation={self.name!r} needs torch.distributed initialised")
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
             attention_mask = None  # a 4-D mask reaches the attention function, which refuses it
+        if self.grid is not None:  # the grid's groups by name, "" for a dimension of degree 1
+            ring, ulysses = (g.group_name if g is not None else "" for g in (self.grid.ring, self.grid.ulysses))
+            return checked_position_ids_op(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, ring,
+                                           self.layout, self.name, ulysses)  # fmt: skip
         group = self.group if self.group is not None else dist.group.WORLD
         return checked_position_ids_op(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, group.group_name,
                                        self.layout, self.name)  # fmt: skip
@@ -238,24 +275,39 @@ def checked_position_ids_op(
     group_name: str,
     layout: str,
     name: str,
+    ulysses_group_name: str | None = None,
 ) -> torch.Tensor:
     """prepare's check of the values of a model call, as a custom op (torch.compile sees one call; the check runs at
     every call): a copy of position_ids (batch or 1, S_local), contiguous, after checking, on the group named
-    `group_name`, that
+    `group_name` (with `ulysses_group_name`, on the grid of that Ulysses group and that ring, "" naming a dimension
+    of degree 1), that
 
-    - every row holds this rank's positions in `layout`: its global positions (one sequence per row), or, with
-      cu_seqlens_q and cu_seqlens_k (packed documents), the positions inside their documents;
+    - every row holds this rank's positions in `layout` (over a grid, its 2-D layout, grid_shard_indices): its
+      global positions (one sequence per row), or, with cu_seqlens_q and cu_seqlens_k (packed documents), the
+      positions inside their documents;
     - cu_seqlens_q and cu_seqlens_k, given together, are the same boundaries of the global sequence;
     - a 2-D attention_mask holds no zeros (no padding).
 
     A refusal is shared (agreement.shared_refusals): every rank raises it, from this op or from the first ring call.
+    Over a grid the values are checked in an agreement across the grid (grid.agree_across_grid, a collective at
+    every call), so every rank of the grid raises a refusal from this op.
 
     Raises:
         ValueError, TypeError: as above, naming the attention implementation `name`.
     """
+    args = (position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask)
+    if ulysses_group_name is not None:
+        grid = Grid(*(_resolve_process_group(n) if n else None for n in (ulysses_group_name, group_name)))
+
+        def checks():
+            _check_call_values(*args, _GridPlace(grid), layout, name)
+            return ()
+
+        agree_across_grid("hf model call", grid, checks, GridSignature)
+        return position_ids.contiguous().clone()
     group = _resolve_process_group(group_name)
     with shared_refusals("hf model call", group):
-        _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, group, layout, name)
+        _check_call_values(*args, _RingPlace(group), layout, name)
     return position_ids.contiguous().clone()
 
 
@@ -264,17 +316,40 @@ def _checked_position_ids_fake(position_ids, *args):
     return torch.empty(position_ids.shape, dtype=position_ids.dtype, device=position_ids.device)
 
 
-def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, group, layout: str, name: str):
+class _RingPlace:
+    """This rank's place in a ring: the ranks a sequence is split over and the positions it holds."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.rank, self.size, self.pieces = dist.get_rank(group), dist.get_world_size(group), 1
+
+    def indices(self, seqlen: int, layout: str) -> torch.Tensor:
+        return shard_indices(seqlen, self.rank, self.size, layout)
+
+
+class _GridPlace:
+    """This rank's place in a U x R grid (the 2-D layout): U pieces of each ring shard."""
+
+    def __init__(self, grid: Grid):
+        self.grid, self.size, self.pieces = grid, grid.size, grid.ulysses_size
+
+    def indices(self, seqlen: int, layout: str) -> torch.Tensor:
+        g = self.grid
+        return grid_shard_indices(seqlen, g.ulysses_rank, g.ulysses_size, g.ring_rank, g.ring_size, layout)
+
+
+def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, place, layout: str, name: str):
     where = f"attn_implementation={name!r}"
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(f"ring attention takes no padding mask in the model call: {_PADDING_HOWTO}")
     if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dim() not in (1, 2):
         raise TypeError(f"{where}: position_ids must be integers (batch, S_local), got {position_ids.dtype} of "
                         f"shape {tuple(position_ids.shape)}")  # fmt: skip
-    seqlen_local, world_size = position_ids.shape[-1], dist.get_world_size(group)
-    check_local_seqlen(seqlen_local, layout, name="the local sequence length")
-    seqlen = seqlen_local * world_size
-    expected = shard_indices(seqlen, dist.get_rank(group), world_size, layout)  # (S_local,) global positions
+    seqlen_local = position_ids.shape[-1]
+    # a ring rank holds U pieces of the local length (one, without a grid)
+    what = "the local sequence length" if place.pieces == 1 else f"the Ulysses degree {place.pieces} x local length"
+    check_local_seqlen(place.pieces * seqlen_local, layout, name=what)
+    seqlen = seqlen_local * place.size
+    expected = place.indices(seqlen, layout)  # (S_local,) global positions
     rows = position_ids.reshape(-1, seqlen_local).cpu().to(torch.int64)  # (batch or 1, S_local)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -303,14 +378,15 @@ def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask,
         return
     row = int(bad[0])
     got = f"row {row} is {_preview(rows[row])}, expected {_preview(expected if expected.dim() == 1 else expected[row])}"
+    grid = "" if isinstance(place, _RingPlace) else " over the Ulysses x ring grid"
     if cu_seqlens_q is not None:
         raise ValueError(
             f"{where}: position_ids must be, in every row, this rank's positions inside the documents of "
-            f"cu_seq_lens_q, sharded in layout {layout!r} (SequenceParallel.shard_batch(..., position_ids=...)"
+            f"cu_seq_lens_q, sharded in layout {layout!r}{grid} (SequenceParallel.shard_batch(..., position_ids=...)"
             f".position_ids); {got}"
         )
     raise ValueError(
-        f"{where}: position_ids must be, in every row, this rank's global positions in layout {layout!r} "
+        f"{where}: position_ids must be, in every row, this rank's global positions in layout {layout!r}{grid} "
         f"(SequenceParallel.shard_batch(...).position_ids, or ringattn.position_ids); {got}. Packed documents "
         "(positions restarting at 0 at each document) need their boundaries as well: model(..., "
         "cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)"
@@ -327,16 +403,22 @@ def no_mask(
     attention_mask: torch.Tensor | None = None,
     use_vmap: bool = False,
     group: dist.ProcessGroup | None = None,
+    grid: Grid | None = None,
     **kwargs,
 ) -> None:
-    """The mask function registered in AttentionMaskInterface, bound to the registered group: build no mask.
+    """The mask function registered in AttentionMaskInterface, bound to the registered group (or grid): build no
+    mask.
 
     Returns None: the ring applies the causal mask (and the document boundaries) over global positions itself, and
     prepare's check of each call has refused a padding mask with zeros (ringattn::hf_checked_position_ids). Raises
     ValueError when the model adds its own mask pattern on top of the causal one (transformers then asks for a
-    vmap-built mask), which the ring could not apply; a refusal shared by every rank (agreement.shared_refusals).
+    vmap-built mask), which the ring could not apply; a refusal shared by every rank (agreement.shared_refusals, or
+    over a grid grid.shared_grid_refusals).
     """
-    with shared_refusals("hf attention mask", group):
+    refusals = (
+        shared_refusals("hf attention mask", group) if grid is None else shared_grid_refusals("hf attention mask", grid)
+    )
+    with refusals:
         if use_vmap:
             raise ValueError(
                 "ring attention computes causal (or full) attention with the layer's sliding window: this model adds "
@@ -430,27 +512,46 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
     return model
 
 
-def register(name: str = NAME, *, layout: str = "zigzag", group: Group = None) -> str:
+def register(
+    name: str = NAME,
+    *,
+    layout: str = "zigzag",
+    group: Group = None,
+    ulysses_group: Group = None,
+    mesh: DeviceMesh | None = None,
+) -> str:
     """Register ring attention with transformers under `name` (global to the process; registering again replaces).
 
     After this, `prepare(model, name)` selects it for a model (or `from_pretrained(..., attn_implementation=name)`,
-    then `prepare(model, name)`). Shard inputs with the same group and layout (ringattn.SequenceParallel(group,
-    layout)).
+    then `prepare(model, name)`). Shard inputs with the same group (groups) and layout
+    (ringattn.SequenceParallel(group, layout, ulysses_group=..., mesh=...)).
     Register two names to use two layouts or groups side by side.
 
     Args:
         name: the attn_implementation name.
         layout: "zigzag" (default) or "contiguous".
-        group: the sequence-parallel process group (default: the world), or a 1-D DeviceMesh (a (dp, cp) mesh's
-            mesh["cp"]).
+        group: the sequence-parallel process group, the ring (default: the world; with ulysses_group, no ring: degree
+            1), or a 1-D DeviceMesh (a (dp, cp) mesh's mesh["cp"]).
+        ulysses_group: the Ulysses group of a 2-D grid (a ProcessGroup or a 1-D DeviceMesh): the attention then runs
+            ulysses_ring_attn_func (its varlen form for packed documents) over it and the ring `group`, and each call
+            is checked against the 2-D layout (grid_shard_indices).
+        mesh: instead of the groups, a DeviceMesh with dimensions named "ulysses" and "ring".
     Returns:
         name.
     Raises:
-        ValueError: unknown layout; a DeviceMesh of more than one dimension.
+        ValueError: unknown layout; a DeviceMesh of more than one dimension as a group; a mesh without dimensions
+            "ulysses" and "ring", or a mesh together with groups.
         TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
+        RuntimeError: ulysses_group or mesh without torch.distributed initialised.
     """
-    group = ring_group(group)
-    fn = RingAttentionForTransformers(group, layout, name)
+    if ulysses_group is None and mesh is None:
+        group = ring_group(group)
+        fn = RingAttentionForTransformers(group, layout, name)
+        mask = functools.partial(no_mask, group=group)
+    else:
+        grid, ulysses, group = grid_arguments(ulysses_group, group, mesh)
+        fn = RingAttentionForTransformers(group, layout, name, ulysses_group=ulysses, grid=grid)
+        mask = functools.partial(no_mask, grid=grid)
     AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, functools.partial(no_mask, group=group))
+    AttentionMaskInterface.register(name, mask)
     return name

@@ -6,6 +6,8 @@
     mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))  # dp rings of cp ranks, W = dp * cp
     sp = ringattn.SequenceParallel(mesh.get_group("cp"), layout="zigzag")  # or SequenceParallel(): one ring of all
     hf.register(layout=sp.layout, group=sp.group)
+    # 2-D: mesh = init_device_mesh("cuda", (dp, U, R), mesh_dim_names=("dp", "ulysses", "ring")), then
+    # sp = ringattn.SequenceParallel(mesh=mesh) and hf.register(layout=sp.layout, mesh=mesh): dp grids of U x R ranks
     model = hf.prepare(model)
     RingTrainer(model=model, args=TrainingArguments(...), train_dataset=dataset, sp=sp).train()
 
@@ -63,18 +65,28 @@ def _ranks(group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
-def ring_index(sp: SequenceParallel) -> tuple[int, int]:
-    """(number of rings, index of this rank's ring): the rings are the ranks' SequenceParallel groups; a collective.
+def _sequence_groups(sp: SequenceParallel) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The global ranks of this rank's ring and of its Ulysses group (this rank alone without a grid)."""
+    me = (dist.get_rank(),)
+    if sp.grid is None:
+        return tuple(_ranks(sp.group)), me
+    return tuple(me if g is None else _ranks(g) for g in (sp.grid.ring, sp.grid.ulysses))
 
-    One all_gather_object over the world of each rank's group (its global ranks); rings are numbered by their
-    lowest global rank.
+
+def ring_index(sp: SequenceParallel) -> tuple[int, int]:
+    """(number of rings, index of this rank's ring): the rings are the ranks' SequenceParallel groups (over a
+    Ulysses x ring grid, the grids: the ranks a sequence is split over); a collective.
+
+    One all_gather_object over the world of each rank's groups (their global ranks); a grid is the union of the
+    Ulysses groups of the ranks of a ring; rings are numbered by their lowest global rank.
     Raises:
         ValueError: the ranks' groups do not split the world into disjoint rings of one size.
     """
-    mine = tuple(_ranks(sp.group))
     world_size = dist.get_world_size()
-    groups: list = [None] * world_size
-    dist.all_gather_object(groups, mine)
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, _sequence_groups(sp))
+    groups = [tuple(sorted({m for r in ring for m in gathered[r][1]})) for ring, _ in gathered]  # each rank's
+    mine = groups[dist.get_rank()]
     rings = sorted(set(groups))
     if sorted(r for ring in rings for r in ring) != list(range(world_size)) or len({len(r) for r in rings}) != 1:
         raise ValueError(
@@ -132,12 +144,23 @@ class RingTrainerMixin:
         name = self.model.config._attn_implementation
         fn = transformers.AttentionInterface().get(name)
         prepared = isinstance(fn, hf.RingAttentionForTransformers) and getattr(self.model, hf.PREPARED, False)
-        if not prepared or fn.layout != self.sp.layout or _ranks(fn.group) != _ranks(self.sp.group):
+        if not prepared or fn.layout != self.sp.layout or not self._same_groups(fn):
             raise ValueError(
                 f"model: prepare it for ring attention over sp's group in sp's layout ({self.sp.layout!r}) on every "
-                "rank: hf.prepare(model, hf.register(name, layout=sp.layout, group=sp.group)); got "
+                "rank: hf.prepare(model, hf.register(name, layout=sp.layout, group=sp.group)), over a grid "
+                "hf.register(name, layout=sp.layout, group=sp.group, ulysses_group=sp.ulysses_group); got "
                 f"attn_implementation={name!r}" + (f" ({fn!r})" if prepared else "")
             )
+
+    def _same_groups(self, fn: "hf.RingAttentionForTransformers") -> bool:
+        """Whether the registered attention runs over sp's ring (and Ulysses group)."""
+        if (fn.grid is None) != (self.sp.grid is None):
+            return False
+        if fn.grid is None:
+            return _ranks(fn.group) == _ranks(self.sp.group)
+        me = [dist.get_rank()]
+        pairs = ((fn.grid.ring, self.sp.grid.ring), (fn.grid.ulysses, self.sp.grid.ulysses))
+        return all((me if a is None else _ranks(a)) == (me if b is None else _ranks(b)) for a, b in pairs)
 
     def get_train_dataloader(self):
         """Trainer's dataloader, sharded over the rings instead of the ranks: every rank of a ring reads the same

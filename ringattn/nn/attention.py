@@ -1,34 +1,45 @@
-"""`RingAttention`: ring_attn_func as a module, for models that hold their attention as a layer."""
+"""`RingAttention`: ring_attn_func (or, over a Ulysses x ring grid, ulysses_ring_attn_func) as a module, for models
+that hold their attention as a layer."""
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..functional import ring_attn_func
 from ..ops.validation import check_flash_attn_options, check_softmax_scale
+from ..parallel.grid import grid_arguments
 from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout
+from ..ulysses import ulysses_ring_attn_func
 
 
 class RingAttention(nn.Module):
-    """Exact attention over one sequence split across the ranks of `group` (ringattn.ring_attn_func).
+    """Exact attention over one sequence split across the ranks of `group` (ringattn.ring_attn_func), or across a
+    U x R grid of ranks given by `ulysses_group` (with `group` the ring) or a 2-D `mesh`
+    (ringattn.ulysses_ring_attn_func).
 
-    No parameters: q, k, v come from the model's own projections. Every rank of the group calls
-    forward with its shard, in the same `layout` its tokens were sharded with
-    (ringattn.SequenceParallel or ringattn.shard); a layout mismatch gives wrong results silently.
+    No parameters: q, k, v come from the model's own projections. Every rank of the group (of the grid) calls
+    forward with its shard, in the same `layout` its tokens were sharded with (ringattn.SequenceParallel or
+    ringattn.shard, with the same groups); a layout mismatch gives wrong results silently.
 
     Args:
         causal: causal over global positions.
         softmax_scale: defaults to 1 / sqrt(headdim).
         layout: "contiguous" (default, as ring_attn_func) or "zigzag".
-        group: the process group forming the ring (default: the world), or a 1-D DeviceMesh (a (dp, cp) mesh's
-            mesh["cp"]).
+        group: the process group forming the ring (default: the world; with ulysses_group, no ring: degree 1), or a
+            1-D DeviceMesh (a (dp, cp) mesh's mesh["cp"]).
         window_size, softcap: a sliding window and logit soft-capping, as ring_attn_func's.
+        ulysses_group: the Ulysses group of a 2-D grid (a ProcessGroup or a 1-D DeviceMesh), or None: the ring alone.
+        mesh: instead of the groups, a DeviceMesh with dimensions named "ulysses" and "ring" (as
+            ulysses_ring_attn_func takes).
     Raises (here, not at the first forward):
         ValueError: unknown layout; a softmax_scale, window_size or softcap out of range (as ring_attn_func); a
-            DeviceMesh of more than one dimension.
+            DeviceMesh of more than one dimension as a group; a mesh without dimensions "ulysses" and "ring", or a
+            mesh together with a group.
         TypeError: a causal that is not a bool; a softmax_scale, window_size or softcap of the wrong type; a group
             that is not a ProcessGroup, a DeviceMesh or None.
+        RuntimeError: ulysses_group or mesh without torch.distributed initialised.
     """
 
     def __init__(
@@ -39,9 +50,14 @@ class RingAttention(nn.Module):
         group: Group = None,
         window_size: tuple[int, int] = (-1, -1),
         softcap: float = 0.0,
+        ulysses_group: Group = None,
+        mesh: DeviceMesh | None = None,
     ):
         super().__init__()
-        group = ring_group(group)
+        if ulysses_group is None and mesh is None:
+            group, self.ulysses_group = ring_group(group), None
+        else:  # groups standing for the grid; checked, and the mesh's dimensions taken, here
+            _, self.ulysses_group, group = grid_arguments(ulysses_group, group, mesh)
         check_layout(layout)
         check_softmax_scale(softmax_scale)
         causal = check_flash_attn_options(0.0, causal, window_size, softcap, None, False, False)[0]
@@ -49,23 +65,27 @@ class RingAttention(nn.Module):
         self.window_size, self.softcap = tuple(window_size), softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False):
-        """q (batch, S_local, nheads, headdim); k, v (batch, S_local, nheads_k, headdim), nheads % nheads_k == 0.
+        """q (batch, S_local, nheads, headdim); k, v (batch, S_local, nheads_k, headdim), nheads % nheads_k == 0
+        (over a grid: U divides nheads, and U and nheads_k divide one another).
 
         Returns out (batch, S_local, nheads, headdim) in q's dtype; with return_lse also
-        lse (batch, nheads, S_local) fp32, natural log. Raises as ring_attn_func.
+        lse (batch, nheads, S_local) fp32, natural log. Raises as ring_attn_func (ulysses_ring_attn_func).
         """
-        return ring_attn_func(
-            q, k, v, softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window_size,
-            softcap=self.softcap, group=self.group, layout=self.layout, return_lse=return_lse,
-        )  # fmt: skip
+        options = dict(softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window_size,
+                       softcap=self.softcap, layout=self.layout, return_lse=return_lse)  # fmt: skip
+        if self.ulysses_group is None:
+            return ring_attn_func(q, k, v, group=self.group, **options)
+        return ulysses_ring_attn_func(q, k, v, ulysses_group=self.ulysses_group, ring_group=self.group, **options)
 
     def extra_repr(self) -> str:
         if self.group is None:
-            group = "world"
+            group = "world" if self.ulysses_group is None else "none"
         elif dist.is_available() and dist.is_initialized():
             group = f"{dist.get_world_size(self.group)} ranks"
         else:
             group = "given"
         extra = f", window_size={self.window_size}" if self.window_size != (-1, -1) else ""
         extra += f", softcap={self.softcap}" if self.softcap else ""
+        if self.ulysses_group is not None:
+            extra += f", ulysses_group={dist.get_world_size(self.ulysses_group)} ranks"
         return f"causal={self.causal}, softmax_scale={self.softmax_scale}, layout={self.layout!r}, group={group}{extra}"

@@ -11,6 +11,7 @@ exchange's error as a refusal. In a grid every ring holds one rank of every Ulys
 rank is raised by every rank of the grid: the same type and message.
 """
 
+import contextlib
 import typing
 import weakref
 from dataclasses import dataclass
@@ -51,6 +52,17 @@ class Grid:
     def ring_size(self) -> int:
         return 1 if self.ring is None else dist.get_world_size(self.ring)
 
+    @property
+    def size(self) -> int:
+        """The grid's number of ranks, U x R."""
+        return self.ulysses_size * self.ring_size
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the grid, ring rank x U + Ulysses rank: the order of the ranks' tokens in the
+        "contiguous" layout."""
+        return self.ring_rank * self.ulysses_size + self.ulysses_rank
+
 
 def _alone_if_single(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return None if group is None or dist.get_world_size(group) == 1 else group
@@ -89,6 +101,41 @@ def grid_groups(ulysses_group: Group = None, ring_group_: Group = None, mesh: De
     if ulysses_group is None:
         return Grid(None, _alone_if_single(ring if ring is not None else dist.group.WORLD))
     return Grid(_alone_if_single(ulysses), _alone_if_single(ring))
+
+
+def grid_arguments(
+    ulysses_group: Group = None, ring_group_: Group = None, mesh: DeviceMesh | None = None
+) -> tuple[Grid, dist.ProcessGroup, dist.ProcessGroup | None]:
+    """For the modules and helpers that hold a grid (ringattn.nn.RingAttention, SequenceParallel, the Hugging Face
+    integration): the Grid (grid_groups) and the ProcessGroups to pass on as `ulysses_group` and `ring_group` (or
+    `group`) to the 2-D functions (ulysses_ring_attn_func, shard, unshard, position_ids), standing for the same grid:
+    a mesh's dimensions "ulysses" and "ring", or the groups given (ring None: degree 1).
+
+    Raises:
+        ValueError: neither ulysses_group nor mesh given; otherwise as grid_groups.
+        TypeError, RuntimeError: as grid_groups.
+    """
+    if ulysses_group is None and mesh is None:
+        raise ValueError("a Ulysses x ring grid needs ulysses_group or a mesh with dimensions 'ulysses' and 'ring'")
+    grid = grid_groups(ulysses_group, ring_group_, mesh)
+    if mesh is not None:
+        return grid, mesh.get_group("ulysses"), mesh.get_group("ring")
+    return grid, ring_group(ulysses_group, name="ulysses_group"), ring_group(ring_group_, name="ring_group")
+
+
+def grid_all_gather(tensor: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """(U R, *tensor.shape): every grid rank's `tensor` (of one shape on every rank), in the order of Grid.rank,
+    the same on every rank. A collective on both groups: an all_gather over the Ulysses group, then one of its
+    results over the ring."""
+    gathered = tensor.contiguous()[None]  # (1, ...)
+    for group in (grid.ulysses, grid.ring):  # (U, ...), then (R, U, ...)
+        if group is not None:
+            parts = [torch.empty_like(gathered) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, gathered, group=group)
+            gathered = torch.stack(parts)
+        else:
+            gathered = gathered[None]
+    return gathered.reshape(-1, *tensor.shape)
 
 
 def check_grid_ranks(grid: Grid) -> None:
@@ -133,7 +180,15 @@ def _grid_signature(base: type, name: str) -> type:
     return cls
 
 
+class _NoFields(NamedTuple):
+    """The base of a call that agrees on the grid's fields alone (GridSignature)."""
+
+    labels = {}
+    expected = ""
+
+
 UlyssesRingSignature = _grid_signature(RingSignature, "UlyssesRingSignature")
+GridSignature = _grid_signature(_NoFields, "GridSignature")  # a call whose checks return () (agree_across_grid)
 GridShardSignature = _grid_signature(ShardSignature, "GridShardSignature")
 GridUnshardSignature = _grid_signature(UnshardSignature, "GridUnshardSignature")
 
@@ -150,6 +205,28 @@ class _NoExchange:
 
 def _refusals(call: str, group: dist.ProcessGroup | None):
     return _NoExchange() if group is None else _shared_refusals(call, group)
+
+
+@contextlib.contextmanager
+def shared_grid_refusals(call: str, grid: Grid):
+    """agreement.shared_refusals across a grid: an error of REFUSALS that the local checks in the block raise takes
+    part, on the Ulysses group and then on the ring, in the exchanges of the next agree_across_grid of the other ranks
+    (of a grid already checked), so that every rank of the grid raises it; without an error, no communication.
+
+    Usage: ``with shared_grid_refusals(call, grid): <local checks>``, where every other rank's next collective on the
+    grid is an agree_across_grid (a 2-D attention call of a grid that has run one before).
+    """
+    try:
+        yield
+    except REFUSALS as refusal:
+        carried: Exception = refusal
+        try:
+            with _refusals(call, grid.ulysses):
+                raise refusal
+        except REFUSALS as err:
+            carried = err
+        with _refusals(call, grid.ring):
+            raise carried from refusal
 
 
 def _agree(call: str, fields: tuple | None, group: dist.ProcessGroup | None) -> None:

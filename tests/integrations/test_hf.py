@@ -455,3 +455,76 @@ def test_compiled_llama_equals_eager_on_2_ranks():
     reference. prepare's check of each call (ringattn::hf_checked_position_ids) runs in the compiled model: wrong
     position ids are refused."""
     assert run_ranks(_compiled_llama_equals_eager, 2, timeout=140) == [True, True]
+
+
+def _hf_grid_matches_eager(rank, world_size):
+    """A 2 x 2 Ulysses x ring grid (register(ulysses_group=..., group=...), SequenceParallel(mesh=...)): rows of
+    one sequence each against eager attention on the whole sequence, a batch of packed rows against eager on each
+    document alone; wrong position ids refused on every rank of the grid alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ringattn
+    from ringattn.integrations import hf
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
+    u, r = mesh.get_local_rank("ulysses"), mesh.get_local_rank("ring")
+    name = hf.register("ringattn-grid", layout="zigzag", ulysses_group=mesh["ulysses"], group=mesh["ring"])
+    sp = ringattn.SequenceParallel(layout="zigzag", mesh=mesh)
+    assert repr(transformers.AttentionInterface().get(name)).endswith("ulysses_size=2, ring_size=2)")
+
+    seqlen = 8 * world_size
+    input_ids, labels = _batch(seqlen, "cpu")
+    plain = _unsharded(_tiny_llama(0, seqlen), input_ids, labels, torch.float32)
+    ref = _unsharded(_tiny_llama(0, seqlen), input_ids, labels, torch.float64)
+    model = hf.prepare(_tiny_llama(0, seqlen), name)
+    batch = sp.shard_batch(input_ids, labels)
+    pos = batch.position_ids[0]
+    assert torch.equal(pos, ringattn.grid_shard_indices(seqlen, u, 2, r, 2, "zigzag"))
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    loss = sp.cross_entropy(out.logits, batch.labels)
+    loss.backward()
+    sp.sync_gradients(model)
+    check_step(f"grid rank ({u}, {r})", out.logits, loss, model, plain, ref, pos)
+    wrong_start = time.monotonic()
+    with pytest.raises(ValueError) as wrong:  # each rank's shard in the ring's 1-D layout: not the grid's
+        ring_pos = ringattn.shard_indices(seqlen, sp.rank, world_size, "zigzag")[None].expand(BATCH, -1)
+        model(input_ids=batch.input_ids, position_ids=ring_pos if r == 1 else pos, use_cache=False)
+    wrong_seconds = time.monotonic() - wrong_start
+
+    segments, _, _ = HF_BATCHES["packed-B2"]
+    input_ids = torch.randint(0, VOCAB, (len(segments), ROW_LENGTH), generator=torch.Generator().manual_seed(2))
+    labels = input_ids.clone()
+    labels[0, 14:17] = IGNORE
+    positions = torch.zeros(len(segments), ROW_LENGTH, dtype=torch.int64)
+    for b, docs in enumerate(segments):
+        for start, end in docs:
+            positions[b, start:end] = torch.arange(end - start)
+    max_len = ROW_LENGTH + 2 * world_size
+    plain = _rows_per_document(_tiny_llama(1, max_len), input_ids, labels, segments, torch.float32)
+    ref = _rows_per_document(_tiny_llama(1, max_len), input_ids, labels, segments, torch.float64)
+    model = hf.prepare(_tiny_llama(1, max_len), name)
+    batch = sp.shard_batch(input_ids, labels, position_ids=positions)
+    documents = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **documents)
+    loss = sp.cross_entropy(out.logits, batch.labels)
+    loss.backward()
+    sp.sync_gradients(model)
+    idx = ringattn.grid_shard_indices(batch.seqlen, u, 2, r, 2, "zigzag")
+    real = idx < ROW_LENGTH  # every row's documents fill it: the padding is at the end
+    check_step(f"grid packed rows rank ({u}, {r})", out.logits[:, real], loss, model, plain, ref, idx[real])
+    return str(wrong.value), wrong_seconds
+
+
+def test_llama_over_a_ulysses_ring_grid_matches_eager():
+    """attn_implementation registered with the Ulysses group and the ring of a 2 x 2 mesh: logits, the loss and
+    every gradient (summed over the grid) against eager attention (fp32 plain, float64 reference), for rows of one
+    sequence and for packed rows (B 2); position ids in the ring's layout on the ranks of one ring are refused by
+    every rank with one message."""
+    results = run_ranks(_hf_grid_matches_eager, 4, timeout=400)
+    messages = {message for message, _ in results}
+    assert len(messages) == 1, messages
+    assert (
+        "position_ids must be, in every row, this rank's global positions in layout 'zigzag' over the Ulysses x "
+        "ring grid" in messages.pop()
+    )
+    assert all(seconds < 5.0 for _, seconds in results), results

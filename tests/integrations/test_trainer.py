@@ -86,21 +86,27 @@ def _launched_by_torchrun(rank, world_size):
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
 
 
-def _ring(world_size, cp):
-    """This rank's SequenceParallel: one ring of every rank, or rings of cp ranks on a (dp, cp) DeviceMesh."""
+def _ring(world_size, cp, ulysses=1):
+    """This rank's SequenceParallel: one ring of every rank, rings of cp ranks on a (dp, cp) DeviceMesh, or with
+    ulysses > 1 grids of cp ranks, U x R = ulysses x cp / ulysses, on a (dp, ulysses, ring) DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if ulysses > 1:
+        shape = (world_size // cp, ulysses, cp // ulysses)
+        return ringattn.SequenceParallel(mesh=init_device_mesh("cpu", shape, mesh_dim_names=("dp", "ulysses", "ring")))
     if cp == world_size:
         return ringattn.SequenceParallel()
-    from torch.distributed.device_mesh import init_device_mesh
 
     return ringattn.SequenceParallel(
         init_device_mesh("cpu", (world_size // cp, cp), mesh_dim_names=("dp", "cp")).get_group("cp")
     )
 
 
-def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation):
+def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation, ulysses=1):
     _launched_by_torchrun(rank, world_size)
-    sp, dp = _ring(world_size, cp), world_size // cp
-    model = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout, group=sp.group))
+    sp, dp = _ring(world_size, cp, ulysses), world_size // cp
+    name = hf.register("ringattn-trainer", layout=sp.layout, group=sp.group, ulysses_group=sp.ulysses_group)
+    model = hf.prepare(_tiny_llama(), name)
     args = _args(out_dir, global_batch // dp, accumulation=accumulation)
     dataset = _dataset(STEPS * global_batch * accumulation)
     trainer = RingTrainer(model=model, args=args, train_dataset=dataset, sp=sp)
@@ -141,18 +147,19 @@ def single_process(tmp_path_factory):
 # batches of 1 sample (1 per ring with dp 2: the two rings of a step count different numbers of targets); W2
 # accumulates 2 per step (the two batches of a step count different numbers of targets)
 @pytest.mark.parametrize(
-    "world_size,cp,global_batch,accumulation",
-    [(2, 2, 1, 2), (4, 4, 1, 1), (4, 2, 2, 1)],
-    ids=["W2-cp2-accumulate2", "W4-cp4", "W4-dp2xcp2"],
+    "world_size,cp,global_batch,accumulation,ulysses",
+    [(2, 2, 1, 2, 1), (4, 4, 1, 1, 1), (4, 2, 2, 1, 1), (4, 2, 2, 1, 2)],
+    ids=["W2-cp2-accumulate2", "W4-cp4", "W4-dp2xcp2", "W4-dp2xU2xR1"],
 )
 def test_ring_trainer_matches_single_process_training(
-    single_process, tmp_path, world_size, cp, global_batch, accumulation
+    single_process, tmp_path, world_size, cp, global_batch, accumulation, ulysses
 ):
     """Regression: transformers.Trainer under DDP gave each rank its own samples, the ring mixed them and training
     went on silently wrong (logged losses off by 1e-2); and counted every sample W times in its throughput. With
     RingTrainer every logged loss matches single-process training within 1e-5, the parameters after the steps
-    obey the tolerance rule, and samples, tokens and flops are counted once."""
-    ranks = run_ranks(_ring_trainer, world_size, str(tmp_path), cp, global_batch, accumulation, timeout=240)
+    obey the tolerance rule, and samples, tokens and flops are counted once. W4-dp2xU2xR1: two Ulysses x ring grids
+    (a (dp, ulysses, ring) mesh), the data sharded over the grids."""
+    ranks = run_ranks(_ring_trainer, world_size, str(tmp_path), cp, global_batch, accumulation, ulysses, timeout=240)
     samples = STEPS * global_batch * accumulation
     check_training(ranks, single_process(global_batch, accumulation), samples)
     assert ranks[0][2]["num_input_tokens_seen"] == samples * SEQLEN

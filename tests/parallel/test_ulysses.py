@@ -302,3 +302,17 @@ def test_bad_grids_and_inputs_raise_on_every_rank():
         assert len(messages) == 1 or name == "not-a-grid", f"{name}: ranks raised different errors: {messages}"
         assert all(expected in m for m in messages), f"{name}: {messages}"
         assert all(r[name][1] < 5.0 for r in results), f"{name}: {[r[name][1] for r in results]}"
+
+
+def _grid_of_one_rank(rank, world_size):
+    own = [dist.new_group([r]) for r in range(world_size)][rank]  # every process creates every group
+    q, k, v, _ = make_qkv(1, 8, 8, 4, 2, 16, torch.float32, "cpu", seed=rank)  # each rank its own sequence
+    out = ringattn.ulysses_ring_attn_func(q, k, v, causal=True, ulysses_group=own)
+    assert torch.equal(out, ringattn.flash_attn_func(q, k, v, causal=True))
+    return True
+
+
+def test_a_ulysses_group_of_one_rank_without_a_ring_is_a_grid_of_one():
+    """Regression: ulysses_ring_attn_func with a Ulysses group of one rank and no ring_group (a 1 x 1 grid) ran the
+    world's ring, attending across the ranks' sequences; now it attends over this rank's sequence alone."""
+    assert run_ranks(_grid_of_one_rank, 2) == [True, True]
