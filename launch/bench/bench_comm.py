@@ -24,9 +24,10 @@ On CPU ranks (gloo, the kernels in Triton's interpreter) --tiny sizes check that
 say nothing about a GPU.
 
 Output (rank 0): a markdown table per kind, the planner options the numbers suggest, and --out (default
-docs/benchmarks/comm_{gpu}_w{W}.json, gpu e.g. h200, or cpu) as a JSON list: an env record (kind "env": gpu, torch,
-triton, cuda, nccl, python, W, backend, options), then records with keys kind, W, bytes, ms, gb_s (p2p, all_to_all,
-copy) or kind, B, S, H, Hkv, D, U, causal, mode, ms, tflops, check_error (attention).
+docs/benchmarks/comm_{gpu}.json, gpu e.g. h200, or cpu: the benchmark's one record, replaced by each run, the largest W
+the most complete) as a JSON list: an env record (kind "env": gpu, torch, triton, cuda, nccl, python, W, backend,
+options), then records with keys kind, W, bytes, ms, gb_s (p2p, all_to_all, copy) or kind, B, S, H, Hkv, D, U, causal,
+mode, ms, tflops, check_error (attention).
 """
 
 import argparse
@@ -232,7 +233,7 @@ def default_out(env) -> Path:
         tag = "cpu"
     else:
         tag = torch.cuda.get_device_name(env.device).split()[-1].lower()
-    return Path("docs/benchmarks") / f"comm_{tag}_w{env.world_size}.json"
+    return Path("docs/benchmarks") / f"comm_{tag}.json"
 
 
 def main() -> None:
