@@ -20,6 +20,20 @@ CASES = {
 }
 
 
+def _check_rank(rank, ours, q, k, v, dout, ids, causal, dtype, idx, rows_of_batch):
+    """This rank's (out, lse, dq, dk, dv) against the documents' float64 attention under the tolerance rule: q, k, v,
+    dout (B, S, H, D) whole, ids their document ids ((S,) or (B, S)), idx the rank's positions; rows_of_batch: ours
+    keep the batch dim (else they are batch 0's rows, 3-D)."""
+    docs = dict(q_doc_ids=ids, k_doc_ids=ids)
+    ref = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float64, **docs)
+    pt = reference_attention(q, k, v, dout, 32**-0.5, causal, dtype, **docs)
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        rows = (lambda t: t[:, :, idx]) if i == 1 else (lambda t: t[:, idx])
+        local = rows if rows_of_batch else (lambda t, rows=rows: rows(t)[0])
+        check_close(f"rank {rank} {name}", ours[i], local(pt[i]), local(ref[i]), None if i < 2 else grad_scale)
+
+
 def _varlen_ring_matches_reference(
     rank, world_size, backend, dtype, lengths, heads_q, heads_k, causal, layout, pad_to=1
 ):
@@ -36,15 +50,8 @@ def _varlen_ring_matches_reference(
     out.backward(dout[0, idx])
     assert out.shape == q_l.shape and lse.shape == (heads_q, len(idx))
 
-    ids = document_ids(cu_seqlens, total)
-    docs = dict(q_doc_ids=ids, k_doc_ids=ids)
-    ref = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float64, **docs)
-    pt = reference_attention(q, k, v, dout, 32**-0.5, causal, dtype, **docs)
-    grad_scale = max(magnitude(g) for g in ref[2:])
     ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
-    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-        local = (lambda t: t[0][:, idx]) if i == 1 else (lambda t: t[0, idx])
-        check_close(f"rank {rank} {name}", ours[i], local(pt[i]), local(ref[i]), None if i < 2 else grad_scale)
+    _check_rank(rank, ours, q, k, v, dout, document_ids(cu_seqlens, total), causal, dtype, idx, rows_of_batch=False)
     if padding:  # padding rows: finite, and no gradient reaches the padding tokens' inputs
         pad_rows = idx >= total - padding
         for g in (q_l.grad, k_l.grad, v_l.grad):
@@ -116,15 +123,9 @@ def _batched_varlen_matches_reference(rank, world_size, backend, dtype, rows, ca
     assert forward_calls == [tuple(k_l.shape)] * (2 * (world_size - 1)), forward_calls
     assert out.shape == q_l.shape and lse.shape == (batch, 4, len(idx))
 
-    ids = document_ids(cu_seqlens, batch * seqlen).reshape(batch, seqlen)
-    docs = dict(q_doc_ids=ids, k_doc_ids=ids)
-    ref = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float64, **docs)
-    pt = reference_attention(q, k, v, dout, 32**-0.5, causal, dtype, **docs)
-    grad_scale = max(magnitude(g) for g in ref[2:])
     ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
-    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-        local = (lambda t: t[:, :, idx]) if i == 1 else (lambda t: t[:, idx])
-        check_close(f"rank {rank} {name}", ours[i], local(pt[i]), local(ref[i]), None if i < 2 else grad_scale)
+    ids = document_ids(cu_seqlens, batch * seqlen).reshape(batch, seqlen)
+    _check_rank(rank, ours, q, k, v, dout, ids, causal, dtype, idx, rows_of_batch=True)
 
 
 BATCHED = [  # (W, B, layout, causal)
