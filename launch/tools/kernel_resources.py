@@ -16,7 +16,9 @@ allow, for the Hopper limits. Kernels (--kernels): each of ringattn.ops.KERNELS 
 dQ added to an fp32 accumulator, dK, dV stored into fp32 shares), and the forwards also as the ring's step merging
 into an fp32 state ("portable.fwd-merge", "sm90.fwd-merge"); a Hopper kernel at the head dims its table takes.
 "ws partitions" counts the warp-specialised regions (the partitioner's, or the Gluon forward's one explicit
-region), "ws hazards" the ops in them the partitioner is known to split wrong (ws_hazards()); the Gluon forward's
+region), "ws hazards" the ops in them the partitioner is known to split wrong (ws_hazards()), "wgmma serialized"
+whether ptxas made every wgmma wait for the one before (it does so when other instructions touch a pending product's
+accumulator registers, or registers run short: the overlap of products with the softmax is gone); the Gluon forward's
 config's fourth number is its rings' depth. Without --configs or --candidates, each at the tables' config. Forms the
 dispatch does not run (a head dim outside a table) are left out; the split backward kernels are compiled as
 deterministic calls run them, at every causal setting. --window and --softcap compile the sliding-window and
@@ -116,7 +118,8 @@ def ws_hazards(ttgir: str) -> int:
 
 def resources(compiled, arch: int) -> dict:
     """Registers per thread and spill bytes (ptxas -v), shared memory bytes, CTAs per SM, warps (the partitioner's
-    included), warp-specialised regions and the ops in them known to be split wrong (ws_hazards)."""
+    included), warp-specialised regions and the ops in them known to be split wrong (ws_hazards), and whether ptxas
+    serialised the wgmma products (its performance notes C7510 to C7515 say "instructions are serialized")."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
@@ -135,6 +138,7 @@ def resources(compiled, arch: int) -> dict:
         regs=regs, spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)),
         smem_bytes=smem, ctas_per_sm=min(limits), warps=num_warps,
         ws_partitions=compiled.asm["ttgir"].count("ttg.warp_specialize"), ws_hazards=ws_hazards(compiled.asm["ttgir"]),
+        wgmma_serialized="wgmma.mma_async instructions are serialized" in report,
     )  # fmt: skip
 
 
@@ -212,11 +216,12 @@ def main() -> None:
         env = dict(kind="env", triton=triton.__version__, torch=torch.__version__, arch=f"sm_{args.arch}a")
         write_json(args.out, env, records)
     header = ["kernel", "D", "Hkv", "causal", "config", "TMA", "regs", "spill st/ld B", "smem KiB", "CTAs/SM", "warps",
-              "ws partitions", "ws hazards"]  # fmt: skip
+              "ws partitions", "ws hazards", "wgmma serialized"]  # fmt: skip
     rows = [[r["kernel"], r["D"], r["Hkv"], "yes" if r["causal"] else "no", "x".join(map(str, r["config"])),
-             "yes" if r["tma"] else "no"] + ([r["error"], "", "", "", "", "", ""] if "error" in r else
+             "yes" if r["tma"] else "no"] + ([r["error"], "", "", "", "", "", "", ""] if "error" in r else
              [r["regs"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}", f"{r['smem_bytes'] / 1024:.0f}",
-              r["ctas_per_sm"], r["warps"], r["ws_partitions"], r["ws_hazards"]]) for r in records]  # fmt: skip
+              r["ctas_per_sm"], r["warps"], r["ws_partitions"], r["ws_hazards"],
+              "yes" if r["wgmma_serialized"] else "no"]) for r in records]  # fmt: skip
     print(markdown_table(header, rows))
 
 
