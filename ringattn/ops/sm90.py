@@ -8,6 +8,9 @@ portable kernels).
 - fwd, the Gluon forward (a TMA producer warp, two consumer warpgroups): D = 128 (at D = 64 it ran 0.92 to 0.99x
   the portable forward); fp16 or bf16, out in q's dtype or the ring's fp32 state (rows finished into the output
   too); no documents; a GPU (the interpreter cannot run Gluon).
+- bwd, the Gluon backward (a TMA producer warp, a dQ writer warp, two consumer warpgroups): D = 64 and 128; fp16 or
+  bf16; not deterministic (its dQ additions come in the programs' order); no documents; a GPU. It runs every
+  backward the table takes; the split kernels below run the deterministic ones.
 - dkdv, triton's warp specialisation over 128-key tiles: D = 64 and 128; fp16 or bf16 (the interpreter: any);
   no documents; dK, dV stored, not added; GQA's q and dout heads packed; Sq a multiple of 4.
 - dq, triton's warp specialisation: D = 128 (slower than the portable kernel at D = 64); fp16 or bf16 (the
@@ -31,19 +34,16 @@ TABLE = {
     # depth of its key and value rings (launch/tools/config_sweep.py timed 2 and 3 alike)
     "fwd": {128: LaunchConfig(128, 128, 4, 2)},
     # the Gluon backward: block_m query rows a step, block_n keys a program, num_warps the first consumer's
-    # warpgroup, num_stages the depth of its Q and dO ring (D = 64: 128 rows ran 8 to 11% faster than 64; a ring
-    # of 3 as fast as 2)
-    "bwd": {64: LaunchConfig(128, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
+    # warpgroup, num_stages the depth of its Q and dO ring (128 rows spill at D = 64 and ran 0.63x to 0.72x of 64's
+    # speed; at D = 128 a ring of 3 ran 0.94x causal, 1.05x not)
+    "bwd": {64: LaunchConfig(64, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
     # num_warps is the consumers' warpgroup: the partitioner adds a producer one and splits the consumers in two
     "dkdv": {64: LaunchConfig(64, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
     "dq": {128: LaunchConfig(128, 64, 4, 2)},
 }
-# the Gluon forward's registers per thread at launch: 12 warps x 32 x 168 fill the SM's 64K registers, which the
-# kernel then moves to 240 for each consumer and 24 for the producer
+# the Gluon kernels' registers per thread at launch: 12 warps x 32 x 168 fill the SM's 64K registers, which the
+# kernels then move to 240 for each consumer and 24 for the producer (and the backward's dQ writer)
 GLUON_MAXNREG = 168
-# (head dim, causal) of the backwards that stay on the split dK/dV and dQ kernels: they ran faster there than on the
-# Gluon backward on the H200 (docs/performance.md, "The backward")
-BWD_ON_SPLIT_KERNELS = {(128, False)}
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
@@ -57,16 +57,14 @@ def launch_config(kernel: str, head_dim: int, target: Target) -> LaunchConfig | 
 def bwd_supported(call: BwdCall, target: Target) -> bool:
     """Whether the Gluon backward takes `call`: a GPU, fp16 or bf16, not deterministic (its dQ additions come in the
     programs' order; with them in a fixed order it ran 0.5 to 0.8x the split kernels, whose every gradient row has one
-    writer), no documents, a head dim of TABLE outside BWD_ON_SPLIT_KERNELS (which take neither windows nor
-    soft-capping: such calls stay on the Gluon backward), q's and dout's
-    heads packed (head stride D), dQ either the call's own output (stored, no final rows: the kernel adds into an fp32
-    scratch, copied out after) or an fp32 accumulator with its heads packed (the ring's), and q, k, v, dout, dQ aligned
-    for their descriptors."""
+    writer), no documents, a head dim of TABLE, q's and dout's heads packed (head stride D), dQ either the call's own
+    output (stored, no final rows: the kernel adds into an fp32 scratch, copied out after) or an fp32 accumulator with
+    its heads packed (the ring's), and q, k, v, dout, dQ aligned for their descriptors."""
     q, dout, dq = call.q, call.dout, call.dq
     head_dim = q.shape[-1]
     if not target.gpu or call.q_doc_ids is not None or q.dtype not in SIXTEEN_BIT or head_dim not in TABLE["bwd"]:
         return False
-    if call.deterministic or (head_dim, call.causal) in BWD_ON_SPLIT_KERNELS and plain_scores(call):
+    if call.deterministic:
         return False
     if q.stride(2) != head_dim or dout.stride(2) != head_dim:
         return False

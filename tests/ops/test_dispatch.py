@@ -150,16 +150,15 @@ def test_forward_takes_the_gluon_kernel_only_where_its_table_does():
 
 @needs_hopper_triton
 def test_backward_takes_the_gluon_kernel_where_its_table_does():
-    """Causal calls (and D = 64 ones) on the Gluon backward; D = 128 without a mask on the split pair
-    (sm90.BWD_ON_SPLIT_KERNELS); the rest where the Gluon kernel cannot take them on the portable pair."""
+    """Every call of a head dim of its table on the Gluon backward but deterministic ones (on the split pair); the
+    rest where the Gluon kernel cannot take them on the portable pair."""
     q, k, v, dout = _tensors(head_dim=128)
     gluon, split, fallback = ("sm90.bwd",), ("sm90.dkdv", "sm90.dq"), ("portable.dkdv", "portable.dq")
 
     def names(*tensors, **kwargs):
         return _bwd_names(_bwd(*(tensors or (q, k, v, dout)), **dict(dict(causal=True), **kwargs)))
 
-    assert names() == gluon
-    assert names(causal=False) == split
+    assert names() == names(causal=False) == gluon
     assert names(deterministic=True) == split  # one writer per gradient row
     assert names(*_tensors(head_dim=64)) == names(*_tensors(head_dim=64), causal=False) == gluon
     assert names(*_tensors(head_dim=96)) == fallback
@@ -187,8 +186,7 @@ def test_backward_takes_the_gluon_kernel_where_its_table_does():
 @needs_hopper_triton
 def test_windows_and_softcap_take_the_gluon_kernels():
     """The Gluon forward and backward take sliding windows and soft-capping (passed as the key band and the capped
-    scale); the split kernels take neither, so D = 128 without causal goes to the Gluon backward with either, and a
-    deterministic call to the portable pair."""
+    scale); the split kernels take neither, so a deterministic call with either goes to the portable pair."""
     q, k, v, dout = _tensors(seqlen_q=64, seqlen_k=96)
     for options in (dict(window=(16, None)), dict(window=(8, 3)), dict(softcap=30.0), dict(window=(4, 0), softcap=5.0)):
         for causal in (False, True):
@@ -232,7 +230,11 @@ def test_every_kernel_name_is_a_launch_name():
     q, k, v, dout = _tensors()
     names = {fwd_launch(_fwd(q, k, v), b, HOPPER).name for b in ("portable", "sm90")}
     names |= {
-        n for b in ("portable", "sm90") for c in (False, True) for n in _bwd_names(_bwd(q, k, v, dout, causal=c), b)
+        n
+        for b in ("portable", "sm90")
+        for c in (False, True)
+        for d in (False, True)
+        for n in _bwd_names(_bwd(q, k, v, dout, causal=c, deterministic=d), b)
     }
     if HOPPER_TRITON:
         assert names == set(dispatch.KERNELS)

@@ -1,9 +1,9 @@
 """The Hopper backend's kernels (kernels/sm90/, ops/sm90.py) against float64 under the tolerance rule.
 
 The split dK/dV and dQ kernels are Triton-language code: the interpreter runs them when a call asks for the
-"sm90" backend, so these tests run them on the CPU as on a Hopper GPU. The Gluon forward runs on a Hopper GPU only
-(the interpreter cannot run Gluon); it compiles offline in tests/launch/tools/test_kernel_resources.py. Which call
-takes which kernel is tests/ops/test_dispatch.py's.
+"sm90" backend, so these tests run them on the CPU as on a Hopper GPU, where deterministic calls take them. The
+Gluon kernels run on a Hopper GPU only (the interpreter cannot run Gluon); they compile offline in
+tests/launch/tools/test_kernel_resources.py. Which call takes which kernel is tests/ops/test_dispatch.py's.
 """
 
 import contextvars
@@ -46,16 +46,15 @@ GRID += [(*lengths, 128, heads) for lengths in SPLIT_SEQLENS[1::2] for heads in 
 
 
 def _launched(q, k, v, dout, causal, grads_dtype=None, **kwargs):
-    """The names of the (dK/dV, dQ) kernels the backward on the Hopper backend launches."""
+    """The names of the kernels the backward on the Hopper backend launches."""
     stats = torch.empty(3, q.shape[0], q.shape[2], q.shape[1], device=q.device)
     grads = [torch.empty_like(t, dtype=grads_dtype) for t in (q, k, v)]
     call = BwdCall(dout, q, k, v, stats, *grads, 0.125, causal, **kwargs)
     return tuple(launch.name for launch in bwd_launches(call, "sm90"))
 
 
-def _expected(head_dim, causal, add_dkdv=False):
-    if DEVICE.type == "cuda" and (head_dim, causal) not in sm90.BWD_ON_SPLIT_KERNELS:  # the Gluon backward
-        return ("sm90.bwd",)
+def _expected(head_dim, add_dkdv=False):
+    """The (dK/dV, dQ) kernels of a deterministic backward on the Hopper backend."""
     return ("portable.dkdv" if add_dkdv else "sm90.dkdv", "sm90.dq" if head_dim == 128 else "portable.dq")
 
 
@@ -67,10 +66,10 @@ def test_split_backward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, c
     """dq, dk, dv (and out, lse) against float64, rows that see no key included (lse -inf, out 0, zero
     gradients)."""
     q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, DTYPES[0], seed=seqlen_q + 7 * seqlen_k)
-    assert _launched(q, k, v, dout, causal) == _expected(head_dim, causal)
+    assert _launched(q, k, v, dout, causal, deterministic=True) == _expected(head_dim)
     scale = head_dim**-0.5
     out, lse = attn_fwd(q, k, v, scale, causal, backend="sm90")
-    grads = attn_bwd(dout, q, k, v, out, lse, scale, causal, backend="sm90")
+    grads = attn_bwd(dout, q, k, v, out, lse, scale, causal, deterministic=True, backend="sm90")
     check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads))
 
 
@@ -81,13 +80,15 @@ def test_split_ring_step_forms(heads, causal):
     """The ring's forms: dK, dV stored (add_dkdv=False) into fp32 buffers that are not read, dQ added into an fp32
     accumulator: the public call's gradients, in fp32, plus what the accumulator held."""
     q, k, v, dout = make_qkv(1, 64, 64, *heads, 128, DTYPES[0], seed=5)
-    assert _launched(q, k, v, dout, causal, grads_dtype=torch.float32, add_dq=True) == _expected(128, causal)
+    launched = _launched(q, k, v, dout, causal, grads_dtype=torch.float32, add_dq=True, deterministic=True)
+    assert launched == _expected(128)
     out, lse = attn_fwd(q, k, v, 0.125, causal)
     held = torch.randn(q.shape, device=DEVICE)
     dq = held.clone()
     dk, dv = (torch.full(t.shape, float("nan"), device=DEVICE) for t in (k, v))  # stored, not read
-    attn_bwd(dout, q, k, v, out, lse, 0.125, causal, dq_acc=dq, dk_acc=dk, dv_acc=dv, add_dkdv=False, backend="sm90")
-    want = attn_bwd(dout, q, k, v, out, lse, 0.125, causal, backend="sm90")
+    attn_bwd(dout, q, k, v, out, lse, 0.125, causal, dq_acc=dq, dk_acc=dk, dv_acc=dv, add_dkdv=False,
+             deterministic=True, backend="sm90")  # fmt: skip
+    want = attn_bwd(dout, q, k, v, out, lse, 0.125, causal, deterministic=True, backend="sm90")
     for name, got, ref in zip(("dq", "dk", "dv"), (dq - held, dk, dv), want, strict=True):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.to(ref.dtype), ref, msg=name)
@@ -172,8 +173,7 @@ def test_scratch_allocator_is_set_for_the_launch_only():
 # ragged tiles on both sides (BLOCK_M 64, BLOCK_N 128); Sq != Sk both ways (Sq > Sk causal: rows that see no key,
 # and key tiles no row sees)
 GLUON_BWD_SEQLENS = [(4, 4), (300, 300), (1000, 1000), (200, 456), (512, 136), (777, 2049)]
-# (head dim, causal) of the calls the Gluon backward takes
-GLUON_BWD_CASES = [(d, c) for d in (64, 128) for c in (False, True) if (d, c) not in sm90.BWD_ON_SPLIT_KERNELS]
+GLUON_BWD_CASES = [(d, c) for d in (64, 128) for c in (False, True)]
 GLUON_BWD_IDS = [f"D{d}-{'causal' if c else 'full'}" for d, c in GLUON_BWD_CASES]
 
 

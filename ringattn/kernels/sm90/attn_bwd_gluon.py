@@ -1,22 +1,27 @@
 """Backward attention kernel written in Gluon for Hopper: dK, dV and dQ of one key tile in one program.
 
 One program owns one BLOCK_N tile of keys of one (batch, kv head) and loops over the query tiles of every q head of
-its GQA group, in three partitions: a one-warp producer loads K and V once, then each step's Q and dO tiles into a
+its GQA group, in four partitions: a one-warp producer loads K and V once, then each step's Q and dO tiles into a
 ring of NUM_BUFFERS shared-memory slots by TMA; two consumer warpgroups, BLOCK_N // 2 keys each, keep their rows
-of dK and dV in registers across the steps. A step costs five products, the scores and dP computed once:
+of dK and dV in registers across the steps; a one-warp writer adds the steps' dQ into DQ. A step costs five
+products, the scores and dP computed once:
 
     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ scale - lse2_hi), dV += Pᵀ dO,
     dSᵀ = Pᵀ (dPᵀ - delta), dK += dSᵀ Q, dQ = dS K.
 
-For dQ the two consumers put their halves of dSᵀ into shared memory and meet at a barrier; each then multiplies the
-whole dS by half of K's columns, so that every element of the step's dQ tile is added once into the fp32
-accumulator, by TMA's reduce-add from shared memory. A program visits only the query tiles whose band reaches its
-keys (row i sees keys j with i + lower <= j <= i + upper: causal and sliding windows), and only the steps on the
-band's edges compare positions. SOFTCAP recomputes the capped scores t = tanh(q k^T * cap_scale) as the forward
-(kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's derivative 1 - t^2. The rows' lse is the row stats' lse2_hi
-alone (lse * log2(e) rounded to fp32): the rest, lse2_lo, moves P by at most 2^-24 |lse| relative, under half an ulp
-of P in the 16-bit input dtype up to |lse| = 8192 (fp16) and 65536 (bf16), and would cost an add per score
-(ops/attn.py's attn_bwd_preprocess). ops/sm90.py says when it is taken.
+The products are asynchronous (the exponentials run while dPᵀ is computed, dSᵀ while dV is), and each step waits
+for its own last product before the next step's first: a product issued in one step and retired in the next (the
+next scores before this step's dQ) made ptxas serialise every product of the kernel (its note C7514), which cost
+the backward a sixth of its speed. For dQ the two consumers put their halves of dSᵀ into shared memory and meet at
+a barrier; each then multiplies the whole dS by half of K's columns and hands its fp32 half tile to the writer
+through shared memory, which adds it into DQ by TMA's reduce-add while the consumers go on. A program visits only
+the query tiles whose band reaches its keys (row i sees keys j with i + lower <= j <= i + upper: causal and sliding
+windows), and only the steps on the band's edges compare positions. SOFTCAP recomputes the capped scores
+t = tanh(q k^T * cap_scale) as the forward (kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's derivative
+1 - t^2. The rows' lse is the row stats' lse2_hi alone (lse * log2(e) rounded to fp32): the rest, lse2_lo, moves P
+by at most 2^-24 |lse| relative, under half an ulp of P in the 16-bit input dtype up to |lse| = 8192 (fp16) and
+65536 (bf16), and would cost an add per score (ops/attn.py's attn_bwd_preprocess). ops/sm90.py says when it is
+taken.
 """
 
 from triton.experimental import gluon
@@ -70,12 +75,12 @@ def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.
 def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
                HALF: gl.constexpr):  # fmt: skip
     """A consumer: dK and dV of keys [n0 + HALF * BLOCK_N // 2, + BLOCK_N // 2) over every step, and at each step
-    its half of dQ's columns added into the accumulator; dK, dV stored (ADD_DKDV: added) at the end (keys past
-    seqlen_k are not)."""
+    its half of dQ's columns handed to the writer in dq_bufs[HALF]; dK, dV stored (ADD_DKDV: added) at the end (keys
+    past seqlen_k are not)."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
     kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
-    hi_desc, delta_desc, hi_bufs, delta_bufs, stats_row = args[19:24]
-    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[24:]
+    hi_desc, delta_desc, hi_bufs, delta_bufs, stats_row, dq_bars = args[19:25]
+    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[25:]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
@@ -110,14 +115,13 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
-    # step 0's scores; each step then issues the next step's before it waits for its own products
-    mbarrier.wait(qdo_bars.index(0), 0, pred=num_steps > 0)
-    st = warpgroup_mma(k_rows, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     for i in range(num_steps):
         hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
         slot = i % num_buffers
         q_tile = q_bufs.index(slot)
         do_tile = do_bufs.index(slot)
+        mbarrier.wait(qdo_bars.index(2 * slot), i // num_buffers & 1)
+        st = warpgroup_mma(k_rows, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_rows, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # rows past seqlen_q load stats 0 (and add nothing: their Q and dO rows are zeros); rows that see no key
         # have lse2_hi = +inf, so that their P is 0
@@ -150,22 +154,15 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         mbarrier.arrive(ds_bars.index(2 * ds_slot), count=1)
         mbarrier.wait(ds_bars.index(2 * ds_slot), ds_phase)
         dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-        # the next step's scores (after the last step: of a stale slot, unused), then this step's products
-        next_slot = (i + 1) % num_buffers
-        more = i + 1 < num_steps
-        mbarrier.wait(qdo_bars.index(2 * next_slot), (i + 1) // num_buffers & 1, pred=more)
-        st = warpgroup_mma(k_rows, q_bufs.index(next_slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dq, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(dq, dk, dv))
+        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
         mbarrier.arrive(qdo_bars.index(2 * slot + 1), count=1)
         mbarrier.arrive(ds_bars.index(2 * ds_slot + 1), count=1)
-        tma.store_wait(pendings=0)  # the previous step's reduce-add has read dq_smem
-        gl.barrier()
+        # this half of the step's dQ to the writer, once it has read the last one
+        mbarrier.wait(dq_bars.index(2 * HALF + 1), (i & 1) ^ 1)
         dq_smem.store(dq * sm_scale)
         fence_async_shared()
         gl.barrier()
-        tma.async_atomic_add(dq_desc, [m0, hq * HEAD_DIM + HALF * COLS], dq_smem)  # rows past seqlen_q are clipped
-    st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
-    tma.store_wait(pendings=0)
+        mbarrier.arrive(dq_bars.index(2 * HALF), count=1)
 
     rows = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -178,6 +175,28 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         dv += gl.load(dv_ptrs, mask=in_keys, other=0.0)
     gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=in_keys)
     gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_keys)
+
+
+@gluon.jit
+def _dq_writer_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr,
+                         ADD_DKDV: gl.constexpr):  # fmt: skip
+    """The dQ writer, one warp: each step's two halves of dQ, as the consumers hand them over in shared memory, added
+    into DQ by TMA's reduce-add; each buffer handed back once the add has read it."""
+    q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
+    kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
+    dq_bars = args[24]
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+    COLS: gl.constexpr = dq_bufs.type.shape[2]
+    for i in range(num_steps):
+        hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
+        for half in gl.static_range(2):
+            mbarrier.wait(dq_bars.index(2 * half), i & 1)
+            # rows past seqlen_q are clipped
+            tma.async_atomic_add(dq_desc, [m0, (2 * hq + half) * COLS], dq_bufs.index(half))
+        tma.store_wait(pendings=1)
+        mbarrier.arrive(dq_bars.index(1), count=1)
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(dq_bars.index(3), count=1)
 
 
 @gluon.jit
@@ -206,7 +225,7 @@ def _attn_bwd_gluon_kernel(
     NUM_BUFFERS: gl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) of one BLOCK_N tile of keys of one (batch, kv head), and its share of dQ added
-    into DQ; grid (Sk tiles, Hkv, B), 4 warps (the first consumer; the partitions add 5).
+    into DQ; grid (Sk tiles, Hkv, B), 4 warps (the first consumer; the partitions add 6).
 
     Q, DOut (B, Sq, Hq, HEAD_DIM) with their heads packed (head stride HEAD_DIM) and K, V (B, Sk, Hkv, HEAD_DIM), all
     16-bit (bf16 or fp16), HEAD_DIM 64 or 128, base addresses and every stride but the last 16-byte aligned; Stats the
@@ -257,6 +276,8 @@ def _attn_bwd_gluon_kernel(
     # both consumers are done with it
     qdo_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     ds_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    # per consumer h, [2 * h] its half of the step's dQ is in dq_bufs[h], [2 * h + 1] the writer has read it
+    dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(qdo_bars.index(2 * i), count=1)
@@ -264,6 +285,8 @@ def _attn_bwd_gluon_kernel(
     for i in gl.static_range(2):
         mbarrier.init(ds_bars.index(2 * i), count=2)
         mbarrier.init(ds_bars.index(2 * i + 1), count=2)
+        mbarrier.init(dq_bars.index(2 * i), count=1)
+        mbarrier.init(dq_bars.index(2 * i + 1), count=1)
 
     n0 = start_n * BLOCK_N
     # the rows of [start_m, end_m) hold every row that sees some key of the tile (key j: rows j - upper to j - lower)
@@ -280,14 +303,15 @@ def _attn_bwd_gluon_kernel(
     dv_base = DV + off_b * stride_dvb + off_hk.to(gl.int64) * stride_dvh
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs,
             kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, off_hk * GROUP_SIZE, GROUP_SIZE * num_m,
-            hi_desc, delta_desc, hi_bufs, delta_bufs, stride_stats, dk_base, dv_base, stride_dks, stride_dvs,
+            hi_desc, delta_desc, hi_bufs, delta_bufs, stride_stats, dq_bars, dk_base, dv_base, stride_dks, stride_dvs,
             seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale)  # fmt: skip
     gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
             (_grad_partition_0, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
             (_grad_partition_1, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
             (_load_partition, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
+            (_dq_writer_partition, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
         ],
-        [4, 1],
-        [240, 24],
+        [4, 1, 1],
+        [240, 24, 24],
     )
