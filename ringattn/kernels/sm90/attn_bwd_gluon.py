@@ -9,19 +9,19 @@ products, the scores and dP computed once:
     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ scale - lse2_hi), dV += Pᵀ dO,
     dSᵀ = Pᵀ (dPᵀ - delta), dK += dSᵀ Q, dQ = dS K.
 
-The products are asynchronous (the exponentials run while dPᵀ is computed, dSᵀ while dV is), and each step waits
-for its own last product before the next step's first: a product issued in one step and retired in the next (the
-next scores before this step's dQ) made ptxas serialise every product of the kernel (its note C7514), which cost
-the backward a sixth of its speed. For dQ the two consumers put their halves of dSᵀ into shared memory and meet at
-a barrier; each then multiplies the whole dS by half of K's columns and hands its fp32 half tile to the writer
-through shared memory, which adds it into DQ by TMA's reduce-add while the consumers go on. A program visits only
-the query tiles whose band reaches its keys (row i sees keys j with i + lower <= j <= i + upper: causal and sliding
-windows), and only the steps on the band's edges compare positions. SOFTCAP recomputes the capped scores
-t = tanh(q k^T * cap_scale) as the forward (kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's derivative
-1 - t^2. The rows' lse is the row stats' lse2_hi alone (lse * log2(e) rounded to fp32): the rest, lse2_lo, moves P
-by at most 2^-24 |lse| relative, under half an ulp of P in the 16-bit input dtype up to |lse| = 8192 (fp16) and
-65536 (bf16), and would cost an add per score (ops/attn.py's attn_bwd_preprocess). ops/sm90.py says when it is
-taken.
+The products are asynchronous (the exponentials run while dPᵀ is computed, dSᵀ while dV is), and each step waits for
+its own last product before the next step's first: a product issued in one step and retired in the next (the next
+scores before this step's dQ) made ptxas serialise every product of the kernel (its note C7514), which cost the
+backward an eighth of its speed (docs/performance.md, decisions). For dQ the two consumers put their halves of dSᵀ
+into shared memory and meet at a barrier; each then multiplies the whole dS by half of K's columns and hands its
+fp32 half tile to the writer through shared memory, which adds it into DQ by TMA's reduce-add while the consumers go
+on. A program visits only the query tiles whose band reaches its keys (row i sees keys j with i + lower <= j <= i +
+upper: causal and sliding windows), and only the steps on the band's edges compare positions. SOFTCAP recomputes the
+capped scores t = tanh(q k^T * cap_scale) as the forward (kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's
+derivative 1 - t^2. The rows' lse is the row stats' lse2_hi alone (lse * log2(e) rounded to fp32): the rest,
+lse2_lo, moves P by at most 2^-24 |lse| relative, under half an ulp of P in the 16-bit input dtype up to |lse| =
+8192 (fp16) and 65536 (bf16), and would cost an add per score (ops/attn.py's attn_bwd_preprocess). ops/sm90.py says
+when it is taken.
 """
 
 from triton.experimental import gluon
