@@ -37,6 +37,26 @@ def test_flash_attn_matches_reference(seqlen_q, seqlen_k, head_dim, heads_q, hea
     check_against_reference(q, k, v, dout, head_dim**-0.5, causal, (out, lse, q.grad, k.grad, v.grad))
 
 
+# long, ragged lengths at a head dim of no tile size (the kernels pad it to 128): GPU only, the interpreter's CPU run
+# of these lengths would take minutes
+LONG_SEQLENS = [(1000, 1000), (777, 2049), (2049, 777)]
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="long lengths: the GPU suite")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads_q,heads_k", HEADS[:2], ids=["MHA", "GQA"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", LONG_SEQLENS, ids=[f"Sq{a}-Sk{b}" for a, b in LONG_SEQLENS])
+def test_long_ragged_lengths_at_head_dim_96_match_reference(seqlen_q, seqlen_k, heads_q, heads_k, causal, dtype):
+    """D = 96 (whatever backend takes it), Sq != Sk both ways, lengths that fill no tile: out, lse and the gradients
+    against float64 under the tolerance rule."""
+    q, k, v, dout = make_qkv(1, seqlen_q, seqlen_k, heads_q, heads_k, 96, dtype, seed=seqlen_q + 3 * seqlen_k)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    out.backward(dout)
+    check_against_reference(q, k, v, dout, 96**-0.5, causal, (out, lse, q.grad, k.grad, v.grad))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softmax_scale_is_applied(causal):
     q, k, v, dout = make_qkv(1, 33, 33, 2, 2, 64, DTYPES[0], seed=3)

@@ -6,16 +6,16 @@ ring of NUM_BUFFERS shared-memory slots by TMA; two consumer warpgroups, BLOCK_N
 of dK and dV in registers across the steps; a one-warp writer adds the steps' dQ into DQ. A step costs five
 products, the scores and dP computed once:
 
-    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ scale - lse2_hi), dV += Pᵀ dO,
-    dSᵀ = Pᵀ (dPᵀ - delta), dK += dSᵀ Q, dQ = dS K.
+    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ scale - lse2_hi), dSᵀ = Pᵀ (dPᵀ - delta),
+    dV += Pᵀ dO, dQ = dS K, dK += dSᵀ Q.
 
-The products are asynchronous (the exponentials run while dPᵀ is computed, dSᵀ while dV is), and each step waits for
-its own last product before the next step's first: a product issued in one step and retired in the next (the next
-scores before this step's dQ) made ptxas serialise every product of the kernel (its note C7514), which cost the
-backward an eighth of its speed (docs/performance.md, decisions). For dQ the two consumers put their halves of dSᵀ
-into shared memory and meet at a barrier; each then multiplies the whole dS by half of K's columns and hands its
-fp32 half tile to the writer through shared memory, which adds it into DQ by TMA's reduce-add while the consumers go
-on. A program visits only the query tiles whose band reaches its keys (row i sees keys j with i + lower <= j <= i +
+The products are asynchronous: the exponentials run while dPᵀ is computed, dV while the two consumers exchange dS,
+dK while dQ goes to the writer; each step waits for its own last product before the next step's first (a product
+issued in one step and retired in the next made ptxas serialise every product of the kernel, its note C7514, which
+cost the backward an eighth of its speed: docs/performance.md, decisions). For dQ the two consumers put their halves
+of dSᵀ into shared memory and meet at a barrier; each then multiplies the whole dS by half of K's columns and hands
+its fp32 half tile to the writer through shared memory, which adds it into DQ by TMA's reduce-add while the consumers
+go on. A program visits only the query tiles whose band reaches its keys (row i sees keys j with i + lower <= j <= i +
 upper: causal and sliding windows), and only the steps on the band's edges compare positions. SOFTCAP recomputes the
 capped scores t = tanh(q k^T * cap_scale) as the forward (kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's
 derivative 1 - t^2. The rows' lse is the row stats' lse2_hi alone (lse * log2(e) rounded to fp32): the rest,
@@ -136,13 +136,12 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
                 visible = _band_visible(offs_m[None, :], offs_n[:, None], lower, upper, LOWER, UPPER)
                 x = gl.where(visible, x, float("-inf"))
         pt = gl.exp2(x)
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_tile, dv, is_async=True)
+        pt16 = gl.convert_layout(pt.to(dtype), op_layout)
         if SOFTCAP:  # dS's factors but dP - delta, so that only one (KEYS, BLOCK_M) tile stays live till dP is in
             pt = pt * (1.0 - st * st)
         delta = delta_bufs.index(slot).load(col_layout)
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
         ds16 = (pt * (dpt - delta[None, :])).to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
         # this half of dSᵀ into the step's dS buffer; then the whole dS (both halves) times this half of K's columns
         ds_slot = i % 2
         ds_phase = i // 2 & 1
@@ -152,10 +151,12 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         fence_async_shared()
         gl.barrier()  # every thread's part stored before the arrival
         mbarrier.arrive(ds_bars.index(2 * ds_slot), count=1)
+        dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
         mbarrier.wait(ds_bars.index(2 * ds_slot), ds_phase)
         dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-        dq, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dv))
-        mbarrier.arrive(qdo_bars.index(2 * slot + 1), count=1)
+        dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
+        dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))
         mbarrier.arrive(ds_bars.index(2 * ds_slot + 1), count=1)
         # this half of the step's dQ to the writer, once it has read the last one
         mbarrier.wait(dq_bars.index(2 * HALF + 1), (i & 1) ^ 1)
@@ -163,6 +164,8 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         fence_async_shared()
         gl.barrier()
         mbarrier.arrive(dq_bars.index(2 * HALF), count=1)
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+        mbarrier.arrive(qdo_bars.index(2 * slot + 1), count=1)
 
     rows = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
