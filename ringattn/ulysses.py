@@ -47,10 +47,10 @@ def check_ulysses_heads(heads_q: int, heads_k: int, ulysses_size: int) -> None:
         )
 
 
-def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, sink):
+def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, sink, return_lse: bool):
     """Checks and agreement across the grid, the exchange, the inner ring (or, for a ring of one, the fused call),
-    the inverse exchange: (out (B, L, Hq, D), lse (B, Hq, L)) of 4-D q, k, v; with cu_seqlens, of 4-D q, k, v (B
-    packed rows) or 3-D ones (L, H, D) taken as B = 1."""
+    the inverse exchange: (out (B, L, Hq, D), lse (B, Hq, L), None unless return_lse) of 4-D q, k, v; with
+    cu_seqlens, of 4-D q, k, v (B packed rows) or 3-D ones (L, H, D) taken as B = 1."""
     size = grid.ulysses_size
 
     def checks():
@@ -77,8 +77,9 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
             check_cu_seqlens(cu_seqlens, q.shape[0] * row, row=row)
             documents = fingerprint(cu_seqlens)
         requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        return ring_signature(q, k, v, scale, causal, layout, requires_grad, documents, window, softcap,
-                              sink is not None)  # fmt: skip
+        signature = ring_signature(q, k, v, scale, causal, layout, requires_grad, documents, window, softcap,
+                                   sink is not None)  # fmt: skip
+        return (*signature, bool(return_lse))
 
     fields = agree_across_grid(call, grid, checks, UlyssesRingSignature)
     batch, heads_q = q.shape[0], q.shape[2]
@@ -101,6 +102,8 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
         out_h = out_h.view(q_h.shape)  # (B, S / R, h, D)
         lse_h = lse_h.reshape(lse_h.shape[0], batch, -1).transpose(0, 1)  # (h, B S / R) -> (B, h, S / R)
     out = heads_to_seq(out_h, grid.ulysses, heads_q)  # (B, L, Hq, D)
+    if not return_lse:
+        return out, None
     lse = heads_to_seq(lse_h.detach().transpose(1, 2)[..., None], grid.ulysses, heads_q)  # (B, L, Hq, 1)
     return out, lse[..., 0].transpose(1, 2).reshape(batch, heads_q, q.shape[1])
 
@@ -149,7 +152,8 @@ def ulysses_ring_attn_func(
         mesh: instead of the groups, a DeviceMesh with dimensions named "ulysses" and "ring" (others, such as "dp",
             may be there too).
         layout: the ring's layout, "contiguous" or "zigzag" (default; U x S_local must then be even).
-        return_lse: also return this shard's lse.
+        return_lse: also return this shard's lse; the same on every rank of the grid (the lse comes back through an
+            all-to-all, which a call without it skips).
         learnable_sink: (nheads,) attention sinks, as in ring_attn_func; each rank's gradient is its rows' share for
             its Ulysses heads: sum it over the whole grid.
     Returns:
@@ -170,7 +174,8 @@ def ulysses_ring_attn_func(
         ring = grid.ring if grid.ring is not None else _own_group(ring_group, mesh, ulysses_group)
         return ring_attn_func(q, k, v, **options, group=ring, layout=layout, return_lse=return_lse,
                               learnable_sink=learnable_sink)  # fmt: skip
-    out, lse = _ulysses_ring("ulysses_ring_attn_func", grid, q, k, v, None, options, layout, learnable_sink)
+    out, lse = _ulysses_ring("ulysses_ring_attn_func", grid, q, k, v, None, options, layout, learnable_sink,
+                             return_lse)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -223,9 +228,9 @@ def ulysses_ring_attn_varlen_func(
         return ring_attn_varlen_func(q, k, v, cu_seqlens, **options, group=ring, layout=layout,
                                      return_lse=return_lse, learnable_sink=learnable_sink)  # fmt: skip
     call = "ulysses_ring_attn_varlen_func"
-    out, lse = _ulysses_ring(call, grid, q, k, v, cu_seqlens, options, layout, learnable_sink)
+    out, lse = _ulysses_ring(call, grid, q, k, v, cu_seqlens, options, layout, learnable_sink, return_lse)
     if q.dim() == 3:  # one packed sequence
-        out, lse = out[0], lse[0]
+        out, lse = out[0], None if lse is None else lse[0]
     return (out, lse) if return_lse else out
 
 

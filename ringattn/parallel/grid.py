@@ -170,14 +170,20 @@ _GRID_EXPECTED = (
 )
 
 
+def _extended(base: type, name: str, fields: tuple, labels: dict, expected: str) -> type:
+    """A signature class of `base`'s fields followed by `fields` ((name, type) pairs), with their labels and the
+    sentence `expected` added to base's."""
+    hints = typing.get_type_hints(base)
+    cls = NamedTuple(name, [(f, hints[f]) for f in base._fields] + list(fields))
+    cls.labels = {**base.labels, **labels}
+    cls.expected = base.expected + expected
+    return cls
+
+
 def _grid_signature(base: type, name: str) -> type:
     """A signature class of `base`'s fields and the grid's (which must agree over a group: rank in the other group,
     both degrees)."""
-    hints = typing.get_type_hints(base)
-    cls = NamedTuple(name, [(f, hints[f]) for f in base._fields] + list(_GRID_FIELDS))
-    cls.labels = {**base.labels, **_GRID_LABELS}
-    cls.expected = base.expected + _GRID_EXPECTED
-    return cls
+    return _extended(base, name, _GRID_FIELDS, _GRID_LABELS, _GRID_EXPECTED)
 
 
 class _NoFields(NamedTuple):
@@ -187,7 +193,13 @@ class _NoFields(NamedTuple):
     expected = ""
 
 
-UlyssesRingSignature = _grid_signature(RingSignature, "UlyssesRingSignature")
+# a 2-D attention call: the ring's fields, whether the lse comes back (an all-to-all over the Ulysses group, which
+# every rank of it must join or skip alike), the grid's
+UlyssesRingSignature = _grid_signature(
+    _extended(RingSignature, "UlyssesSignature", (("return_lse", bool),), {"return_lse": "return_lse"},
+              " They must pass the same return_lse: the lse comes back through an all-to-all."),
+    "UlyssesRingSignature",
+)  # fmt: skip
 GridSignature = _grid_signature(_NoFields, "GridSignature")  # a call whose checks return () (agree_across_grid)
 GridShardSignature = _grid_signature(ShardSignature, "GridShardSignature")
 GridUnshardSignature = _grid_signature(UnshardSignature, "GridUnshardSignature")

@@ -2,6 +2,7 @@
 grids of spawned gloo ranks against float64 attention on the whole sequence; the 2-D layout's index map and the
 head split as pure functions; bad grids and bad inputs refused on every rank alike."""
 
+import contextlib
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ringattn
+import ringattn.ulysses as ulysses_impl
 from ringattn.parallel import LAYOUTS, grid_shard_ranges, shard_indices
 from ringattn.parallel.documents import document_ids
 from ringattn.parallel.grid import _grid_problem
@@ -113,7 +115,29 @@ def _dense_grid_matches_reference(rank, world_size, ulysses_size, ring_size, cas
         ref, pt = _check_against_reference(what, ours, q, k, v, dout, idx, causal, **ref_options)
         check_close(f"{what} unshard(out)", ringattn.unshard(out, dim=1, **place), pt[0], ref[0])
         check_close(f"{what} unshard(lse)", ringattn.unshard(lse, dim=2, **place), pt[1], ref[1])
+        if (layout, causal, heads_q, heads_k, seqlen_local, groups) == cases[0][:6]:
+            # without return_lse: the same bits, and the output's all-to-all the only one back (none for U = 1,
+            # which is ring_attn_func)
+            with torch.no_grad(), _counted_heads_to_seq() as back:
+                alone = ringattn.ulysses_ring_attn_func(q_l, k_l, v_l, causal=causal, layout=layout, **where, **options)
+            assert torch.equal(alone, out) and back == [int(ulysses_size > 1)], (what, back)
     return True
+
+
+@contextlib.contextmanager
+def _counted_heads_to_seq():
+    """Counts the heads-to-sequence all-to-alls of the 2-D calls in the block: yields a list holding the count."""
+    count, real = [0], ulysses_impl.heads_to_seq
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    ulysses_impl.heads_to_seq = counted
+    try:
+        yield count
+    finally:
+        ulysses_impl.heads_to_seq = real
 
 
 # (U, R) -> cases: GQA with Hkv = U, Hkv < U and Hkv = 1 among them; zigzag and contiguous, causal and not
@@ -263,6 +287,9 @@ def _bad_grids_and_inputs(rank, world_size):
         "one-rank-causal": lambda: ringattn.ulysses_ring_attn_func(
             *(torch.zeros(1, 6, 4, 16),) * 3, causal=rank != 2, mesh=mesh
         ),  # fmt: skip
+        "one-rank-return-lse": lambda: ringattn.ulysses_ring_attn_func(
+            *(torch.zeros(1, 6, 4, 16),) * 3, return_lse=rank != 3, mesh=mesh
+        ),  # fmt: skip
         "shard-length": lambda: ringattn.shard(
             torch.zeros(1, 6), group=ring, ulysses_group=u_group, layout="contiguous"
         ),
@@ -286,6 +313,7 @@ BAD_GRID_EXPECTED = {
     "mesh-names": "mesh must have dimensions named 'ulysses' and 'ring', got ('dp', 'cp')",
     "one-rank-dtype": "refused on group rank 1 of 2: q must be float16, bfloat16 or float32, got torch.float64",
     "one-rank-causal": "disagree on causal (rank 0: True, rank 1: False)",
+    "one-rank-return-lse": "disagree on return_lse (rank 0: True, rank 1: False)",
     "shard-length": "x.shape[1] = 6 must be a multiple of the Ulysses degree 2 x the ring degree 2",
     "unshard-one-rank": "disagree on x_local.shape",
 }
@@ -293,8 +321,9 @@ BAD_GRID_EXPECTED = {
 
 def test_bad_grids_and_inputs_raise_on_every_rank():
     """U not dividing the query heads, U and the K/V heads not dividing one another, overlapping groups, groups that
-    do not form a grid, a mesh without the dimension names, one rank's bad dtype or different causal, bad lengths for
-    shard / unshard: the same error on every rank of the 2 x 2 grid, naming the argument, within seconds."""
+    do not form a grid, a mesh without the dimension names, one rank's bad dtype, different causal or return_lse,
+    bad lengths for shard / unshard: the same error on every rank of the 2 x 2 grid, naming the argument, within
+    seconds."""
     results = run_ranks(_bad_grids_and_inputs, 4)
     for name, expected in BAD_GRID_EXPECTED.items():
         messages = {r[name][0] for r in results}
