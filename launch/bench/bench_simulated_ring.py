@@ -36,10 +36,11 @@ block, in both layouts). Providers, each timed "fwd" and "fwd+bwd":
   and overhead, the pure ring's ms timed in the same rounds (ring_ms) and ratio_to_ring = ms / ring_ms (the table's
   "2-D / pure ring"); steps_computed is over the grid (of U R^2), forward_steps of R.
 --window LEFT gives every cell a sliding window of LEFT keys back (flash-attn's window_size (LEFT, 0) with causal,
-(LEFT, -1) without), the fused call the same window; --softcap soft-caps both. A ring record counts the ring's steps
-that computed something, summed over the ranks (steps_computed, of W^2), and the forward's steps (forward_steps, of
-W: the ring stops after the last step any rank computes, and no K/V travels further); FLOPs are then counted over
-the window's visible pairs.
+(LEFT, -1) without), the fused call the same window; --softcap soft-caps both. A ring record counts the blocks that
+computed something, summed over the ranks (steps_computed, of W^2), the forward's steps (forward_steps, of W: the ring
+stops after the last step of its K/V streams, schedule.ring_streams), and the K/V rows one rank sends in a forward
+(kv_rows_sent, of (W - 1) S_local without a window: each of K and V, summed over the hops; a window sends only the
+rows it reads, one way or both); FLOPs are then counted over the window's visible pairs.
 Before any timing, the ring's out, dq, dk, dv must be within 1e-2 relative L2 error of the fused call's
 (a failing cell is recorded with "error" and not timed; the script then exits with status 1).
 
@@ -81,8 +82,8 @@ from ringattn.benchmark import (
     write_json,
 )
 from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, capped_ops
-from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, last_computing_step, shard_indices
-from ringattn.parallel.ring import add_share_, backward_step, forward_step
+from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, held_blocks, ring_streams, shard_indices
+from ringattn.parallel.ring import HeldBlock, add_share_, backward_step, forward_step
 from ringattn.parallel.ulysses import rank_heads
 from ringattn.testing import simulate_ring_backward, simulate_ring_forward
 from ringattn.ulysses import check_ulysses_heads
@@ -248,16 +249,21 @@ def grid_calls(
 
 
 def ring_steps(shape: dict, layout: str, causal: bool, window) -> dict:
-    """The ring's steps: those with a task (block_tasks), summed over the ranks, and the forward's (it stops after
-    last_computing_step)."""
+    """The ring's steps that computed (a block with a task, block_tasks), summed over the ranks and blocks; the
+    forward's steps (the ring stops after the last step of its K/V streams, ring_streams); and the K/V rows each
+    rank sends in a forward (each of K and V, summed over the hops)."""
     world_size, seqlen_local = shape["W"], shape["S_local"]
+    streams = ring_streams(layout, world_size, causal, seqlen_local, window)
+    steps = max((st.steps for st in streams), default=0)
+    held = [[rank] + [kv for step in range(1, steps + 1) for _, kv in held_blocks(streams, rank, step, world_size)]
+            for rank in range(world_size)]  # fmt: skip
     computed = sum(
-        bool(block_tasks(layout, rank, (rank - step) % world_size, world_size, causal, seqlen_local, window))
+        bool(block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local, window))
         for rank in range(world_size)
-        for step in range(world_size)
+        for kv_rank in held[rank]
     )
-    forward = last_computing_step(layout, world_size, causal, seqlen_local, window) + 1
-    return dict(steps_computed=computed, forward_steps=forward)
+    rows = sum(st.steps * sum(map(len, st.rows)) for st in streams)
+    return dict(steps_computed=computed, forward_steps=steps + 1, kv_rows_sent=rows)
 
 
 def peak_of(fn, args, peak_bytes: int | None = None) -> int | None:
@@ -387,7 +393,8 @@ def bench_block(seqlen_local: int, args) -> list[dict]:
         raise AssertionError(f"{BLOCK_STEP} is no longer one full block in the schedule; pick another step")
     q, k, v, dout = make_inputs(seqlen_local, args, seed=args.seed + 1)
     scale = args.head_dim**-0.5
-    step = (KERNEL_OPS, layout, rank, kv_rank, world_size, causal, scale)
+    step = (KERNEL_OPS, layout, rank, world_size, causal, scale)
+    block = [HeldBlock(kv_rank, k, v, (whole,))]
     out, lse = attn_fwd(q, k, v, scale, False)  # the ring saves out in the input dtype
     f32 = dict(dtype=torch.float32, device=args.device)
     # the merge's identity
@@ -397,15 +404,15 @@ def bench_block(seqlen_local: int, args) -> list[dict]:
     shares = [torch.empty(t.shape, **f32) for t in (k, v)]
 
     def ring_bwd_step():  # a later step's backward as the ring runs it: dK, dV stored as a share, then added
-        rows = backward_step(*step, dout, q, k, v, out, lse, stats, grads[0], *shares, add_dkdv=False)
+        (rows,) = backward_step(*step, dout, q, block, out, lse, stats, grads[0], [shares], add_dkdv=False)
         add_share_(*grads[1:], *shares, rows)
 
     calls = {  # mode: (public, ring step); the step merges into `state` and adds into `grads` at every call
-        "fwd": (lambda: attn_fwd(q, k, v, scale, False), lambda: forward_step(*step, q, k, v, *state)),
+        "fwd": (lambda: attn_fwd(q, k, v, scale, False), lambda: forward_step(*step, q, block, *state)),
         "bwd": (lambda: attn_bwd(dout, q, k, v, out, lse, scale, False), ring_bwd_step),
     }
     # check: from the merge's identity / zero accumulators, one step gives the public call's result
-    forward_step(*step, q, k, v, *state)
+    forward_step(*step, q, block, *state)
     ring_bwd_step()
     expected = (out, *attn_bwd(dout, q, k, v, out, lse, scale, False))
     whole_idx = [torch.arange(seqlen_local, device=args.device)]
@@ -448,11 +455,12 @@ def ring_table(records: list[dict]) -> str:
                          f"{ring[1]['fused_ms']:.2f}", f"{ring[1]['ms']:.2f}", f"{100 * ring[1]['overhead']:+.1f}%",
                          *ratios, f"{ring[1]['tflops']:.0f}", _gib(fused[1]), _gib(ring[1]),
                          f"{ring[1]['steps_computed']} / {ulysses * ring_size**2}",
-                         f"{ring[1]['forward_steps']} / {ring_size}"])  # fmt: skip
+                         f"{ring[1]['forward_steps']} / {ring_size}",
+                         f"{ring[1]['kv_rows_sent']} / {(ring_size - 1) * s_local * ulysses}"])  # fmt: skip
     head = ["S_local", "W", "S", "layout", "causal", "U x R", "window", "softcap", "fused fwd ms", "ring fwd ms",
             "fwd overhead", "fused f+b ms", "ring f+b ms", "f+b overhead", "2-D / pure ring fwd",
             "2-D / pure ring f+b", "ring f+b TFLOP/s", "fused f+b peak GiB", "ring f+b peak GiB", "steps computed",
-            "forward steps"]  # fmt: skip
+            "forward steps", "K/V rows sent"]  # fmt: skip
     return markdown_table(head, rows)
 
 

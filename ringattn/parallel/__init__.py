@@ -19,12 +19,13 @@ from .layout import (
     unshard,
 )
 from .ring import ring_attn_backward, ring_attn_forward
-from .schedule import BlockMode, BlockTask, block_tasks, kv_source_rank, last_computing_step
+from .schedule import BlockMode, BlockTask, KVStream, block_tasks, held_blocks, kv_source_rank, ring_streams
 
 __all__ = [
     "LAYOUTS",
     "BlockMode",
     "BlockTask",
+    "KVStream",
     "RingComm",
     "block_tasks",
     "check_layout",
@@ -34,12 +35,13 @@ __all__ = [
     "chunks_per_rank",
     "grid_shard_indices",
     "grid_shard_ranges",
+    "held_blocks",
     "kv_source_rank",
-    "last_computing_step",
     "pad_to_multiple",
     "position_ids",
     "ring_attn_backward",
     "ring_attn_forward",
+    "ring_streams",
     "shard",
     "shard_indices",
     "shard_ranges",

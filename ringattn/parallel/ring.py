@@ -1,7 +1,8 @@
 """Op-agnostic ring attention forward and backward loops (schedule in docs/design.md, section 4).
 
 Forward: at step t, rank r computes its queries against the K/V block of rank r - t while
-the block for step t + 1 is in flight. Step 0 (the rank's own block) writes the fp32 state
+the block for step t + 1 is in flight (with a sliding window: the blocks of its K/V streams, one or two, in the
+rows the windows read; schedule.ring_streams). Step 0 (the rank's own block) writes the fp32 state
 (out, lse); later steps merge into it in the kernel's epilogue (ops.fwd_merge_: no separate
 merge pass). Which sub-blocks are computed, and with which mask, is the pure function
 schedule.block_tasks of the layout; the loops run its tasks on views of the local tensors and
@@ -9,23 +10,25 @@ state (no copies).
 Backward: K/V travel the ring again together with fp32 dK/dV accumulators; each rank adds
 its contribution to the accumulators of the block in hand and passes them on, so after W
 steps (and one last hop) every rank holds the full gradient of its own K/V (with a sliding window,
-after the forward's last step, and the last hop goes straight home). dQ accumulates
+after each stream's last step, the last hop going straight home; home_gradients). dQ accumulates
 locally in fp32. Step 0 stores dQ and the own block's accumulators into uninitialised buffers.
 Out and dQ are returned in the inputs' dtype: the task that finishes a row (no later step touches
 it; `finishing_plan`) writes it rounded, straight from the kernel, instead of into the fp32 state.
 
-What one rank computes at one step, given the K/V block in hand, is `own_block_forward` and
+What one rank computes at one step, given the K/V blocks in hand, is `own_block_forward` and
 `own_block_backward` at step 0 and `forward_step` and `backward_step` after; the distributed
 loops here and the one-process simulated ring (testing/simulate.py) both call them, so they
 compute bitwise the same thing.
 """
+
+from typing import NamedTuple
 
 import torch
 
 from ..ops import LSE_DTYPE, AttnOps, FinalRows
 from .comm import RingComm
 from .documents import ShardDocuments
-from .schedule import BlockMode, block_tasks, kv_source_rank, last_computing_step
+from .schedule import BlockMode, BlockTask, KVStream, block_tasks, held_blocks, ring_streams, union
 
 
 def state_dtype(q: torch.Tensor) -> torch.dtype:
@@ -38,24 +41,76 @@ def _rows(t: torch.Tensor, rows: range, dim: int = 1) -> torch.Tensor:
     return t.narrow(dim, rows.start, len(rows))
 
 
-def _computed_tasks(
+class HeldBlock(NamedTuple):
+    """A K/V block in a rank's hands: whose it is (kv_rank), and k, v (B, rows, Hkv, D) holding its rows `rows`
+    (a KVStream's: disjoint, increasing) packed in that order."""
+
+    kv_rank: int
+    k: torch.Tensor
+    v: torch.Tensor
+    rows: tuple[range, ...]
+
+
+def pack_rows(t: torch.Tensor, rows: tuple[range, ...]) -> torch.Tensor:
+    """t's rows `rows` along dim 1, packed in order into one contiguous tensor (t itself, made contiguous, when
+    they are all of it)."""
+    if rows == (range(0, t.shape[1]),):
+        return t.contiguous()
+    return torch.cat([_rows(t, r) for r in rows], dim=1)
+
+
+def unpack_rows_(dest: torch.Tensor, packed: torch.Tensor, rows: tuple[range, ...], add: bool = False) -> None:
+    """The inverse of pack_rows into dest, in place: dest's rows `rows` become (add: gain) packed's."""
+    start = 0
+    for r in rows:
+        part = packed.narrow(1, start, len(r))
+        _rows(dest, r).add_(part) if add else _rows(dest, r).copy_(part)
+        start += len(r)
+
+
+def _packed(rows: range, held: tuple[range, ...]) -> range:
+    """Where a block's rows `rows` lie in a pack of its rows `held` (pack_rows)."""
+    start = 0
+    for r in held:
+        if r.start <= rows.start and rows.stop <= r.stop:
+            return range(start + rows.start - r.start, start + rows.stop - r.start)
+        start += len(r)
+    raise RuntimeError(f"the block's rows {rows} are not among the rows held, {held}")
+
+
+def _step_tasks(
     layout: str,
     rank: int,
-    kv_rank: int,
     world_size: int,
     causal: bool,
     seqlen_local: int,
     docs: ShardDocuments | None,
-    window: tuple[int | None, int | None] = (None, None),
-):
-    """The tasks of block_tasks that run, each with its kernel call's keyword arguments: document ids (none
-    without documents), a BAND task's window; tasks whose documents never meet are skipped."""
-    for task in block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local, window):
-        kwargs = dict(window=task.window) if task.mode is BlockMode.BAND else {}
-        if docs is None:
-            yield task, kwargs
-        elif docs.meet(rank, task.q_rows, kv_rank, task.kv_rows):
-            yield task, dict(kwargs, q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
+    window: tuple[int | None, int | None],
+    held: list[tuple[int, tuple[range, ...]]],
+) -> list[tuple[int, BlockTask, dict]]:
+    """The tasks of block_tasks that run at a step, block by block for the blocks `held` there ((kv_rank, rows
+    held), in order): (index of the block, the task with its key rows counted in the block's pack, its kernel
+    call's keyword arguments: document ids (none without documents), a BAND task's window). Tasks whose documents
+    never meet are skipped."""
+    tasks = []
+    for i, (kv_rank, rows) in enumerate(held):
+        for task in block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local, window):
+            kwargs = dict(window=task.window) if task.mode is BlockMode.BAND else {}
+            if docs is not None:
+                if not docs.meet(rank, task.q_rows, kv_rank, task.kv_rows):
+                    continue
+                kwargs.update(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
+            tasks.append((i, task._replace(kv_rows=_packed(task.kv_rows, rows)), kwargs))
+    return tasks
+
+
+def _held_rows(
+    streams: tuple[KVStream, ...], rank: int, step: int, world_size: int, seqlen_local: int
+) -> list[tuple[int, tuple[range, ...]]]:
+    """(kv_rank, rows held) of each block `rank` holds at `step`: its own, whole, at step 0."""
+    if step == 0:
+        return [(rank, (range(0, seqlen_local),))]
+    return [(kv_rank, streams[i].rows) for i, kv_rank in held_blocks(streams, rank, step, world_size)]
 
 
 def finishing_plan(
@@ -68,16 +123,19 @@ def finishing_plan(
     window: tuple[int | None, int | None] = (None, None),
 ) -> list[list[range]]:
     """plan[step][i]: the rows of `rank`'s shard that the i-th task `rank` computes at `step` (in the order the step
-    runs them) finishes: the task's query rows that no later task touches. There the task writes out and dQ
-    rounded to their final dtype. Every row is finished by exactly one task, as step 0 computes the whole shard.
+    runs them, block after block) finishes: the task's query rows that no later task touches. There the task writes
+    out and dQ rounded to their final dtype. Every row is finished by exactly one task, as step 0 computes the whole
+    shard. One entry per step of the ring (ring_streams).
 
     Raises:
         RuntimeError: a task whose finished rows are not one range (no layout's schedule has one).
     """
+    streams = ring_streams(layout, world_size, causal, seqlen_local, window)
+    steps = max((s.steps for s in streams), default=0)
     touched = [
-        [task.q_rows for task, _ in _computed_tasks(layout, rank, kv_source_rank(rank, step, world_size), world_size,
-                                                    causal, seqlen_local, docs, window)]
-        for step in range(world_size)
+        [task.q_rows for _, task, _ in _step_tasks(layout, rank, world_size, causal, seqlen_local, docs, window,
+                                                   _held_rows(streams, rank, step, world_size, seqlen_local))]
+        for step in range(steps + 1)
     ]  # fmt: skip
     later: list[range] = []
     plan = []
@@ -129,35 +187,37 @@ def _own_block_tasks(
     docs: ShardDocuments | None,
     window: tuple[int | None, int | None] = (None, None),
 ) -> tuple[list, bool]:
-    """The tasks of step 0, where a rank holds its own block, with their kernel arguments (_computed_tasks), and
+    """The tasks of step 0, where a rank holds its own block, as (task, kernel arguments) (_step_tasks), and
     whether they are one task over the whole block. Every layout computes that block whole (with W = 1 it is the
     whole sequence), and every row shares its own document, so one task covers every row of the shard and its
     results can be stored into uninitialised state rather than merged or added into an identity; only a window
     over a zigzag shard splits it (block_tasks)."""
-    tasks = list(_computed_tasks(layout, rank, rank, world_size, causal, seqlen_local, docs, window))
+    held = _held_rows((), rank, 0, world_size, seqlen_local)
+    tasks = [(task, kwargs) for _, task, kwargs in _step_tasks(layout, rank, world_size, causal, seqlen_local, docs,
+                                                               window, held)]  # fmt: skip
     whole = range(0, seqlen_local)
     return tasks, len(tasks) == 1 and tasks[0][0].q_rows == whole and tasks[0][0].kv_rows == whole
 
 
 def _merge_tasks_(
     ops: AttnOps,
-    tasks: list,
+    tasks: list[tuple[int, BlockTask, dict]],
+    blocks: list[HeldBlock],
     softmax_scale: float,
     q: torch.Tensor,
-    k_blk: torch.Tensor,
-    v_blk: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     finished: torch.Tensor | None,
     finishing: list[range] | None,
 ) -> None:
-    """Merge each task's attention (q's rows against the block's rows) into (out, lse) in place, in order."""
-    for i, (task, kwargs) in enumerate(tasks):
+    """Merge each task's attention (q's rows against its block's rows, _step_tasks) into (out, lse) in place, in
+    order."""
+    for i, (b, task, kwargs) in enumerate(tasks):
         qs, kvs = task.q_rows, task.kv_rows
         ops.fwd_merge_(
             _rows(q, qs),
-            _rows(k_blk, kvs),
-            _rows(v_blk, kvs),
+            _rows(blocks[b].k, kvs),
+            _rows(blocks[b].v, kvs),
             softmax_scale,
             task.mode is BlockMode.CAUSAL,
             _rows(out, qs),  # views: the kernel merges into the running state in place
@@ -202,7 +262,8 @@ def own_block_forward(
                        final=_task_final_rows(finished, finishing, 0, 1, task.q_rows))  # fmt: skip
     out = torch.zeros(q.shape, dtype=state_dtype(q), device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=LSE_DTYPE, device=q.device)
-    _merge_tasks_(ops, tasks, softmax_scale, q, k, v, out, lse, finished, finishing)
+    own = [HeldBlock(rank, k, v, (range(0, k.shape[1]),))]
+    _merge_tasks_(ops, [(0, t, kw) for t, kw in tasks], own, softmax_scale, q, out, lse, finished, finishing)
     return out, lse
 
 
@@ -210,13 +271,11 @@ def forward_step(
     ops: AttnOps,
     layout: str,
     rank: int,
-    kv_rank: int,
     world_size: int,
     causal: bool,
     softmax_scale: float,
     q: torch.Tensor,
-    k_blk: torch.Tensor,
-    v_blk: torch.Tensor,
+    blocks: list[HeldBlock],
     out: torch.Tensor,
     lse: torch.Tensor,
     docs: ShardDocuments | None = None,
@@ -224,10 +283,11 @@ def forward_step(
     finishing: list[range] | None = None,
     window: tuple[int | None, int | None] = (None, None),
 ) -> None:
-    """One ring step of the forward on one rank: merge q's attention to the K/V block of `kv_rank` into (out, lse).
+    """One ring step of the forward on one rank: merge q's attention to the K/V blocks in hand into (out, lse).
 
     Args:
-        q: (B, S_local, Hq, D) this rank's queries; k_blk, v_blk: (B, S_local, Hkv, D) the block in hand.
+        q: (B, S_local, Hq, D) this rank's queries; blocks: the blocks held at the step (one per KVStream there,
+            in the streams' order).
         out, lse: the running state (from own_block_forward), updated in place.
         docs: packed documents (ring_attn_varlen_func): sub-blocks whose documents never meet are
             skipped, the others masked by document.
@@ -235,8 +295,9 @@ def forward_step(
             entry of this step), as in own_block_forward.
         window: as in own_block_forward.
     """
-    tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs, window))
-    _merge_tasks_(ops, tasks, softmax_scale, q, k_blk, v_blk, out, lse, finished, finishing)
+    held = [(b.kv_rank, b.rows) for b in blocks]
+    tasks = _step_tasks(layout, rank, world_size, causal, q.shape[1], docs, window, held)
+    _merge_tasks_(ops, tasks, blocks, softmax_scale, q, out, lse, finished, finishing)
 
 
 def own_block_backward(
@@ -275,7 +336,8 @@ def own_block_backward(
     dtype = state_dtype(q)
     if not whole:  # a window over a zigzag shard: the tasks add into zeroed buffers
         dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
-        _backward_tasks_(ops, tasks, softmax_scale, dout, q, k, v, out, lse, stats, dq, dk, dv, True, dq_finished,
+        own = HeldBlock(rank, k, v, (range(0, k.shape[1]),))
+        _backward_tasks_(ops, tasks, own, softmax_scale, dout, q, out, lse, stats, dq, dk, dv, True, dq_finished,
                          finishing)  # fmt: skip
         return dq, dk, dv
     task, kwargs = tasks[0]
@@ -289,12 +351,11 @@ def own_block_backward(
 
 def _backward_tasks_(
     ops: AttnOps,
-    tasks: list,
+    tasks: list[tuple[BlockTask, dict]],
+    block: HeldBlock,
     softmax_scale: float,
     dout: torch.Tensor,
     q: torch.Tensor,
-    k_blk: torch.Tensor,
-    v_blk: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     stats: torch.Tensor,
@@ -304,10 +365,10 @@ def _backward_tasks_(
     add_dkdv: bool,
     dq_finished: torch.Tensor | None,
     finishing: list[range] | None,
-) -> list[range]:
-    """Each task's gradients, in order, added into dq and (add_dkdv) dk_acc, dv_acc; with add_dkdv False the
-    first task to reach a K/V row stores its dK, dV there and later ones add. Returns the K/V rows written, as
-    disjoint ranges in increasing order."""
+) -> tuple[range, ...]:
+    """Each task's gradients against `block`, in order, added into dq and (add_dkdv) dk_acc, dv_acc (shaped like
+    the block's k, v); with add_dkdv False the first task to reach a K/V row stores its dK, dV there and later ones
+    add. `finishing`: finishing_plan's entries of these tasks. Returns the K/V rows written, union()."""
     written: list[range] = []
     for i, (task, kwargs) in enumerate(tasks):
         qs, kvs = task.q_rows, task.kv_rows
@@ -322,8 +383,8 @@ def _backward_tasks_(
         ops.bwd(
             _rows(dout, qs),
             _rows(q, qs),
-            _rows(k_blk, kvs),
-            _rows(v_blk, kvs),
+            _rows(block.k, kvs),
+            _rows(block.v, kvs),
             _rows(out, qs),
             _rows(lse, qs, 2),
             softmax_scale,
@@ -336,69 +397,62 @@ def _backward_tasks_(
             add_dkdv=add,
             dq_final=_task_final_rows(dq_finished, finishing, i, len(tasks), qs),
         )
-    return _union(written)
-
-
-def _union(ranges: list[range]) -> list[range]:
-    """The rows of `ranges` as disjoint, non-adjacent ranges in increasing order."""
-    merged: list[range] = []
-    for r in sorted((r for r in ranges if len(r)), key=lambda r: r.start):
-        if merged and r.start <= merged[-1].stop:
-            merged[-1] = range(merged[-1].start, max(merged[-1].stop, r.stop))
-        else:
-            merged.append(r)
-    return merged
+    return union(written)
 
 
 def backward_step(
     ops: AttnOps,
     layout: str,
     rank: int,
-    kv_rank: int,
     world_size: int,
     causal: bool,
     softmax_scale: float,
     dout: torch.Tensor,
     q: torch.Tensor,
-    k_blk: torch.Tensor,
-    v_blk: torch.Tensor,
+    blocks: list[HeldBlock],
     out: torch.Tensor,
     lse: torch.Tensor,
     stats: torch.Tensor,
     dq: torch.Tensor,
-    dk_acc: torch.Tensor,
-    dv_acc: torch.Tensor,
+    accumulators: list[tuple[torch.Tensor, torch.Tensor]],
     docs: ShardDocuments | None = None,
     add_dkdv: bool = True,
     dq_finished: torch.Tensor | None = None,
     finishing: list[range] | None = None,
     window: tuple[int | None, int | None] = (None, None),
-) -> list[range]:
-    """One ring step of the backward on one rank: add the gradients of q's attention to the block of `kv_rank`
-    into dq (this rank's) and dk_acc, dv_acc (the accumulators of the block in hand), in place.
+) -> list[tuple[range, ...]]:
+    """One ring step of the backward on one rank: add the gradients of q's attention to the blocks in hand into dq
+    (this rank's) and each block's (dk_acc, dv_acc) of `accumulators` (shaped like its k, v), in place.
 
     Args:
         dout, q, out: (B, S_local, Hq, D); lse, stats: the global lse and its row stats, as own_block_backward's.
-        k_blk, v_blk, dk_acc, dv_acc: (B, S_local, Hkv, D).
+        blocks: the blocks held at the step, as forward_step's.
         docs: packed documents, as in forward_step.
-        add_dkdv: False stores the block's dK, dV into the rows of dk_acc, dv_acc it computes instead of adding
+        add_dkdv: False stores each block's dK, dV into the rows of its accumulators it computes instead of adding
             (_backward_tasks_).
         dq_finished, finishing: where the dq rows this step finishes go, rounded, instead of into dq (as
             forward_step's).
         window: as in own_block_forward.
     Returns:
-        the K/V rows whose dK, dV were added or stored, as disjoint ranges.
+        per block, the rows of its accumulators that were added or stored (union()).
     """
-    tasks = list(_computed_tasks(layout, rank, kv_rank, world_size, causal, q.shape[1], docs, window))
-    return _backward_tasks_(ops, tasks, softmax_scale, dout, q, k_blk, v_blk, out, lse, stats, dq, dk_acc, dv_acc,
-                            add_dkdv, dq_finished, finishing)  # fmt: skip
+    held = [(b.kv_rank, b.rows) for b in blocks]
+    tasks = _step_tasks(layout, rank, world_size, causal, q.shape[1], docs, window, held)
+    written, done = [], 0
+    for b, (block, (dk_acc, dv_acc)) in enumerate(zip(blocks, accumulators, strict=True)):
+        mine = [(task, kwargs) for i, task, kwargs in tasks if i == b]
+        block_finishing = None if finishing is None else finishing[done : done + len(mine)]
+        written.append(_backward_tasks_(ops, mine, block, softmax_scale, dout, q, out, lse, stats, dq, dk_acc,
+                                        dv_acc, add_dkdv, dq_finished, block_finishing))  # fmt: skip
+        done += len(mine)
+    return written
 
 
 def add_share_(
-    dk_acc: torch.Tensor, dv_acc: torch.Tensor, share_k: torch.Tensor, share_v: torch.Tensor, rows: list[range]
+    dk_acc: torch.Tensor, dv_acc: torch.Tensor, share_k: torch.Tensor, share_v: torch.Tensor, rows: tuple[range, ...]
 ) -> None:
     """Add a rank's share of a block's dK, dV (stored by backward_step with add_dkdv=False) to the block's
-    accumulators in place, over the K/V rows backward_step returned. All (B, S_local, Hkv, D)."""
+    accumulators in place, over the K/V rows backward_step returned. All shaped like the block's k, v."""
     for kvs in rows:
         _rows(dk_acc, kvs).add_(_rows(share_k, kvs))
         _rows(dv_acc, kvs).add_(_rows(share_v, kvs))
@@ -409,16 +463,16 @@ def add_share_rounded(
     dv_acc: torch.Tensor,
     share_k: torch.Tensor,
     share_v: torch.Tensor,
-    rows: list[range],
+    rows: tuple[range, ...],
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_share_ for the block's last share, and the rounding of the finished sums to `dtype`, in one pass: new
-    dK, dV (B, S_local, Hkv, D) in dtype, bitwise the in-place add followed by .to(dtype), without writing the
-    fp32 sums and reading them back. The other rows are only rounded."""
+    dK, dV shaped like the block's k, v in dtype, bitwise the in-place add followed by .to(dtype), without writing
+    the fp32 sums and reading them back. The other rows are only rounded."""
     return _sum_rounded(dk_acc, share_k, rows, dtype), _sum_rounded(dv_acc, share_v, rows, dtype)
 
 
-def _sum_rounded(acc: torch.Tensor, share: torch.Tensor, rows: list[range], dtype: torch.dtype) -> torch.Tensor:
+def _sum_rounded(acc: torch.Tensor, share: torch.Tensor, rows: tuple[range, ...], dtype: torch.dtype) -> torch.Tensor:
     """(acc + share over the disjoint row ranges `rows`, acc elsewhere) in dtype, as a new tensor."""
     total = torch.empty(acc.shape, dtype=dtype, device=acc.device)
     done = 0
@@ -429,6 +483,39 @@ def _sum_rounded(acc: torch.Tensor, share: torch.Tensor, rows: list[range], dtyp
     rest = range(done, acc.shape[1])
     _rows(total, rest).copy_(_rows(acc, rest))
     return total
+
+
+def chains_round_early(streams: tuple[KVStream, ...]) -> bool:
+    """Whether every stream's dK/dV accumulators start from the owner's own share (step 0) and so hold a block's
+    complete gradient in their rows after their last step, rounded there (add_share_rounded) before going home:
+    when no two streams carry the same rows. Else the first stream's start from the owner's share and the second's
+    from zero (at their first holder), and both come home in fp32 to be summed there (home_gradients)."""
+    rows = [r for s in streams for r in s.rows]
+    return sum(map(len, rows)) == sum(map(len, union(rows)))
+
+
+def home_gradients(
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    homes: list[tuple[torch.Tensor, torch.Tensor]],
+    streams: tuple[KVStream, ...],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's own dK, dV in `dtype` from its own share (dk, dv: (B, S_local, Hkv, D) fp32, from step 0) and the
+    accumulators of its block back home from each stream (homes, packed in the stream's rows, in dtype when
+    chains_round_early, else fp32)."""
+    if chains_round_early(streams):
+        if len(streams) == 1 and streams[0].rows == (range(0, dk.shape[1]),):
+            return homes[0]
+        dk, dv = dk.to(dtype), dv.to(dtype)
+        for s, (home_k, home_v) in zip(streams, homes, strict=True):
+            unpack_rows_(dk, home_k, s.rows)
+            unpack_rows_(dv, home_v, s.rows)
+        return dk, dv
+    for i, (s, (home_k, home_v)) in enumerate(zip(streams, homes, strict=True)):
+        unpack_rows_(dk, home_k, s.rows, add=i > 0)  # the first stream's sum holds dk's own share
+        unpack_rows_(dv, home_v, s.rows, add=i > 0)
+    return dk.to(dtype), dv.to(dtype)
 
 
 def ring_attn_forward(
@@ -451,8 +538,8 @@ def ring_attn_forward(
             ("contiguous" or "zigzag"; S_local even for "zigzag").
         docs: packed documents of each batch row (ShardDocuments): attention stays inside each document.
         window: a sliding window (left, right) over global positions, None for no limit: blocks outside every
-            query's window are skipped, and the ring stops after the last step any rank computes
-            (schedule.last_computing_step), no K/V travelling further.
+            query's window are skipped, and K/V travel only as far, in the direction and in the rows the window
+            reaches (schedule.ring_streams).
         keep_state: return out unrounded, in state_dtype(q) (for a merge after the ring: attention sinks).
     Returns:
         out (B, S_local, Hq, D) in q's dtype (each row rounded from the fp32 state by the step that finishes it;
@@ -460,32 +547,37 @@ def ring_attn_forward(
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
-    if comm.world_size == 1:
+    world_size, rank = comm.world_size, comm.rank
+    if world_size == 1:
         ((task, kwargs),), _ = _own_block_tasks(layout, 0, 1, causal, q.shape[1], docs, window)
         out_dtype = state_dtype(q) if keep_state else None
         return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, out_dtype, **kwargs)
-    steps = last_computing_step(layout, comm.world_size, causal, q.shape[1], window) + 1
+    streams = ring_streams(layout, world_size, causal, q.shape[1], window)
+    steps = max((s.steps for s in streams), default=0)
     if keep_state:
-        plan, finished = [None] * steps, None
+        plan, finished = [None] * (steps + 1), None
     else:
-        plan = finishing_plan(layout, comm.rank, comm.world_size, causal, q.shape[1], docs, window)
+        plan = finishing_plan(layout, rank, world_size, causal, q.shape[1], docs, window)
         finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # out, each row written once, rounded
-    k_cur, v_cur = k.contiguous(), v.contiguous()
-    for step in range(steps):
-        last = step == steps - 1
-        if not last:
-            k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
+    k, v = k.contiguous(), v.contiguous()
+    held = [(pack_rows(k, s.rows), pack_rows(v, s.rows)) for s in streams]  # the K/V each stream passes on
+    for step in range(steps + 1):
+        nxt = [(comm.send_recv(hk, shift=s.direction), comm.send_recv(hv, shift=s.direction)) if step < s.steps
+               else None for s, (hk, hv) in zip(streams, held, strict=True)]  # fmt: skip
+        sending = any(n is not None for n in nxt)
+        if sending:
             comm.commit(f"forward step {step} (K/V)")
         if step == 0:
-            out, lse = own_block_forward(ops, layout, comm.rank, comm.world_size, causal, softmax_scale, q, k_cur,
-                                         v_cur, docs, finished, plan[step], window)  # fmt: skip
+            out, lse = own_block_forward(ops, layout, rank, world_size, causal, softmax_scale, q, k, v, docs,
+                                         finished, plan[step], window)  # fmt: skip
         else:
-            kv_rank = kv_source_rank(comm.rank, step, comm.world_size)
-            forward_step(ops, layout, comm.rank, kv_rank, comm.world_size, causal, softmax_scale, q, k_cur, v_cur,
-                         out, lse, docs, finished, plan[step], window)  # fmt: skip
-        if not last:
+            blocks = [HeldBlock(kv_rank, *held[i], streams[i].rows)
+                      for i, kv_rank in held_blocks(streams, rank, step, world_size)]  # fmt: skip
+            forward_step(ops, layout, rank, world_size, causal, softmax_scale, q, blocks, out, lse, docs, finished,
+                         plan[step], window)  # fmt: skip
+        if sending:
             comm.wait()
-            k_cur, v_cur = k_next, v_next
+            held = [h if n is None else n for n, h in zip(nxt, held, strict=True)]
     return (out if keep_state else finished), lse
 
 
@@ -509,65 +601,78 @@ def ring_attn_backward(
     Args:
         dout, out: (B, S_local, Hq, D); q: (B, S_local, Hq, D); k, v: (B, S_local, Hkv, D);
         lse: (B, Hq, S_local) float64, the global normaliser from the forward.
-        layout, docs, window: what the forward ran with. K/V travel as far as the forward's (last_computing_step),
-            the dK, dV accumulators with their blocks, and from the last step straight home (one hop back over
-            the steps taken: the next rank with the whole ring); steps without tasks run no kernel.
+        layout, docs, window: what the forward ran with. K/V travel as the forward's (ring_streams), each block's
+            dK, dV accumulators with it (packed in the stream's rows), and from its stream's last step straight
+            home (one hop back over the steps taken: the next rank with the whole ring); steps without tasks run
+            no kernel.
     Returns:
         dq, dk, dv shaped like q, k, v, in the inputs' dtype: each dq row rounded from its fp32 sum by the step
         that finishes it; dk and dv rounded with their last share, before the last hop, which then carries half
-        the bytes of fp32 (the same rounding as after it). With W = 1 from one fused call.
+        the bytes of fp32 (the same rounding as after it; chains_round_early). With W = 1 from one fused call.
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
-    world_size = comm.world_size
+    world_size, rank = comm.world_size, comm.rank
     if world_size == 1:
         ((task, kwargs),), _ = _own_block_tasks(layout, 0, 1, causal, q.shape[1], docs, window)
         return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **kwargs)
     stats = ops.bwd_preprocess(out, dout, lse)
-    plan = finishing_plan(layout, comm.rank, world_size, causal, q.shape[1], docs, window)
-    steps = last_computing_step(layout, world_size, causal, q.shape[1], window) + 1
+    plan = finishing_plan(layout, rank, world_size, causal, q.shape[1], docs, window)
+    streams = ring_streams(layout, world_size, causal, q.shape[1], window)
+    steps = max((s.steps for s in streams), default=0)
     dq_finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # each row written once, rounded
-    if steps == 1:  # a window inside each rank's own block: nothing travels
-        dq, dk, dv = own_block_backward(ops, layout, comm.rank, world_size, causal, softmax_scale, dout, q, k, v,
-                                        out, lse, stats, docs, dq_finished, plan[0], window)  # fmt: skip
+    k, v = k.contiguous(), v.contiguous()
+    if steps == 0:  # a window inside each rank's own block: nothing travels
+        dq, dk, dv = own_block_backward(ops, layout, rank, world_size, causal, softmax_scale, dout, q, k, v, out,
+                                        lse, stats, docs, dq_finished, plan[0], window)  # fmt: skip
         return dq_finished, dk.to(k.dtype), dv.to(v.dtype)
-    # this rank's share of a later step's block
-    share_k, share_v = (torch.empty(t.shape, dtype=state_dtype(q), device=t.device) for t in (k, v))
-    k_cur, v_cur = k.contiguous(), v.contiguous()
+    round_early = chains_round_early(streams)
+    # this rank's share of a later step's block, per stream
+    shares = [tuple(k.new_empty((k.shape[0], sum(map(len, s.rows)), *k.shape[2:]), dtype=state_dtype(q))
+                    for _ in range(2)) for s in streams]  # fmt: skip
     # One batch in flight at a time, overlapping the next step's kernels: K/V for the step after
-    # next, and the dK/dV accumulators of the block just finished (they travel with their block).
-    k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
+    # next, and the dK/dV accumulators of the blocks just finished (they travel with their blocks).
+    held = [(pack_rows(k, s.rows), pack_rows(v, s.rows)) for s in streams]
+    nxt = [(comm.send_recv(hk, shift=s.direction), comm.send_recv(hv, shift=s.direction))
+           for s, (hk, hv) in zip(streams, held, strict=True)]  # fmt: skip
     comm.commit("backward step 0 (K/V)")
-    dk_in = dv_in = None  # accumulators of the block in hand, from the ranks that held it before
-    for step in range(steps):
-        last = step == steps - 1
+    chains: list = [None] * len(streams)  # per stream, the accumulators of the block in hand, from its earlier holders
+    for step in range(steps + 1):
         if step == 0:  # dq and the accumulators of this rank's own block
-            dq, dk, dv = own_block_backward(ops, layout, comm.rank, world_size, causal, softmax_scale, dout, q, k_cur,
-                                            v_cur, out, lse, stats, docs, dq_finished, plan[step], window)  # fmt: skip
+            dq, dk, dv = own_block_backward(ops, layout, rank, world_size, causal, softmax_scale, dout, q, k, v, out,
+                                            lse, stats, docs, dq_finished, plan[step], window)  # fmt: skip
+            chains = [(pack_rows(dk, s.rows), pack_rows(dv, s.rows)) if round_early or i == 0 else None
+                      for i, s in enumerate(streams)]  # fmt: skip
         else:
             # From step 1 on the accumulators arrive only after the kernels (they overlap the transfer): the kernels
-            # store this rank's share, which is then added to the arrived accumulators, in the rows it covers.
-            kv_rank = kv_source_rank(comm.rank, step, world_size)
+            # store this rank's shares, which are then added to the arrived accumulators, in the rows they cover.
+            active = held_blocks(streams, rank, step, world_size)
+            blocks = [HeldBlock(kv_rank, *held[i], streams[i].rows) for i, kv_rank in active]
             rows = backward_step(
-                ops, layout, comm.rank, kv_rank, world_size, causal, softmax_scale,
-                dout, q, k_cur, v_cur, out, lse, stats, dq, share_k, share_v, docs, add_dkdv=False,
-                dq_finished=dq_finished, finishing=plan[step], window=window,
+                ops, layout, rank, world_size, causal, softmax_scale, dout, q, blocks, out, lse, stats, dq,
+                [shares[i] for i, _ in active], docs, add_dkdv=False, dq_finished=dq_finished, finishing=plan[step],
+                window=window,
             )  # fmt: skip
-        comm.wait()  # K/V of step + 1, and dk_in, dv_in of this step's block
-        if step > 0:
-            dk, dv = dk_in, dv_in  # received, ours now: this rank's share is added, then they are passed on
-            if last:  # complete with this share: add, round now, not after the hop (half the bytes)
-                dk, dv = add_share_rounded(dk, dv, share_k, share_v, rows, k.dtype)
-            else:
-                add_share_(dk, dv, share_k, share_v, rows)
-        # on, or from the last step straight home (no later rank computes with the block: a window); the last hop
-        # brings each rank its own
-        shift = -step if last else 1
-        dk_in, dv_in = comm.send_recv(dk, shift=shift), comm.send_recv(dv, shift=shift)
-        if not last:
-            k_cur, v_cur = k_next, v_next
-            if step + 2 < steps:
-                k_next, v_next = comm.send_recv(k_cur), comm.send_recv(v_cur)
+            written = {i: r for (i, _), r in zip(active, rows, strict=True)}  # per stream, the rows of its share
+        comm.wait()  # K/V of step + 1, and the accumulators of this step's blocks
+        for i, s in enumerate(streams):
+            if step > s.steps:
+                continue
+            if step > 0:  # the received accumulators are ours now: this rank's share is added, then they go on
+                acc = chains[i] if chains[i] is not None else tuple(torch.zeros_like(t) for t in shares[i])
+                if step == s.steps and round_early:  # complete: add, round now, not after the hop (half the bytes)
+                    chains[i] = add_share_rounded(*acc, *shares[i], written[i], k.dtype)
+                else:
+                    add_share_(*acc, *shares[i], written[i])
+                    chains[i] = acc
+            if chains[i] is not None:  # on, or from the stream's last step straight home (shift: back over its steps)
+                shift = -s.direction * step if step == s.steps else s.direction
+                chains[i] = (comm.send_recv(chains[i][0], shift=shift), comm.send_recv(chains[i][1], shift=shift))
+            if step < s.steps:
+                held[i] = nxt[i]
+                if step + 2 <= s.steps:
+                    nxt[i] = (comm.send_recv(held[i][0], shift=s.direction),
+                              comm.send_recv(held[i][1], shift=s.direction))  # fmt: skip
         comm.commit(f"backward step {step + 1} (dK/dV and K/V)")
     comm.wait()
-    return dq_finished, dk_in, dv_in
+    return (dq_finished, *home_gradients(dk, dv, chains, streams, k.dtype))

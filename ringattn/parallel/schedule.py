@@ -29,9 +29,10 @@ class BlockTask(NamedTuple):
     window: tuple[int | None, int | None] = (None, None)
 
 
-def kv_source_rank(rank: int, step: int, world_size: int) -> int:
-    """Group rank whose K/V block `rank` holds at `step` (blocks travel to rank + 1 each step)."""
-    return (rank - step) % world_size
+def kv_source_rank(rank: int, step: int, world_size: int, direction: int = 1) -> int:
+    """Group rank whose K/V block `rank` holds at `step` when blocks travel to rank + direction each step (1: the
+    ring's way; -1: a KVStream going the other way)."""
+    return (rank - direction * step) % world_size
 
 
 def _segments(layout: str, rank: int, world_size: int, seqlen_local: int) -> list[tuple[range, int]]:
@@ -53,18 +54,24 @@ def _pair_task(
 ) -> BlockTask | None:
     """The task of query rows q_rows (global positions p0 + i) against key rows kv_rows (global p0 - d + j), both
     runs of consecutive positions: global query p sees global key p' when p - left <= p' <= p + right (causal:
-    right at most 0), that is when d - left <= j - i <= d + right. A side every pair satisfies is dropped; None
-    when no pair is visible. CAUSAL and BAND are the kernels' bottom-right aligned masks: with Sq, Sk rows and
-    shift = Sk - Sq, CAUSAL is j - i <= shift and BAND (L, R) is shift - L <= j - i <= shift + R."""
+    right at most 0), that is when d - left <= j - i <= d + right. The task is the smallest rectangle of rows that
+    holds every visible pair (a window cuts off the rows that see nothing, and the key rows nothing sees), None
+    when no pair is visible. A side every pair satisfies is dropped. CAUSAL and BAND are the kernels' bottom-right
+    aligned masks: with Sq, Sk rows and shift = Sk - Sq, CAUSAL is j - i <= shift and BAND (L, R) is
+    shift - L <= j - i <= shift + R."""
     left, right = causal_window(causal, window)
-    sq, sk = len(q_rows), len(kv_rows)
     lo = None if left is None else d - left
     hi = None if right is None else d + right
-    if (lo is not None and lo > sk - 1) or (hi is not None and hi < -(sq - 1)):
+    # the visible rows: i with some j in [0, Sk) in [i + lo, i + hi], and j with some i in [0, Sq) in [j - hi, j - lo]
+    sq, sk = len(q_rows), len(kv_rows)
+    i0, i1 = max(0, 0 if hi is None else -hi), min(sq, sq if lo is None else sk - lo)
+    j0, j1 = max(0, 0 if lo is None else lo), min(sk, sk if hi is None else sq + hi)
+    if i0 >= i1 or j0 >= j1:
         return None
-    lo = None if lo is None or lo <= -(sq - 1) else lo
-    hi = None if hi is None or hi >= sk - 1 else hi
-    shift = sk - sq
+    q_rows, kv_rows = q_rows[i0:i1], kv_rows[j0:j1]
+    lo = None if lo is None or lo - j0 + i0 <= -(len(q_rows) - 1) else lo - j0 + i0
+    hi = None if hi is None or hi - j0 + i0 >= len(kv_rows) - 1 else hi - j0 + i0
+    shift = len(kv_rows) - len(q_rows)
     if lo is None and hi is None:
         return BlockTask(q_rows, kv_rows, BlockMode.FULL)
     if lo is None and hi == shift:
@@ -153,23 +160,71 @@ def block_tasks(
     return _joined(tasks, seqlen_local)
 
 
-@functools.lru_cache(maxsize=256)
-def last_computing_step(
-    layout: str, world_size: int, causal: bool, seqlen_local: int, window: tuple[int | None, int | None] = (None, None)
-) -> int:
-    """The last ring step at which any rank has a task (block_tasks), the same on every rank: the forward stops
-    there, and no K/V travels further. W - 1 but for sliding windows shorter than the ring in "contiguous".
+class KVStream(NamedTuple):
+    """K/V blocks travelling the ring one way: each step to rank + direction (1 or -1), so that at steps
+    t = 1 .. steps rank r holds the block of rank r - direction * t (kv_source_rank). Only the block's `rows`
+    travel (disjoint, increasing; (range(0, S_local),) for all of them), packed in that order."""
 
-    "contiguous": at step t a rank r >= t holds the block t shards before its own, a rank r < t the block W - t
-    shards after it, and a window's tasks depend on that distance only; so ranks W - 1 and 0 answer for all of
-    them. "zigzag": every rank is asked (a rank's second chunk needs its successor's block, at step W - 1).
+    direction: int
+    steps: int
+    rows: tuple[range, ...]
+
+
+def union(ranges) -> tuple[range, ...]:
+    """The rows of `ranges` as disjoint, non-adjacent ranges in increasing order."""
+    merged: list[range] = []
+    for r in sorted((r for r in ranges if len(r)), key=lambda r: r.start):
+        if merged and r.start <= merged[-1].stop:
+            merged[-1] = range(merged[-1].start, max(merged[-1].stop, r.stop))
+        else:
+            merged.append(r)
+    return tuple(merged)
+
+
+@functools.lru_cache(maxsize=256)
+def ring_streams(
+    layout: str, world_size: int, causal: bool, seqlen_local: int, window: tuple[int | None, int | None] = (None, None)
+) -> tuple[KVStream, ...]:
+    """How K/V travel the ring, the same on every rank: one KVStream, or two (forward first) for a sliding window;
+    none when W = 1 or every rank's window lies inside its own block.
+
+    Without a window the blocks go round the ring whole, W - 1 steps. With one, a block o places back (ahead:
+    W - o back) is needed by the ranks that have tasks with it (block_tasks), and only in the rows those tasks
+    read. The blocks wanted 1 .. T_f places back travel forward for T_f steps, those wanted 1 .. T_b places ahead
+    backward for T_b steps, each stream with the rows any of its steps reads; the split between the two is the
+    one that moves the fewest rows per rank (T_f |rows_f| + T_b |rows_b|), one forward stream on a tie. So a causal
+    window over zigzag shards, whose second chunk needs its successor's block, sends the window's rows of the first
+    chunk one hop forward and of the second one hop back, instead of the whole block round the ring; a contiguous
+    causal window of w <= S_local keys, the last w rows one hop.
     """
+    if world_size == 1:
+        return ()
     if window == (None, None):
-        return world_size - 1
+        return (KVStream(1, world_size - 1, (range(0, seqlen_local),)),)
+    # contiguous: at each distance every rank's tasks are those of rank W - 1 (blocks back) or 0 (ahead)
     ranks = (world_size - 1, 0) if layout == "contiguous" else range(world_size)
-    return max(
-        (t for t in range(world_size)
-         if any(block_tasks(layout, r, kv_source_rank(r, t, world_size), world_size, causal, seqlen_local, window)
-                for r in ranks)),
-        default=0,
-    )  # fmt: skip
+    wanted = {}  # places back -> the rows of the block read there
+    for back in range(1, world_size):
+        rows = [t.kv_rows for r in ranks
+                for t in block_tasks(layout, r, kv_source_rank(r, back, world_size), world_size, causal, seqlen_local,
+                                     window)]  # fmt: skip
+        if rows:
+            wanted[back] = union(rows)
+    best = None
+    for split in range(world_size - 1, -1, -1):  # forward takes the distances <= split
+        fwd = [b for b in wanted if b <= split]
+        bwd = [world_size - b for b in wanted if b > split]
+        streams = tuple(
+            KVStream(direction, max(steps), union(r for b in wanted if (b <= split) == (direction == 1)
+                                                   for r in wanted[b]))
+            for direction, steps in ((1, fwd), (-1, bwd)) if steps
+        )  # fmt: skip
+        cost = sum(s.steps * sum(map(len, s.rows)) for s in streams)
+        if best is None or cost < best[0]:
+            best = (cost, streams)
+    return best[1]
+
+
+def held_blocks(streams: tuple[KVStream, ...], rank: int, step: int, world_size: int) -> list[tuple[int, int]]:
+    """(index of the stream, kv_rank) of each block `rank` holds at `step` >= 1, in the streams' order."""
+    return [(i, kv_source_rank(rank, step, world_size, s.direction)) for i, s in enumerate(streams) if step <= s.steps]

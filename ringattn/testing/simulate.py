@@ -1,10 +1,10 @@
 """A simulated ring: W virtual ranks in one process, no communication (docs/design.md, section 7): a measuring
 tool for the ring's numerics and for the cost of its decomposition, not a runtime part.
 
-It runs the same schedule (schedule.kv_source_rank, schedule.block_tasks) and the same per-step
+It runs the same schedule (schedule.ring_streams, schedule.block_tasks) and the same per-step
 code (ring.own_block_forward, ring.own_block_backward at step 0; ring.forward_step, ring.backward_step,
-ring.add_share_ after) as the distributed loops in parallel/ring.py, with the block
-that rank r would hold at step t taken from a list instead of received. Steps run in ring order
+ring.add_share_ after, ring.home_gradients at the end) as the distributed loops in parallel/ring.py, with
+the blocks that rank r would hold at step t taken from a list instead of received. Steps run in ring order
 and, within a step, ranks in order, so the dK/dV accumulator of every block collects its
 contributions in the order the real ring adds them: the results are bitwise those of the
 distributed ring with the same ops. Uses: measuring the ring's numerics for any W on one device,
@@ -16,16 +16,20 @@ import torch
 from ..ops import AttnOps, capped_ops
 from ..parallel.layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
 from ..parallel.ring import (
+    HeldBlock,
     add_share_,
     add_share_rounded,
     backward_step,
+    chains_round_early,
     finishing_plan,
     forward_step,
+    home_gradients,
     own_block_backward,
     own_block_forward,
+    pack_rows,
     state_dtype,
 )
-from ..parallel.schedule import kv_source_rank, last_computing_step
+from ..parallel.schedule import held_blocks, ring_streams
 
 Window = tuple[int | None, int | None]
 
@@ -47,7 +51,7 @@ def simulate_ring_forward(
     window: Window = (None, None),
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The forward of a ring of W = len(q_shards) ranks, run in this process, up to the last step any rank computes
-    (schedule.last_computing_step, as ring_attn_forward).
+    (schedule.ring_streams, as ring_attn_forward).
 
     Args:
         q_shards: W tensors (B, S_local, Hq, D), rank r's queries in `layout`.
@@ -74,13 +78,16 @@ def simulate_ring_forward(
                           finished=finished[rank], finishing=plans[rank][0], window=window)
         for rank, (q, k, v) in enumerate(zip(q_shards, k_shards, v_shards, strict=True))
     ]  # fmt: skip
-    for step in range(1, last_computing_step(layout, world_size, causal, q_shards[0].shape[1], window) + 1):
+    streams = ring_streams(layout, world_size, causal, q_shards[0].shape[1], window)
+    packs = [[(pack_rows(k, st.rows), pack_rows(v, st.rows)) for k, v in zip(k_shards, v_shards, strict=True)]
+             for st in streams]  # fmt: skip
+    for step in range(1, max((st.steps for st in streams), default=0) + 1):
         for rank in range(world_size):
-            kv = kv_source_rank(rank, step, world_size)
+            blocks = [HeldBlock(kv, *packs[i][kv], streams[i].rows)
+                      for i, kv in held_blocks(streams, rank, step, world_size)]  # fmt: skip
             out, lse = states[rank]
             forward_step(
-                ops, layout, rank, kv, world_size, causal, softmax_scale,
-                q_shards[rank], k_shards[kv], v_shards[kv], out, lse,
+                ops, layout, rank, world_size, causal, softmax_scale, q_shards[rank], blocks, out, lse,
                 finished=finished[rank], finishing=plans[rank][step], window=window,
             )  # fmt: skip
     return [(finished[rank], lse) for rank, (_, lse) in enumerate(states)]
@@ -109,7 +116,7 @@ def simulate_ring_backward(
         grad_dtype: the dtype of the gradients, as ring_attn_backward returns the inputs' dtype: the finishing
             step of each dq row writes it in grad_dtype, and dk, dv are rounded to it with each block's last
             share (W > 1). None: state_dtype (fp32, or float64 for float64 inputs), unrounded.
-        window: as in simulate_ring_forward; the steps after the forward's last run no kernel, as in the ring.
+        window: as in simulate_ring_forward.
     Returns:
         [(dq, dk, dv)] per rank, shaped like that rank's q, k, v, in grad_dtype or state_dtype.
     """
@@ -131,26 +138,40 @@ def simulate_ring_backward(
         for rank in range(world_size)
     ]  # fmt: skip
     dq = [g[0] for g in grads]
-    dk_acc = [g[1] for g in grads]  # dk_acc[b]: the accumulator travelling with block b
-    dv_acc = [g[2] for g in grads]
-    share_k, share_v = torch.empty_like(dk_acc[0]), torch.empty_like(dv_acc[0])
-    last = last_computing_step(layout, world_size, causal, q_shards[0].shape[1], window)
-    for step in range(1, last + 1):
+    streams = ring_streams(layout, world_size, causal, q_shards[0].shape[1], window)
+    if not streams:  # a window inside each rank's own block: no later share rounds them
+        return [(dq_finished[r], *(g.to(grad_dtype) if grad_dtype else g for g in grads[r][1:]))
+                for r in range(world_size)]  # fmt: skip
+    round_early = chains_round_early(streams) and grad_dtype is not None
+    packs = [[(pack_rows(k, st.rows), pack_rows(v, st.rows)) for k, v in zip(k_shards, v_shards, strict=True)]
+             for st in streams]  # fmt: skip
+    # chains[i][b]: the dK/dV accumulators of block b in stream i, as the ring passes them on (None: not started)
+    chains = [[(pack_rows(g[1], st.rows), pack_rows(g[2], st.rows)) if chains_round_early(streams) or i == 0
+               else None for g in grads] for i, st in enumerate(streams)]  # fmt: skip
+    shares = [tuple(torch.empty(t.shape, dtype=dq[0].dtype, device=t.device) for t in pack[0]) for pack in packs]
+    for step in range(1, max(st.steps for st in streams) + 1):
         for rank in range(world_size):
-            kv = kv_source_rank(rank, step, world_size)
+            active = held_blocks(streams, rank, step, world_size)
+            blocks = [HeldBlock(kv, *packs[i][kv], streams[i].rows) for i, kv in active]
             rows = backward_step(
-                ops, layout, rank, kv, world_size, causal, softmax_scale,
-                dout_shards[rank], q_shards[rank], k_shards[kv], v_shards[kv], out_shards[rank],
-                lse_shards[rank], stats[rank], dq[rank], share_k, share_v, add_dkdv=False,
+                ops, layout, rank, world_size, causal, softmax_scale,
+                dout_shards[rank], q_shards[rank], blocks, out_shards[rank], lse_shards[rank], stats[rank],
+                dq[rank], [shares[i] for i, _ in active], add_dkdv=False,
                 dq_finished=dq_finished[rank], finishing=plans[rank][step], window=window,
             )  # fmt: skip
-            if step == last and grad_dtype is not None:
-                dk_acc[kv], dv_acc[kv] = add_share_rounded(dk_acc[kv], dv_acc[kv], share_k, share_v, rows, grad_dtype)
-            else:
-                add_share_(dk_acc[kv], dv_acc[kv], share_k, share_v, rows)
-    if last == 0 and grad_dtype is not None:  # a window inside each rank's own block: no later share rounds them
-        dk_acc, dv_acc = [d.to(grad_dtype) for d in dk_acc], [d.to(grad_dtype) for d in dv_acc]
-    return [(dq_finished[r], dk_acc[r], dv_acc[r]) for r in range(world_size)]
+            for (i, kv), share_rows in zip(active, rows, strict=True):
+                acc = chains[i][kv] or tuple(torch.zeros_like(t) for t in shares[i])
+                if step == streams[i].steps and round_early:
+                    chains[i][kv] = add_share_rounded(*acc, *shares[i], share_rows, grad_dtype)
+                else:
+                    add_share_(*acc, *shares[i], share_rows)
+                    chains[i][kv] = acc
+    results = []
+    for r in range(world_size):
+        homes = [chains[i][r] for i in range(len(streams))]
+        dk, dv = home_gradients(grads[r][1], grads[r][2], homes, streams, grad_dtype or state_dtype(q_shards[r]))
+        results.append((dq_finished[r], dk, dv))
+    return results
 
 
 def simulate_ring_attn(

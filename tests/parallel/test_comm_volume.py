@@ -16,12 +16,12 @@ class ByteCountingComm(RingComm):
         super().__init__(group)
         self.sent_bytes = 0
         self.sent_tensors = 0
-        self.shifts = []  # per tensor sent: how many ranks on its peer is
+        self.sends = []  # per tensor sent: (how many ranks on its peer is, its rows, its dtype)
 
     def send_recv(self, to_send, recv_buffer=None, shift=1):
         self.sent_bytes += to_send.numel() * to_send.element_size()
         self.sent_tensors += 1
-        self.shifts.append(shift % self.world_size)
+        self.sends.append((shift % self.world_size, to_send.shape[1], to_send.dtype))
         return super().send_recv(to_send, recv_buffer, shift)
 
 
@@ -66,39 +66,53 @@ def test_last_dkdv_hop_carries_the_input_dtype():
         assert bwd_bytes == kv_hops + accumulator_hops and bwd_tensors == 2 * (world_size - 1) + 2 * world_size
 
 
-def _window_forward_tensors(rank, world_size, window):
-    q, k, v, _ = make_qkv(1, 16, 16, 2, 2, 16, torch.float32, "cpu", seed=rank)
+def _window_sends(rank, world_size, layout, window):
+    """(peer's distance on, rows) of each tensor the forward sends, and of each the backward sends (the gradients:
+    test_ring.py's window tests); shards of 16, bf16."""
+    q, k, v, dout = make_qkv(1, 16, 16, 2, 2, 16, torch.bfloat16, "cpu", seed=rank)
     comm = ByteCountingComm()
-    ring_attn_forward(comm, REFERENCE_OPS, q, k, v, 0.25, True, "contiguous", window=window)
-    return comm.sent_tensors
+    out, lse = ring_attn_forward(comm, REFERENCE_OPS, q, k, v, 0.25, True, layout, window=window)
+    forward, comm.sends = comm.sends, []
+    ring_attn_backward(comm, REFERENCE_OPS, dout, q, k, v, out, lse, 0.25, True, layout, window=window)
+    return forward, comm.sends
 
 
-def _window_backward_sends(rank, world_size, window):
-    """The shift of each tensor the backward sends (its gradients: test_ring.py's window tests)."""
-    q, k, v, dout = make_qkv(1, 16, 16, 2, 2, 16, torch.float32, "cpu", seed=rank)
-    out, lse = ring_attn_forward(RingComm(), REFERENCE_OPS, q, k, v, 0.25, True, "contiguous", window=window)
-    comm = ByteCountingComm()
-    ring_attn_backward(comm, REFERENCE_OPS, dout, q, k, v, out, lse, 0.25, True, "contiguous", window=window)
-    return comm.shifts
-
-
-def test_window_forward_stops_after_the_last_block_any_rank_needs():
-    """A causal window of 10 tokens over shards of 16: every rank needs its own block and its predecessor's
-    (steps 0 and 1), so K and V make one hop instead of W - 1; of 20 tokens, two blocks back, two hops; with no
-    window, W - 1 hops."""
-    world_size = 4
-    assert run_ranks(_window_forward_tensors, world_size, (10, None)) == [2] * world_size
-    assert run_ranks(_window_forward_tensors, world_size, (20, None)) == [4] * world_size
-    assert run_ranks(_window_forward_tensors, world_size, (None, None)) == [2 * (world_size - 1)] * world_size
+def test_window_forward_sends_only_the_rows_the_windows_read():
+    """W = 4, shards of 16, causal. Contiguous, a window of 10 keys: each rank reads the last 10 rows of its
+    predecessor's block, so K and V make one hop, 10 rows each, instead of W - 1 hops of 16; of 20 keys: the
+    predecessor's whole block one hop on, and the last 4 rows of the block two back the other way round (two hops
+    back, as short at W = 4, moving 4 rows instead of 16). Zigzag (chunks of 8), a window of 3: the end of the
+    predecessor's first chunk one hop on, the end of the successor's second chunk one hop back. No window: W - 1
+    hops of the whole block."""
+    world_size, f = 4, torch.bfloat16
+    for layout, window, want in [
+        ("contiguous", (10, None), [(1, 10, f)] * 2),
+        ("contiguous", (20, None), [(1, 16, f)] * 2 + [(3, 4, f)] * 4),
+        ("zigzag", (3, None), [(1, 3, f)] * 2 + [(3, 3, f)] * 2),
+        ("zigzag", (None, None), [(1, 16, f)] * 2 * (world_size - 1)),
+    ]:
+        for forward, _ in run_ranks(_window_sends, world_size, layout, window):
+            assert forward == want, (layout, window)
 
 
 def test_window_backward_sends_each_block_home_from_its_last_step():
-    """W = 4, shards of 16. A causal window of 10 tokens: K/V make one hop (step 0 -> 1), the dK/dV accumulators
-    one hop on (step 0 -> 1) and one straight back home (shift -1: W - 1 places on); of 20 tokens, two hops of
-    K/V, accumulators two on and one back over two (shift -2: 2 places on); of 0, a rank's own block only:
-    nothing travels. Without a window: W - 1 hops of K/V, W of the accumulators, every one to the next rank."""
-    world_size = 4
-    assert run_ranks(_window_backward_sends, world_size, (10, None)) == [[1, 1, 1, 1, 3, 3]] * world_size
-    assert run_ranks(_window_backward_sends, world_size, (20, None)) == [[1] * 8 + [2, 2]] * world_size
-    assert run_ranks(_window_backward_sends, world_size, (0, None)) == [[]] * world_size
-    assert run_ranks(_window_backward_sends, world_size, (None, None)) == [[1] * 14] * world_size
+    """W = 4, shards of 16, causal, bf16. Contiguous, a window of 10: K/V make one hop (10 rows), the dK/dV
+    accumulators one hop on and, complete there and rounded to bf16, one straight back home (W - 1 places on).
+    Zigzag, a window of 3: the same both ways at once, 3 rows each. Contiguous, a window of 20: rows 12 to 16 of
+    each block travel both ways, so neither stream's accumulators are complete before they are home: the forward
+    stream's (from the block's own share) and the backward one's (from zero, at its first holder) go home in fp32
+    and are summed there. A window of 0: a rank's own block only, nothing travels. Without a window: W - 1 hops of
+    K/V, W of the accumulators (the last rounded), every one to the next rank. Each batch in the order sent."""
+    world_size, f, h = 4, torch.float32, torch.bfloat16
+    for layout, window, want in [
+        ("contiguous", (10, None), [(1, 10, h)] * 2 + [(1, 10, f)] * 2 + [(3, 10, h)] * 2),
+        ("zigzag", (3, None), [(1, 3, h)] * 2 + [(3, 3, h)] * 2 + [(1, 3, f)] * 2 + [(3, 3, f)] * 2
+         + [(3, 3, h)] * 2 + [(1, 3, h)] * 2),
+        ("contiguous", (20, None), [(1, 16, h)] * 2 + [(3, 4, h)] * 2 + [(1, 16, f)] * 2 + [(3, 4, h)] * 2
+         + [(3, 16, f)] * 2 + [(3, 4, f)] * 2 + [(2, 4, f)] * 2),
+        ("contiguous", (0, None), []),
+        ("zigzag", (None, None), [(1, 16, h)] * 2 + ([(1, 16, f)] * 2 + [(1, 16, h)] * 2) * 2 + [(1, 16, f)] * 2
+         + [(1, 16, h)] * 2),
+    ]:  # fmt: skip
+        for _, backward in run_ranks(_window_sends, world_size, layout, window):
+            assert backward == want, (layout, window)

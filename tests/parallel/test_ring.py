@@ -7,9 +7,9 @@ import torch.distributed as dist
 
 import ringattn
 from ringattn.ops import REFERENCE_OPS
-from ringattn.parallel import LAYOUTS, kv_source_rank, ring_attn_backward, ring_attn_forward, shard_indices
+from ringattn.parallel import LAYOUTS, ring_attn_backward, ring_attn_forward, ring_streams, shard_indices
 from ringattn.parallel.documents import ShardDocuments
-from ringattn.parallel.ring import _computed_tasks, _uncovered, finishing_plan
+from ringattn.parallel.ring import HeldBlock, _held_rows, _step_tasks, _uncovered, finishing_plan
 from ringattn.testing import check_close, magnitude
 from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
 from tests.parallel.test_comm_volume import ByteCountingComm
@@ -166,9 +166,9 @@ def test_stored_share_of_tasks_sharing_key_rows_adds_the_later_ones(monkeypatch,
     stats = REFERENCE_OPS.bwd_preprocess(out, dout, lse)
     added = [torch.zeros(t.shape) for t in (q, k, v)]
     stored = [added[0].clone(), *(torch.full(t.shape, torch.nan) for t in (k, v))]
-    step = (REFERENCE_OPS, "contiguous", 1, 0, 2, False, 0.25, dout, q, k, v, out, lse, stats)
-    assert ring.backward_step(*step, *stored, add_dkdv=False) == [whole]
-    assert ring.backward_step(*step, *added) == [whole]
+    step = (REFERENCE_OPS, "contiguous", 1, 2, False, 0.25, dout, q, [HeldBlock(0, k, v, (whole,))], out, lse, stats)
+    assert ring.backward_step(*step, stored[0], [stored[1:]], add_dkdv=False) == [(whole,)]
+    assert ring.backward_step(*step, added[0], [added[1:]]) == [(whole,)]
     for name, got, want in zip(("dq", "dk", "dv"), stored, added, strict=True):
         assert torch.equal(got, want), name
 
@@ -183,20 +183,21 @@ def test_own_block_step_stores_what_merging_into_the_identity_gives(layout, caus
 
     ops = KERNEL_OPS if ops_name == "kernel" else REFERENCE_OPS
     q, k, v, dout = make_qkv(1, 24, 24, 4, 2, 16, torch.float32, seed=3)
-    step = (ops, layout, 1, 1, 2, causal, 0.25)
+    step = (ops, layout, 1, 2, causal, 0.25)
+    own = [HeldBlock(1, k, v, (range(0, 24),))]
     out, lse = ring.own_block_forward(ops, layout, 1, 2, causal, 0.25, q, k, v)
     merged = (
         torch.zeros(q.shape, device=q.device),
         torch.full(lse.shape, float("-inf"), dtype=lse.dtype, device=q.device),
     )
-    ring.forward_step(*step, q, k, v, *merged)
+    ring.forward_step(*step, q, own, *merged)
     assert out.dtype == torch.float32 and torch.equal(out, merged[0]) and torch.equal(lse, merged[1])
 
     out_in = out.to(q.dtype)
     stats = ops.bwd_preprocess(out_in, dout, lse)
     stored = ring.own_block_backward(ops, layout, 1, 2, causal, 0.25, dout, q, k, v, out_in, lse, stats)
     added = [torch.zeros(t.shape, device=t.device) for t in (q, k, v)]
-    ring.backward_step(*step, dout, q, k, v, out_in, lse, stats, *added)
+    ring.backward_step(*step, dout, q, own, out_in, lse, stats, added[0], [added[1:]])
     for s_, a_ in zip(stored, added, strict=True):
         assert s_.dtype == torch.float32 and torch.equal(s_, a_)
 
@@ -238,13 +239,15 @@ def test_last_share_is_added_and_rounded_in_one_pass(rows):
         assert g.dtype == torch.bfloat16 and torch.equal(g, e.to(torch.bfloat16))
 
 
-def _check_finishing_plan(layout, world_size, causal, seqlen_local, docs=None):
+def _check_finishing_plan(layout, world_size, causal, seqlen_local, docs=None, window=(None, None)):
+    streams = ring_streams(layout, world_size, causal, seqlen_local, window)
+    steps = max((s.steps for s in streams), default=0) + 1
     for rank in range(world_size):
-        plan = finishing_plan(layout, rank, world_size, causal, seqlen_local, docs)
+        plan = finishing_plan(layout, rank, world_size, causal, seqlen_local, docs, window)
         touched = [
-            [t.q_rows for t, _ in _computed_tasks(layout, rank, kv_source_rank(rank, step, world_size), world_size,
-                                                  causal, seqlen_local, docs)]
-            for step in range(world_size)
+            [t.q_rows for _, t, _ in _step_tasks(layout, rank, world_size, causal, seqlen_local, docs, window,
+                                                 _held_rows(streams, rank, step, world_size, seqlen_local))]
+            for step in range(steps)
         ]  # fmt: skip
         assert [len(p) for p in plan] == [len(t) for t in touched]
         finisher = {}  # row -> (step, task) that finishes it
@@ -256,7 +259,7 @@ def _check_finishing_plan(layout, world_size, causal, seqlen_local, docs=None):
                     finisher[row] = (step, i)
         assert sorted(finisher) == list(range(seqlen_local)), f"rank {rank}: rows left unfinished"
         for row, (step, i) in finisher.items():  # no task after the finishing one touches the row
-            later = [r for s in range(step, world_size) for j, r in enumerate(touched[s]) if (s, j) > (step, i)]
+            later = [r for s in range(step, steps) for j, r in enumerate(touched[s]) if (s, j) > (step, i)]
             assert all(row not in r for r in later), f"rank {rank}: row {row} touched after it was finished"
 
 
@@ -264,9 +267,12 @@ def _check_finishing_plan(layout, world_size, causal, seqlen_local, docs=None):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_finishing_plan_finishes_every_row_once_at_its_last_task(layout, causal):
     """Every row of every rank's shard is finished (written rounded) by exactly one task, the last that touches
-    it: W = 1 ... 6, and with packed documents whose blocks are skipped where they do not meet."""
+    it: W = 1 ... 6, with packed documents whose blocks are skipped where they do not meet, and with windows (K/V
+    going one way or both, a step holding two blocks)."""
     for world_size in range(1, 7):
         _check_finishing_plan(layout, world_size, causal, 12)
+        for window in [(3, None), (3, 3), (8, 1), (20, 20)]:
+            _check_finishing_plan(layout, world_size, causal, 12, window=window)
     cu = torch.tensor([0, 1, 2, 9, 10, 17, 24], dtype=torch.int32)
     _check_finishing_plan(layout, 3, causal, 8, ShardDocuments(cu, 8, 3, layout, "cpu"))
 
@@ -312,6 +318,7 @@ RING_WINDOWS = {  # (world size, window_size, causal, softcap, layout); S_local 
     "W3-softcap-causal": (3, (-1, -1), True, 3.0, "contiguous"),
     "W2-w6-softcap": (2, (6, 6), False, 1.5, "contiguous"),
     "zigzag-W3-w5-causal": (3, (5, -1), True, 0.0, "zigzag"),
+    "zigzag-W3-w12-causal": (3, (12, -1), True, 0.0, "zigzag"),  # K/V both ways, in rows shared by the two
     "zigzag-W3-w30-causal": (3, (30, -1), True, 0.0, "zigzag"),
     "zigzag-W4-w8-3-softcap": (4, (8, 3), False, 2.0, "zigzag"),
     "zigzag-W3-w-1-2": (3, (-1, 2), False, 0.0, "zigzag"),  # a backward step's tasks overlap in K/V rows
@@ -322,7 +329,7 @@ RING_WINDOWS = {  # (world size, window_size, causal, softcap, layout); S_local 
 def test_ring_window_and_softcap_match_single_device_reference(case):
     """Windows shorter than a shard (zigzag: than a chunk, so a rank's own block splits into a band per chunk),
     crossing one or two shard boundaries and the gap between a zigzag rank's chunks, one-sided and two-sided,
-    causal and not, and soft-capping: the ring skips the blocks outside every window (contiguous: and stops its
-    forward early)."""
+    causal and not, and soft-capping: K/V travel only as far, one way or both, and in the rows the windows reach
+    (ring_streams), the gradients of rows travelling both ways summed at home."""
     world_size, window_size, causal, softcap, layout = RING_WINDOWS[case]
     run_ranks(_ring_window_matches_reference, world_size, 22, window_size, causal, softcap, layout)

@@ -4,8 +4,16 @@ import pytest
 import torch
 
 from ringattn.ops.attn_ref import band_visible
-from ringattn.parallel import BlockMode, BlockTask, block_tasks, kv_source_rank, shard_indices
-from ringattn.parallel.schedule import last_computing_step
+from ringattn.parallel import (
+    BlockMode,
+    BlockTask,
+    KVStream,
+    block_tasks,
+    held_blocks,
+    kv_source_rank,
+    ring_streams,
+    shard_indices,
+)
 
 F, C = BlockMode.FULL, BlockMode.CAUSAL
 WORLD_SIZES = [1, 2, 3, 4, 5]
@@ -146,18 +154,24 @@ WINDOWS = [(0, 0), (1, None), (5, 2), (None, 3), (7, None), (13, 13), (100, 100)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_window_tasks_cover_the_band_exactly_once(layout, world_size, window, causal):
     """A sliding window over global positions (S_local = 6: zigzag chunks of 3): mapping every task's local mask
-    (bottom-right aligned, as the kernels apply it) to global positions, the tasks of all ranks and steps cover
-    the global band (cut by causal) once and nothing else; windows shorter, as long as and longer than a chunk
+    (bottom-right aligned, as the kernels apply it) to global positions, the tasks of every rank against its own
+    block and the blocks the K/V streams bring it (ring_streams) cover the global band (cut by causal) once and
+    nothing else, reading only the rows the streams carry; windows shorter, as long as and longer than a chunk
     and a shard, one-sided ones."""
     seqlen_local = 6
     seqlen = seqlen_local * world_size
     count = torch.zeros(seqlen, seqlen, dtype=torch.int64)
+    streams = ring_streams(layout, world_size, causal, seqlen_local, window)
     for rank in range(world_size):
         q_pos = shard_indices(seqlen, rank, world_size, layout)
-        for step in range(world_size):
-            kv_rank = kv_source_rank(rank, step, world_size)
+        held = [(rank, (range(0, seqlen_local),))] + [
+            (kv_rank, streams[i].rows) for step in range(1, world_size) for i, kv_rank in
+            held_blocks(streams, rank, step, world_size)
+        ]  # fmt: skip
+        for kv_rank, carried in held:
             kv_pos = shard_indices(seqlen, kv_rank, world_size, layout)
             for task in block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local, window):
+                assert any(r.start <= task.kv_rows.start and task.kv_rows.stop <= r.stop for r in carried), task
                 sq, sk = len(task.q_rows), len(task.kv_rows)
                 visible = band_visible(task.mode is C, task.window, sq, sk, torch.device("cpu"))
                 local = torch.ones(sq, sk, dtype=torch.int64) if visible is None else visible.to(torch.int64)
@@ -171,6 +185,8 @@ def test_window_tasks_cover_the_band_exactly_once(layout, world_size, window, ca
             not block_tasks("contiguous", r, kv, world_size, causal, seqlen_local, window)
             for r in range(world_size) for kv in range(world_size) if abs(r - kv) > 1
         )  # fmt: skip
+    # no more rows travel than round the ring whole
+    assert sum(s.steps * sum(map(len, s.rows)) for s in streams) <= (world_size - 1) * seqlen_local
 
 
 def test_zigzag_window_own_block_is_a_band_per_chunk():
@@ -184,14 +200,27 @@ def test_zigzag_window_own_block_is_a_band_per_chunk():
     assert block_tasks("zigzag", 3, 3, 4, True, 8, (2, 0)) == [BlockTask(whole, whole, B, (2, 0))]
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("window", [(None, None), *WINDOWS], ids=str)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 5], ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_last_computing_step_is_the_last_step_with_a_task(layout, world_size, window, causal):
-    """Against every rank's tasks at every step (shards of 6)."""
-    busy = [
-        step for step in range(world_size) for rank in range(world_size)
-        if block_tasks(layout, rank, kv_source_rank(rank, step, world_size), world_size, causal, 6, window)
-    ]  # fmt: skip
-    assert last_computing_step(layout, world_size, causal, 6, window) == max(busy)
+@pytest.mark.parametrize("world_size", [1, 2, 5])
+def test_without_a_window_blocks_go_round_the_ring_whole(world_size):
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            want = () if world_size == 1 else (KVStream(1, world_size - 1, (range(0, 8),)),)
+            assert ring_streams(layout, world_size, causal, 8) == want
+
+
+def test_windowed_streams_carry_the_windows_rows_one_hop():
+    """Shards of 16 over W = 8, a causal window of 3 keys. Contiguous: the last 3 rows of each block, one hop on.
+    Zigzag (chunks of 8): a rank's first chunk needs the end of its predecessor's first chunk, its second chunk the
+    end of its successor's second chunk: one hop each way, 3 rows each, instead of the whole block round the ring."""
+    assert ring_streams("contiguous", 8, True, 16, (3, None)) == (KVStream(1, 1, (range(13, 16),)),)
+    assert ring_streams("zigzag", 8, True, 16, (3, None)) == (
+        KVStream(1, 1, (range(5, 8),)), KVStream(-1, 1, (range(13, 16),))
+    )  # fmt: skip
+    # two-sided without causal: contiguous needs both neighbours, zigzag both chunks' edges both ways
+    assert ring_streams("contiguous", 8, False, 16, (3, 2)) == (
+        KVStream(1, 1, (range(13, 16),)), KVStream(-1, 1, (range(0, 2),))
+    )  # fmt: skip
+    assert ring_streams("zigzag", 8, False, 16, (3, 2)) == (
+        KVStream(1, 1, (range(5, 10),)), KVStream(-1, 1, (range(0, 2), range(13, 16)))
+    )  # fmt: skip
+    assert ring_streams("zigzag", 8, True, 16, (0, None)) == ()  # the own block only

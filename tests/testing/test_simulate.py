@@ -76,27 +76,32 @@ def test_finishing_steps_round_out_and_dq_as_a_cast_would(layout, causal):
 SIM_SHAPE = dict(batch=1, seqlen_local=22, heads_q=2, heads_k=1, head_dim=16)
 
 
-def _distributed_ring_results(rank, world_size, layout):
+def _distributed_ring_results(rank, world_size, layout, window_size):
     s = SIM_SHAPE
     seqlen = s["seqlen_local"] * world_size
     q, k, v, dout = make_qkv(s["batch"], seqlen, seqlen, s["heads_q"], s["heads_k"], s["head_dim"], torch.float32)
     idx = shard_indices(seqlen, rank, world_size, layout)
     q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
-    out, lse = ringattn.ring_attn_func(q_l, k_l, v_l, causal=True, layout=layout, return_lse=True)
+    out, lse = ringattn.ring_attn_func(q_l, k_l, v_l, causal=True, window_size=window_size, layout=layout,
+                                       return_lse=True)  # fmt: skip
     out.backward(dout[:, idx])
     return out.detach(), lse, q_l.grad, k_l.grad, v_l.grad
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks run the interpreted kernels on the CPU")
-def test_simulated_ring_is_bitwise_the_distributed_ring():
+@pytest.mark.parametrize("left", [-1, 5, 12], ids=["no-window", "two-way", "two-way-shared-rows"])
+def test_simulated_ring_is_bitwise_the_distributed_ring(left):
     """Same schedule, same per-step code, same accumulation order: the simulator (interpreted kernels)
     reproduces every rank's out, lse, dq, dk, dv of ring_attn_func on 3 gloo ranks bit for bit (zigzag
-    causal, whose sub-block tasks start and end inside kernel tiles)."""
+    causal, whose sub-block tasks start and end inside kernel tiles; with a window, K/V going both ways, in rows
+    apart or shared by the two directions)."""
     world_size, s, layout = 3, SIM_SHAPE, "zigzag"
-    ranks = run_ranks(_distributed_ring_results, world_size, layout)
+    ranks = run_ranks(_distributed_ring_results, world_size, layout, (left, -1))
     seqlen = s["seqlen_local"] * world_size
     q, k, v, dout = make_qkv(s["batch"], seqlen, seqlen, s["heads_q"], s["heads_k"], s["head_dim"], torch.float32)
-    sim = simulate_ring_attn(KERNEL_OPS, q, k, v, s["head_dim"] ** -0.5, True, world_size, layout, dout=dout)
+    window = (None if left == -1 else left, None)
+    sim = simulate_ring_attn(KERNEL_OPS, q, k, v, s["head_dim"] ** -0.5, True, world_size, layout, dout=dout,
+                             window=window)  # fmt: skip
     for rank, results in enumerate(ranks):
         idx = shard_indices(seqlen, rank, world_size, layout)
         for i, (name, ours) in enumerate(zip(NAMES, results, strict=True)):
