@@ -38,7 +38,7 @@ from .parallel.documents import (
     shard_documents,
 )
 from .parallel.groups import Group, ring_group
-from .parallel.ring import state_dtype
+from .parallel.steps import state_dtype
 
 
 def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, dtype: torch.dtype):

@@ -44,8 +44,8 @@ rows it reads, one way or both); FLOPs are then counted over the window's visibl
 Before any timing, the ring's out, dq, dk, dv must be within 1e-2 relative L2 error of the fused call's
 (a failing cell is recorded with "error" and not timed; the script then exits with status 1).
 
-Block entry point (skip with --no-block): one ring.forward_step and one ring.backward_step with
-ring.add_share_, the very functions the ring calls at every step after the first (whatever they do now:
+Block entry point (skip with --no-block): one steps.forward_step and one steps.backward_step with
+steps.add_share_, the very functions the ring calls at every step after the first (whatever they do now:
 kernel launch, merge into the fp32 running state, dQ added into fp32, dK/dV stored as an fp32 share and
 added to the block's accumulators), on a full off-diagonal S_local x S_local block (contiguous
 causal, rank 1 holding kv block 0 of W = 2), against the public attn_fwd (out in bf16) and attn_bwd
@@ -83,7 +83,7 @@ from ringattn.benchmark import (
 )
 from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, capped_ops
 from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, held_blocks, ring_streams, shard_indices
-from ringattn.parallel.ring import HeldBlock, add_share_, backward_step, forward_step
+from ringattn.parallel.steps import HeldBlock, add_share_, backward_step, forward_step
 from ringattn.parallel.ulysses import rank_heads
 from ringattn.testing import simulate_ring_backward, simulate_ring_forward
 from ringattn.ulysses import check_ulysses_heads
@@ -385,7 +385,7 @@ def _record(provider: str, shape: dict, layout, causal: bool, mode: str, result:
 
 
 def bench_block(seqlen_local: int, args) -> list[dict]:
-    """block_step (ring.forward_step / backward_step) vs block_public (attn_fwd / attn_bwd) on one full block."""
+    """block_step (steps.forward_step / backward_step) vs block_public (attn_fwd / attn_bwd) on one full block."""
     layout, rank, kv_rank, world_size, causal = BLOCK_STEP
     whole = range(seqlen_local)
     tasks = block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local)

@@ -2,8 +2,8 @@
 tool for the ring's numerics and for the cost of its decomposition, not a runtime part.
 
 It runs the same schedule (schedule.ring_streams, schedule.block_tasks) and the same per-step
-code (ring.own_block_forward, ring.own_block_backward at step 0; ring.forward_step, ring.backward_step,
-ring.add_share_ after, ring.home_gradients at the end) as the distributed loops in parallel/ring.py, with
+code (parallel/steps.py: own_block_forward, own_block_backward at step 0; forward_step, backward_step,
+add_share_ after, home_gradients at the end) as the distributed loops in parallel/ring.py, with
 the blocks that rank r would hold at step t taken from a list instead of received. Steps run in ring order
 and, within a step, ranks in order, so the dK/dV accumulator of every block collects its
 contributions in the order the real ring adds them: the results are bitwise those of the
@@ -15,7 +15,8 @@ import torch
 
 from ..ops import AttnOps, capped_ops
 from ..parallel.layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
-from ..parallel.ring import (
+from ..parallel.schedule import held_blocks, ring_streams
+from ..parallel.steps import (
     HeldBlock,
     add_share_,
     add_share_rounded,
@@ -29,7 +30,6 @@ from ..parallel.ring import (
     pack_rows,
     state_dtype,
 )
-from ..parallel.schedule import held_blocks, ring_streams
 
 Window = tuple[int | None, int | None]
 
