@@ -20,11 +20,11 @@ CASES = {
 }
 
 
-def _check_rank(rank, ours, q, k, v, dout, ids, causal, dtype, idx, rows_of_batch):
+def _check_rank(rank, ours, q, k, v, dout, ids, causal, dtype, idx, rows_of_batch, window=(None, None)):
     """This rank's (out, lse, dq, dk, dv) against the documents' float64 attention under the tolerance rule: q, k, v,
     dout (B, S, H, D) whole, ids their document ids ((S,) or (B, S)), idx the rank's positions; rows_of_batch: ours
-    keep the batch dim (else they are batch 0's rows, 3-D)."""
-    docs = dict(q_doc_ids=ids, k_doc_ids=ids)
+    keep the batch dim (else they are batch 0's rows, 3-D); window: the reference's (None for no limit)."""
+    docs = dict(q_doc_ids=ids, k_doc_ids=ids, window=window)
     ref = reference_attention(q, k, v, dout, 32**-0.5, causal, torch.float64, **docs)
     pt = reference_attention(q, k, v, dout, 32**-0.5, causal, dtype, **docs)
     grad_scale = max(magnitude(g) for g in ref[2:])
@@ -35,7 +35,7 @@ def _check_rank(rank, ours, q, k, v, dout, ids, causal, dtype, idx, rows_of_batc
 
 
 def _varlen_ring_matches_reference(
-    rank, world_size, backend, dtype, lengths, heads_q, heads_k, causal, layout, pad_to=1
+    rank, world_size, backend, dtype, lengths, heads_q, heads_k, causal, layout, pad_to=1, window_size=(-1, -1)
 ):
     device = rank_device(rank, backend)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -46,12 +46,15 @@ def _varlen_ring_matches_reference(
         dout[:, total - padding :] = 0  # padding is left out of the loss
     idx = ringattn.shard_indices(total, rank, world_size, layout, device=device)
     q_l, k_l, v_l = (t[0, idx].requires_grad_() for t in (q, k, v))
-    out, lse = ringattn.ring_attn_varlen_func(q_l, k_l, v_l, cu_seqlens, causal=causal, layout=layout, return_lse=True)
+    out, lse = ringattn.ring_attn_varlen_func(q_l, k_l, v_l, cu_seqlens, causal=causal, window_size=window_size,
+                                              layout=layout, return_lse=True)  # fmt: skip
     out.backward(dout[0, idx])
     assert out.shape == q_l.shape and lse.shape == (heads_q, len(idx))
 
     ours = (out, lse, q_l.grad, k_l.grad, v_l.grad)
-    _check_rank(rank, ours, q, k, v, dout, document_ids(cu_seqlens, total), causal, dtype, idx, rows_of_batch=False)
+    window = tuple(None if side == -1 else side for side in window_size)
+    _check_rank(rank, ours, q, k, v, dout, document_ids(cu_seqlens, total), causal, dtype, idx, rows_of_batch=False,
+                window=window)  # fmt: skip
     if padding:  # padding rows: finite, and no gradient reaches the padding tokens' inputs
         pad_rows = idx >= total - padding
         for g in (q_l.grad, k_l.grad, v_l.grad):
@@ -77,6 +80,14 @@ def test_varlen_zigzag_matches_reference(backend, dtype, world_size, causal):
 @pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
 def test_varlen_contiguous_matches_reference(backend, dtype, world_size):
     _run_varlen(backend, dtype, world_size, CASES[world_size], 4, 2, True, "contiguous")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
+def test_varlen_window_matches_reference(backend, dtype, layout):
+    """Documents and a causal window of 4 keys together on 4 ranks (chunks of 6): K/V go one hop, both ways in
+    zigzag, in the window's rows; documents cross rank and chunk boundaries, the window cuts the long ones."""
+    _run_varlen(backend, dtype, 4, CASES[4], 4, 2, True, layout, 1, (4, 0))
 
 
 @pytest.mark.parametrize("world_size", [2, 4], ids=["W2", "W4"])
