@@ -55,7 +55,10 @@ def unpack_rows_(dest: torch.Tensor, packed: torch.Tensor, rows: tuple[range, ..
     start = 0
     for r in rows:
         part = packed.narrow(1, start, len(r))
-        _rows(dest, r).add_(part) if add else _rows(dest, r).copy_(part)
+        if add:
+            _rows(dest, r).add_(part)
+        else:
+            _rows(dest, r).copy_(part)
         start += len(r)
 
 
