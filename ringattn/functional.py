@@ -499,10 +499,9 @@ def ring_attn_func(
         softmax_scale: defaults to 1 / sqrt(headdim).
         causal: causal over global positions.
         window_size: (left, right) sliding window over global positions, -1 for no limit (with causal, right is
-            0). Steps whose K/V block lies outside every local query's window run no kernel, and with layout
-            "contiguous" the forward's ring stops after the last step any rank needs (a window costs what the
-            window costs); "zigzag" computes the same but goes the whole ring, each rank's second chunk needing
-            its successor's block.
+            0). Steps whose K/V block lies outside every local query's window run no kernel, and K/V travel only
+            as far as the windows reach, one way round the ring or both, in the rows they read
+            (parallel.ring_streams): a window costs what the window costs, in either layout.
         softcap: as flash_attn_func's.
         learnable_sink: (nheads,) attention sinks, as flash_attn_func's, merged once into the global result; the
             gradient each rank gets is its own rows' share (sum it over the ring's ranks, as SequenceParallel's
