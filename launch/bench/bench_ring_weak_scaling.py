@@ -6,6 +6,7 @@
     NPROC=1 bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --longest  # ... and on one GPU
     NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --out /tmp/ws.json  # CPU dry run
     NPROC=2 DEVICE=cpu bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --longest --out /tmp/longest.json
+    bash launch/torchrun.sh launch/bench/bench_ring_weak_scaling.py --window 4096 --kv-heads 8  # a sliding window
 
 Sweep (defaults on GPUs; CPU ranks run the same at S_local in (8, 16, 32), H = 2, Hkv in (2, 1), D = 16, fp32):
 for S_local in --seqlens-local (4096 8192 16384 32768 tokens per rank), Hkv in --kv-heads (32, 8: GQA), H = 32,
@@ -26,6 +27,12 @@ D = 128, B = 1, bf16, every rank holding S_local of one global sequence of S = W
   sequence, same H, Hkv, causal setting and mode: T1. Above --t1-max-seqlen (131072), or when it runs out of
   memory, T1 is extrapolated from the two longest measured S of the same (Hkv, causal, mode) by t = a + b S^2 (none
   when fewer than two were measured or the longer was not slower), and the record says t1_extrapolated: true.
+
+--window LEFT: a causal sliding window of LEFT keys back (flash-attn's window_size (LEFT, 0)) in every call, the causal
+cases only, ringattn and single_gpu only (SDPA takes no window, so torch CP is left out); records carry window
+[LEFT, 0], FLOPs are counted over the visible pairs, and --out defaults to ring_weak_scaling_window{LEFT}.json. Its
+efficiency says whether a windowed ring costs what the window costs: the ring sends only the window's rows, one
+hop (ringattn.parallel.ring_streams).
 
 Efficiency = T1 / (W x T), T the provider's time on W ranks (the slowest rank's median), T1 of the same (S, Hkv,
 causal, mode): 1 means the W GPUs together do the whole sequence as fast as one GPU alone would, i.e. perfect
@@ -115,7 +122,7 @@ MAX_CALLS = 100  # timed (and warm-up) calls per measurement at most
 PROVIDER_COLORS = {"ringattn": "C0", "torch_cp_cudnn": "C1", "torch_cp_flash": "C2"}
 WORLD_SIZE_STYLES = ["-o", "--s", ":^", "-.D"]  # line and marker of the 1st, 2nd, ... W in the plot
 OPTIONS_RECORDED = ("seqlens_local", "kv_heads", "t1_max_seqlen", "torch_cp_gqa", "warmup_ms", "rep_ms", "budget_s",
-                    "providers")  # fmt: skip
+                    "providers", "window")  # fmt: skip
 LONGEST_OPTIONS_RECORDED = ("start_seqlen", "max_seqlen", "bisect_steps", "budget_s", "memory_fraction")
 
 
@@ -137,6 +144,7 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=float, default=500.0 if on_gpu else 0.0, help="timed calls per measurement")
     p.add_argument("--budget-s", type=float, default=None, help="default 420 (sweep), 330 (--longest)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=int, default=None, metavar="LEFT", help="a causal sliding window (LEFT, 0)")
     p.add_argument("--out", type=Path, default=None, help="JSON (default under docs/benchmarks/, see the docstring)")
     p.add_argument("--longest", action="store_true", help="search the longest sequence instead of the sweep")
     p.add_argument("--start-seqlen", type=int, default=(65536 if on_gpu else 16) * world_size, help="--longest")
@@ -152,8 +160,9 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
         args.budget_s = 330.0 if args.longest else 420.0
     if args.out is None:
         device_name = "h200" if on_gpu else "cpu"
+        sweep = "ring_weak_scaling" + ("" if args.window is None else f"_window{args.window}")
         args.out = Path(f"docs/benchmarks/ring_longest_{device_name}_w{world_size}.json" if args.longest else
-                        "docs/benchmarks/ring_weak_scaling" + ("" if on_gpu else "_cpu") + ".json")  # fmt: skip
+                        f"docs/benchmarks/{sweep}" + ("" if on_gpu else "_cpu") + ".json")  # fmt: skip
     problems = []
     if min(args.seqlens_local) <= 0 or any(s % 2 for s in args.seqlens_local):
         problems.append("--seqlens-local must be positive and even (zigzag)")
@@ -165,6 +174,8 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
         problems.append("--budget-s must be positive; --warmup-ms, --rep-ms and --bisect-steps not negative")
     if not 0 < args.memory_fraction <= 1:
         problems.append("--memory-fraction must be in (0, 1]")
+    if args.window is not None and (args.window < 0 or args.longest):
+        problems.append("--window must not be negative, and is not for --longest")
     exit_on_bad_arguments(p, problems)
     return args
 
@@ -256,18 +267,23 @@ def attention_calls(attention: Callable, q, k, v, dout) -> dict[str, Callable]:
     return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
-def reference_shard(q, k, v, dout, rank: int, world_size: int, layout: str, causal: bool) -> tuple[torch.Tensor, ...]:
+def reference_shard(
+    q, k, v, dout, rank: int, world_size: int, layout: str, causal: bool, window: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """(out, dq), (1, S_local, H, D): this rank's query rows (its shard in `layout`) of attention over the global
     q, k, v (1, S, ., D), by flash_attn_func per contiguous run of the shard's rows against all keys (causal: the
     keys up to the run's end; the kernel's causal mask is bottom-right aligned, so row i of a run ending at global
-    position e sees the keys up to e - len(run) + i)."""
+    position e sees the keys up to e - len(run) + i). With a causal `window` of that many keys back, the keys from
+    window before the run's start, under the same window (bottom-right aligned too)."""
     seqlen = q.shape[1]
     idx = shard_indices(seqlen, rank, world_size, layout, device=q.device)
     q_local = q.index_select(1, idx).requires_grad_()  # (1, S_local, H, D)
     outs, row = [], 0
     for run in shard_ranges(seqlen, rank, world_size, layout):
-        keys = run.stop if causal else seqlen
-        outs.append(ringattn.flash_attn_func(q_local[:, row : row + len(run)], k[:, :keys], v[:, :keys], causal=causal))
+        first, keys = (0, run.stop if causal else seqlen) if window is None else (max(run.start - window, 0), run.stop)
+        options = dict(causal=causal) if window is None else dict(causal=True, window_size=(window, 0))
+        outs.append(ringattn.flash_attn_func(q_local[:, row : row + len(run)], k[:, first:keys], v[:, first:keys],
+                                             **options))  # fmt: skip
         row += len(run)
     out = torch.cat(outs, dim=1)  # (1, S_local, H, D)
     (dq,) = torch.autograd.grad(out, q_local, dout.index_select(1, idx))
@@ -316,7 +332,7 @@ def bench_ringattn(cell: dict, tensors, layout: str, causal: bool, reference: Ca
     seqlen, world_size = cell["S"], cell["W"]
     idx = shard_indices(seqlen, env.rank, world_size, layout, device=env.device)
     q, k, v, dout = (t.index_select(1, idx) for t in tensors)  # (1, S_local, ., D)
-    attention = partial(ringattn.ring_attn_func, causal=causal, layout=layout)
+    attention = partial(ringattn.ring_attn_func, causal=causal, layout=layout, window_size=_window_size(cell))
     calls = attention_calls(attention, q, k, v, dout)
     return bench_provider("ringattn", calls, reference(layout, causal), cell, layout, causal, args, env)
 
@@ -365,6 +381,11 @@ def bench_torch_cp(provider: str, cell: dict, tensors, causal: bool, reference, 
     return records if failure is None else error_records(provider, cell, layout, causal, failure)
 
 
+def _window_size(cell: dict) -> tuple[int, int]:
+    """flash-attn's window_size of a cell's calls: its window, or (-1, -1)."""
+    return tuple(cell.get("window", (-1, -1)))
+
+
 def error_records(provider: str, cell: dict, layout: str, causal: bool, error: str) -> list[dict]:
     """A record per mode of a provider that failed in one case, with no time."""
     return [dict(provider=provider, **cell, layout=layout, causal=causal, mode=m, ms=None, error=error) for m in MODES]
@@ -375,7 +396,8 @@ def bench_single_gpu(cell: dict, tensors, causal: bool, args, env) -> list[dict]
     --t1-max-seqlen or out of memory. The other ranks wait at a barrier and return no records."""
     records = []
     if env.is_main:
-        calls = attention_calls(partial(ringattn.flash_attn_func, causal=causal), *tensors)
+        calls = attention_calls(partial(ringattn.flash_attn_func, causal=causal, window_size=_window_size(cell)),
+                                *tensors)  # fmt: skip
         for mode in MODES:
             rec = dict(provider="single_gpu", **cell, layout=None, causal=causal, mode=mode, ms=None, peak_bytes=None)
             if cell["S"] > args.t1_max_seqlen:
@@ -413,7 +435,7 @@ def with_efficiency(records: list[dict]) -> list[dict]:
     records = [dict(r) for r in records]
 
     def key(r: dict, *fields: str) -> tuple:
-        return tuple(r[f] for f in ("W", "H", "Hkv", "D", "causal", "mode", *fields))
+        return (*(r[f] for f in ("W", "H", "Hkv", "D", "causal", "mode", *fields)), tuple(r.get("window", ())))
 
     measured: dict[tuple, dict[int, float]] = {}
     for r in records:
@@ -430,7 +452,9 @@ def with_efficiency(records: list[dict]) -> list[dict]:
         gpus = 1 if r["provider"] == "single_gpu" else r["W"]
         r["tflops"] = None
         if r["ms"] is not None:
-            r["tflops"] = attention_flops(1, r["H"], r["S"], r["D"], r["causal"], r["mode"]) / gpus / r["ms"] / 1e9
+            window = tuple(r.get("window", (None, None)))
+            flops = attention_flops(1, r["H"], r["S"], r["D"], r["causal"], r["mode"], window)
+            r["tflops"] = flops / gpus / r["ms"] / 1e9
         if r["provider"] != "single_gpu":
             base = t1.get(key(r, "S"))
             ok = base is not None and base["ms"] is not None and r["ms"] is not None
@@ -502,10 +526,11 @@ def plot(records: list[dict], out: Path) -> list[Path]:
     records = [r for r in records if r.get("efficiency") is not None]
     world_sizes, seqlens = sorted({r["W"] for r in records}), sorted({r["S_local"] for r in records})
     top = max(1.1, 1.05 * max((r["efficiency"] for r in records), default=1.0))
+    cases = [c for c in CASES if any((r["layout"], r["causal"]) == c for r in records)]
     paths = []
     for kv_heads in sorted({r["Hkv"] for r in records}):
-        fig, axes = plt.subplots(len(MODES), len(CASES), figsize=(15, 7), sharex=True, sharey=True, squeeze=False)
-        for (i, mode), (j, (layout, causal)) in product(enumerate(MODES), enumerate(CASES)):
+        fig, axes = plt.subplots(len(MODES), len(cases), figsize=(15, 7), sharex=True, sharey=True, squeeze=False)
+        for (i, mode), (j, (layout, causal)) in product(enumerate(MODES), enumerate(cases)):
             lines: dict = {}
             for r in records:
                 if (r["Hkv"], r["mode"], r["layout"], r["causal"]) == (kv_heads, mode, layout, causal):
@@ -525,7 +550,8 @@ def plot(records: list[dict], out: Path) -> list[Path]:
             axes[-1][j].set_xlabel("S_local (tokens per rank)")
             axes[i][0].set_ylabel("efficiency T1 / (W T)")
         r = records[0]
-        fig.suptitle(f"Ring attention weak scaling: H = {r['H']}, Hkv = {kv_heads}, D = {r['D']}")
+        window = f", window ({r['window'][0]}, 0)" if "window" in r else ""
+        fig.suptitle(f"Ring attention weak scaling: H = {r['H']}, Hkv = {kv_heads}, D = {r['D']}{window}")
         fig.tight_layout()
         path = out.with_name(f"{out.stem}_hkv{kv_heads}.png")
         fig.savefig(path, dpi=110)
@@ -542,11 +568,12 @@ def bench_cell(cell: dict, torch_cp, args, env, started: float, skipped: list[st
     per provider and causal setting (sharing one cache of reference_shard per (layout, causal)). A block that
     would start past the budget is skipped, with a note and its name appended to `skipped`."""
     tensors = global_inputs(cell["S"], cell["Hkv"], args, env.device)
-    reference = cache(partial(reference_shard, *tensors, env.rank, env.world_size))
+    reference = cache(partial(reference_shard, *tensors, env.rank, env.world_size, window=args.window))
+    cases = cases_of(args)
     blocks = [(f"single_gpu causal={c}", partial(bench_single_gpu, cell, tensors, c, args, env))
-              for c in (True, False) if "single_gpu" in args.providers]  # fmt: skip
+              for c in sorted({c for _, c in cases}, reverse=True) if "single_gpu" in args.providers]  # fmt: skip
     blocks += [(f"ringattn {lay} causal={c}", partial(bench_ringattn, cell, tensors, lay, c, reference, args, env))
-               for lay, c in CASES if "ringattn" in args.providers]  # fmt: skip
+               for lay, c in cases if "ringattn" in args.providers]  # fmt: skip
     blocks += [(f"{p} causal={c}", partial(bench_torch_cp, p, cell, tensors, c, reference, torch_cp, args, env))
                for p, c in product(TORCH_CP, (True, False)) if p in args.providers]  # fmt: skip
     records = []
@@ -560,7 +587,15 @@ def bench_cell(cell: dict, torch_cp, args, env, started: float, skipped: list[st
     return records
 
 
+def cases_of(args) -> tuple[tuple[str, bool], ...]:
+    """The (layout, causal) cases of a sweep: CASES, or with --window the causal ones."""
+    return CASES if args.window is None else tuple(c for c in CASES if c[1])
+
+
 def weak_scaling(args, env, started: float) -> int:
+    if args.window is not None and any(p in TORCH_CP for p in args.providers):
+        args.providers = [p for p in args.providers if p not in TORCH_CP]
+        log("--window: torch CP left out (SDPA takes no sliding window)")
     torch_cp = None
     if any(p in TORCH_CP for p in args.providers):
         torch_cp, failure = agreed(partial(torch_cp_setup, env.device))
@@ -570,15 +605,17 @@ def weak_scaling(args, env, started: float) -> int:
         dtype=str(args.dtype).removeprefix("torch."), H=args.heads, D=args.head_dim,
         options={k: getattr(args, k) for k in OPTIONS_RECORDED}, skipped=[],
     )  # fmt: skip
+    window = "" if args.window is None else f", window ({args.window}, 0)"
     log(
         f"weak scaling: W = {env.world_size} ({env.backend}, {env.device.type}), S_local {args.seqlens_local}, H "
-        f"{args.heads}, Hkv {args.kv_heads}, D {args.head_dim}, {env_rec['dtype']}; budget {args.budget_s:.0f} s"
+        f"{args.heads}, Hkv {args.kv_heads}, D {args.head_dim}, {env_rec['dtype']}{window}; "
+        f"budget {args.budget_s:.0f} s"
     )
     records: list[dict] = []
     for s_local in args.seqlens_local:
         for kv_heads in args.kv_heads:
             cell = dict(W=env.world_size, S_local=s_local, S=env.world_size * s_local, H=args.heads, Hkv=kv_heads,
-                        D=args.head_dim)  # fmt: skip
+                        D=args.head_dim, **({} if args.window is None else dict(window=[args.window, 0])))  # fmt: skip
             records += bench_cell(cell, torch_cp, args, env, started, env_rec["skipped"])
             ls.free_memory(env.device)  # the cell's global tensors
         if env.is_main:

@@ -85,6 +85,30 @@ def test_reference_shard_is_the_rank_rows_of_whole_sequence_attention(layout, ca
         torch.testing.assert_close(dq.double(), dq_full[:, idx], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_reference_shard_with_a_window_is_the_rank_rows_of_windowed_attention(layout):
+    """--window 5 (causal, window_size (5, 0)) over S = 36 on 3 ranks: runs of rows shorter and longer than it."""
+    gen = torch.Generator().manual_seed(1)
+    seqlen, world_size = 36, 3
+    q, dout = (torch.randn(1, seqlen, 4, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, seqlen, 2, 16, generator=gen) for _ in range(2))
+    q_full = q.double().requires_grad_()
+    full, _ = attn_fwd_ref(q_full, k.double(), v.double(), 16**-0.5, True, window=(5, 0))
+    (dq_full,) = torch.autograd.grad(full, q_full, dout.double())
+    for rank in range(world_size):
+        idx = shard_indices(seqlen, rank, world_size, layout)
+        out, dq = ws.reference_shard(q, k, v, dout, rank, world_size, layout, True, window=5)
+        torch.testing.assert_close(out.double(), full[:, idx], rtol=0, atol=1e-5)
+        torch.testing.assert_close(dq.double(), dq_full[:, idx], rtol=0, atol=1e-5)
+
+
+def test_windowed_records_count_the_visible_pairs():
+    """TFLOP/s of a windowed record: 4 B H D x the visible pairs (x 3.5 forward+backward), not the causal half."""
+    (r,) = ws.with_efficiency([_record("ringattn", 64, 2.0, window=[5, 0])])
+    pairs = sum(min(i, 5) + 1 for i in range(64))
+    assert r["tflops"] == pytest.approx(3.5 * 4 * 8 * pairs * 64 / 4 / 2.0 / 1e9)
+
+
 def test_torch_head_tail_split_is_the_zigzag_layout():
     """torch CP records carry layout "zigzag" for causal: its default load balancer must give rank r the chunks
     r and 2W - 1 - r, in that order (a private torch API: skipped where it moved)."""
@@ -102,6 +126,31 @@ def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="launch/torchrun.sh is a bash script for Linux")
+
+
+@linux_only
+def test_windowed_sweep_on_cpu_ranks_runs_the_causal_cases_without_torch_cp(tmp_path):
+    """--window 3 at W = 2, S_local 8 and 16: T1 and the ring with window_size (3, 0), the causal cases only; torch
+    CP (no window in SDPA) left out with a note; every record carries the window."""
+    out = tmp_path / "ws.json"
+    proc = _launch(tmp_path, "--window", "3", "--seqlens-local", "8", "16", "--kv-heads", "1", "--providers",
+                   "single_gpu", "ringattn", "torch_cp_cudnn", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "torch CP left out" in proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    (env,) = [r for r in data if r.get("kind") == "env"]
+    assert env["options"]["window"] == 3 and env["options"]["providers"] == ["single_gpu", "ringattn"]
+    records = [r for r in data if r.get("kind") != "env"]
+    got = sorted((r["provider"], r["S_local"], str(r["layout"]), r["causal"], r["mode"]) for r in records)
+    expected = sorted(
+        [("single_gpu", s, "None", True, m) for s in (8, 16) for m in ws.MODES]
+        + [("ringattn", s, lay, True, m) for s in (8, 16) for lay in ("zigzag", "contiguous") for m in ws.MODES]
+    )  # fmt: skip
+    assert got == expected
+    for r in records:
+        assert r["window"] == [3, 0] and r["ms"] > 0, r
+        assert r["efficiency"] is None if r["provider"] == "single_gpu" else r["efficiency"] > 0, r
+    assert all(r["check_error"] < ws.MAX_RELATIVE_ERROR for r in records if r["provider"] == "ringattn")
 
 
 @linux_only
