@@ -27,20 +27,21 @@ def test_simulated_ring_with_reference_ops_is_exact_in_float64(layout, causal):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"W={world_size} {name}")
 
 
-@pytest.mark.parametrize("window", [(0, None), (5, None), (7, 3), (13, 2)], ids=str)
+@pytest.mark.parametrize("window", [(0, None), (2, None), (5, None), (7, 3), (3, 3), (10, 10), (13, 2)], ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_simulated_ring_with_windows_and_softcap_is_exact_in_float64(layout, window):
     """Windows shorter than, as long as and longer than a shard (6 tokens; zigzag chunks of 3), with and without
-    causal, soft-capped: float64 reference block ops reproduce float64 attention, the ring stopping at the last
-    step any rank computes (W = 4)."""
-    world_size, seqlen = 4, 24
-    q, k, v, dout = make_qkv(1, seqlen, seqlen, 4, 2, 8, torch.float64, "cpu", seed=sum(w or 0 for w in window))
-    for causal in (False, True):
-        options = dict(window=window, softcap=2.0)
-        ours = simulate_ring_attn(REFERENCE_OPS, q, k, v, 0.4, causal, world_size, layout, dout=dout, **options)
-        ref = reference_attention(q, k, v, dout, 0.4, causal, torch.float64, **options)
-        for name, a, b in zip(NAMES, ours, ref, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"causal={causal} {name}")
+    causal, soft-capped, W = 2, 3, 4, 7: float64 reference block ops reproduce float64 attention, K/V going one way
+    or both (ring_streams), in rows apart or shared by the two directions."""
+    for world_size in (2, 3, 4, 7):
+        seqlen = 6 * world_size
+        q, k, v, dout = make_qkv(1, seqlen, seqlen, 4, 2, 8, torch.float64, "cpu", seed=sum(w or 0 for w in window))
+        for causal in (False, True):
+            options = dict(window=window, softcap=2.0)
+            ours = simulate_ring_attn(REFERENCE_OPS, q, k, v, 0.4, causal, world_size, layout, dout=dout, **options)
+            ref = reference_attention(q, k, v, dout, 0.4, causal, torch.float64, **options)
+            for name, a, b in zip(NAMES, ours, ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"W={world_size} causal={causal} {name}")
 
 
 def test_simulate_rejects_mismatched_shard_lists():
