@@ -1,5 +1,6 @@
-"""The ring schedule as pure functions (docs/design.md, section 4): which K/V block a rank holds
-at each step, and which (query rows, key rows) sub-blocks of it to compute, with which mask.
+"""The ring schedule as pure functions (docs/design.md, section 4): which K/V blocks a rank holds
+at each step (ring_streams: round the ring, or with a sliding window only as far as it reaches, one way or both,
+in the rows it reads), and which (query rows, key rows) sub-blocks of them to compute, with which mask.
 No communication; unit-tested directly.
 """
 
