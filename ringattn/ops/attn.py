@@ -103,6 +103,7 @@ def attn_fwd_merge_(
     window: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
     backend: str | None = None,
+    fresh: bool = False,
 ) -> None:
     """Fused attention forward merged into a running state in place: the ring's step, with no merge pass.
 
@@ -112,6 +113,9 @@ def attn_fwd_merge_(
             (final's rows of the merged out go to final.out; lse is updated in every row).
         out: (B, Sq, Hq, D) fp32 running output, last dim contiguous (views of a larger state are fine).
         lse: (B, Hq, Sq) float64 running lse, natural log, -inf for rows without keys yet; last dim contiguous.
+        fresh: the state holds nothing yet (any bits): taken as the merge's identity (out 0, lse -inf) without being
+            read, so the result is stored, the same bits as merging into a filled identity (the first visit of
+            these rows).
     Raises:
         as attn_fwd; ValueError or TypeError for a state of the wrong shape, dtype, device or strides.
     """
@@ -122,7 +126,8 @@ def attn_fwd_merge_(
     check_final_rows(final, q)
     window, softcap = check_window(window), check_softcap(softcap)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    call = FwdCall(q, k, v, softmax_scale, bool(causal), out, lse, q_doc_ids, k_doc_ids, True, final, window, softcap)
+    call = FwdCall(q, k, v, softmax_scale, bool(causal), out, lse, q_doc_ids, k_doc_ids, not fresh, final, window,
+                   softcap)  # fmt: skip
     _launch_fwd(call, backend)
 
 

@@ -112,10 +112,14 @@ def attn_fwd_merge_ref_(
     final: FinalRows | None = None,
     window: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
+    fresh: bool = False,
 ) -> None:
-    """Reference of attn_fwd_merge_: attn_fwd_ref in out's dtype, then merge_attn_states_ into (out, lse), then
-    final's rows of the merged out to final.out."""
+    """Reference of attn_fwd_merge_: attn_fwd_ref in out's dtype, then merge_attn_states_ into (out, lse) (fresh:
+    into the identity, out 0 and lse -inf, written first), then final's rows of the merged out to final.out."""
     check_final_rows(final, q)
+    if fresh:
+        out.zero_()
+        lse.fill_(-torch.inf)
     block_out, block_lse = attn_fwd_ref(q, k, v, softmax_scale, causal, out.dtype, q_doc_ids, k_doc_ids,
                                         window=window, softcap=softcap)  # fmt: skip
     merge_attn_states_(out, lse, block_out, block_lse)

@@ -142,8 +142,8 @@ def finishing_plan(
     return plan[::-1]
 
 
-def _uncovered(rows: range, covered: list[range]) -> range:
-    """The rows of `rows` outside every range of `covered`, as one range (empty, at rows.start, if none)."""
+def _outside(rows: range, covered: list[range]) -> list[range]:
+    """The rows of `rows` outside every range of `covered`, as disjoint ranges in increasing order."""
     pieces = [rows]
     for c in (c for c in covered if len(c)):
         pieces = [
@@ -151,6 +151,12 @@ def _uncovered(rows: range, covered: list[range]) -> range:
             for p in (range(piece.start, min(piece.stop, c.start)), range(max(piece.start, c.stop), piece.stop))
             if len(p)
         ]  # fmt: skip
+    return pieces
+
+
+def _uncovered(rows: range, covered: list[range]) -> range:
+    """The rows of `rows` outside every range of `covered`, as one range (empty, at rows.start, if none)."""
+    pieces = _outside(rows, covered)
     if len(pieces) > 1:
         raise RuntimeError(f"the rows of {rows} no later task touches are not one range: {pieces}")
     return pieces[0] if pieces else range(rows.start, rows.start)
@@ -203,11 +209,20 @@ def _merge_tasks_(
     lse: torch.Tensor,
     finished: torch.Tensor | None,
     finishing: list[range] | None,
+    fresh: bool = False,
 ) -> None:
     """Merge each task's attention (q's rows against its block's rows, _step_tasks) into (out, lse) in place, in
-    order."""
+    order. fresh: (out, lse) hold nothing yet; the first task to reach a row stores there (attn_fwd_merge_'s fresh),
+    and the rows no task reaches get the merge's identity (out 0, lse -inf)."""
+    seen: list[range] = []
     for i, (b, task, kwargs) in enumerate(tasks):
         qs, kvs = task.q_rows, task.kv_rows
+        first = fresh and len(_uncovered(qs, seen)) == len(qs)
+        if fresh and not first:  # partly reached already: the identity in the rest, then merged
+            for rows in _outside(qs, seen):
+                _rows(out, rows).zero_()
+                _rows(lse, rows, 2).fill_(-torch.inf)
+        seen.append(qs)
         ops.fwd_merge_(
             _rows(q, qs),
             _rows(blocks[b].k, kvs),
@@ -218,7 +233,11 @@ def _merge_tasks_(
             _rows(lse, qs, 2),
             **kwargs,
             final=_task_final_rows(finished, finishing, i, len(tasks), qs),
+            **(dict(fresh=True) if first else {}),
         )
+    for rows in _outside(range(0, out.shape[1]), seen) if fresh else ():
+        _rows(out, rows).zero_()
+        _rows(lse, rows, 2).fill_(-torch.inf)
 
 
 def own_block_forward(
@@ -246,18 +265,18 @@ def own_block_forward(
     Returns:
         out (B, S_local, Hq, D) in state_dtype(q) and lse (B, Hq, S_local) float64, for forward_step to merge into: the
         same bits as merging the block into the merge's identity (out 0, lse -inf), without filling that
-        identity and reading it back (but where a window splits a zigzag block: then merged into it). Rows
-        written to final are unspecified in out.
+        identity and reading it back (where a window splits a zigzag block into tasks, each row's first task stores
+        and later ones merge). Rows written to final are unspecified in out.
     """
     tasks, whole = own_block_tasks(layout, rank, world_size, causal, q.shape[1], docs, window)
     if whole:
         task, kwargs = tasks[0]
         return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, state_dtype(q), **kwargs,
                        final=_task_final_rows(finished, finishing, 0, 1, task.q_rows))  # fmt: skip
-    out = torch.zeros(q.shape, dtype=state_dtype(q), device=q.device)
-    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=LSE_DTYPE, device=q.device)
+    out = torch.empty(q.shape, dtype=state_dtype(q), device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=LSE_DTYPE, device=q.device)
     own = [HeldBlock(rank, k, v, (range(0, k.shape[1]),))]
-    _merge_tasks_(ops, [(0, t, kw) for t, kw in tasks], own, softmax_scale, q, out, lse, finished, finishing)
+    _merge_tasks_(ops, [(0, t, kw) for t, kw in tasks], own, softmax_scale, q, out, lse, finished, finishing, True)
     return out, lse
 
 
@@ -327,15 +346,18 @@ def own_block_backward(
         dq, dk, dv shaped like q, k, v, in state_dtype(q) (dq's rows written to dq_finished unspecified).
     """
     tasks, whole = own_block_tasks(layout, rank, world_size, causal, q.shape[1], docs, window)
-    dtype = state_dtype(q)
-    if not whole:  # a window over a zigzag shard: the tasks add into zeroed buffers
-        dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+    dq, dk, dv = (torch.empty(t.shape, dtype=state_dtype(q), device=t.device) for t in (q, k, v))
+    if not whole:  # a window over a zigzag shard: each row's first task stores, later ones add
         own = HeldBlock(rank, k, v, (range(0, k.shape[1]),))
-        _backward_tasks_(ops, tasks, own, softmax_scale, dout, q, out, lse, stats, dq, dk, dv, True, dq_finished,
-                         finishing)  # fmt: skip
+        kv_written = _backward_tasks_(ops, tasks, own, softmax_scale, dout, q, out, lse, stats, dq, dk, dv, False,
+                                      dq_finished, finishing, add_dq=False)  # fmt: skip
+        for rows in _outside(range(0, q.shape[1]), [task.q_rows for task, _ in tasks]):  # rows no task reaches
+            _rows(dq, rows).zero_()
+        for rows in _outside(range(0, k.shape[1]), list(kv_written)):
+            _rows(dk, rows).zero_()
+            _rows(dv, rows).zero_()
         return dq, dk, dv
     task, kwargs = tasks[0]
-    dq, dk, dv = (torch.empty(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
     return ops.bwd(
         dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, stats=stats,
         dq_acc=dq, dk_acc=dk, dv_acc=dv, **kwargs, add_dq=False, add_dkdv=False,
@@ -359,21 +381,19 @@ def _backward_tasks_(
     add_dkdv: bool,
     dq_finished: torch.Tensor | None,
     finishing: list[range] | None,
+    add_dq: bool = True,
 ) -> tuple[range, ...]:
-    """Each task's gradients against `block`, in order, added into dq and (add_dkdv) dk_acc, dv_acc (shaped like
-    the block's k, v); with add_dkdv False the first task to reach a K/V row stores its dK, dV there and later ones
-    add. `finishing`: finishing_plan's entries of these tasks. Returns the K/V rows written, union()."""
+    """Each task's gradients against `block`, in order, added into (add_dq) dq and (add_dkdv) dk_acc, dv_acc (shaped
+    like the block's k, v); where one is False, the first task to reach a row stores its gradient there and later
+    ones add. `finishing`: finishing_plan's entries of these tasks. Returns the K/V rows written, union()."""
     written: list[range] = []
+    q_written: list[range] = []
     for i, (task, kwargs) in enumerate(tasks):
         qs, kvs = task.q_rows, task.kv_rows
-        add = add_dkdv
-        if not add_dkdv:
-            fresh = _uncovered(kvs, written)
-            if len(fresh) != len(kvs):  # partly written already: zero the rest, then add
-                _rows(dk_acc, fresh).zero_()
-                _rows(dv_acc, fresh).zero_()
-                add = True
+        add = add_dkdv or not _store_first_(kvs, written, dk_acc, dv_acc)
+        add_q = add_dq or not _store_first_(qs, q_written, dq)
         written.append(kvs)
+        q_written.append(qs)
         ops.bwd(
             _rows(dout, qs),
             _rows(q, qs),
@@ -388,10 +408,21 @@ def _backward_tasks_(
             dk_acc=_rows(dk_acc, kvs),
             dv_acc=_rows(dv_acc, kvs),
             **kwargs,
+            add_dq=add_q,
             add_dkdv=add,
             dq_final=_task_final_rows(dq_finished, finishing, i, len(tasks), qs),
         )
     return union(written)
+
+
+def _store_first_(rows: range, written: list[range], *grads: torch.Tensor) -> bool:
+    """Whether a task reaching `rows` of `grads` (those of `written` already hold gradients) can store there: all of
+    them fresh. If only some are, those are zeroed here, for the task to add into."""
+    fresh = _uncovered(rows, written)
+    if len(fresh) != len(rows):
+        for g in grads:
+            _rows(g, fresh).zero_()
+    return len(fresh) == len(rows)
 
 
 def backward_step(

@@ -72,6 +72,24 @@ def test_fwd_merge_into_the_empty_state_is_the_forward():
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("window", [(None, None), (6, 0)], ids=["plain", "window"])
+@pytest.mark.parametrize("merge", [attn_fwd_merge_, attn_fwd_merge_ref_], ids=["kernel", "reference"])
+def test_fwd_merge_into_a_fresh_state_stores_what_merging_into_the_identity_gives(merge, window):
+    """fresh=True: views of a state holding garbage (NaN) get the same bits as merging into a filled identity
+    (out 0, lse -inf), rows that see no key included, and nothing outside the views changes (the ring's first task
+    to reach its rows)."""
+    q, k, v, _ = make_qkv(2, 41, 29, 4, 2, 32, DTYPES[0], seed=5)
+    out, lse, out_buf, lse_buf = _running_state(q, k, v, 0.3)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    want_out, want_lse = torch.zeros_like(out), torch.full_like(lse, NEG_INF)
+    merge(q, k, v, 0.3, True, want_out, want_lse, window=window)
+    merge(q, k, v, 0.3, True, out, lse, window=window, fresh=True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert (lse[:, :, :12] == NEG_INF).all()  # causal with Sq - Sk = 12: rows that see no key
+    assert out_buf[:, :3].isnan().all() and lse_buf[:, :, -3:].isnan().all(), "wrote outside the views"
+
+
 def test_bad_running_state_raises_clear_errors():
     q, k, v, _ = make_qkv(1, 8, 8, 2, 1, 32, DTYPES[0])
     out, lse = torch.zeros(q.shape, device=DEVICE), torch.zeros(1, 2, 8, dtype=torch.float64, device=DEVICE)

@@ -58,6 +58,29 @@ def test_own_block_step_stores_what_merging_into_the_identity_gives(layout, caus
         assert s_.dtype == torch.float32 and torch.equal(s_, a_)
 
 
+@pytest.mark.parametrize("ops_name", ["kernel", "reference"])
+@pytest.mark.parametrize("rank,world_size,window", [(1, 4, (2, None)), (0, 2, (20, None))], ids=["bands", "across"])
+def test_own_block_split_by_a_window_stores_what_merging_into_the_identity_gives(rank, world_size, window, ops_name):
+    """A zigzag block under a window (S_local = 16, chunks of 8) is several tasks: a band per chunk, and where the
+    window reaches across the gap between the chunks, the second chunk against the first (rows it shares with the
+    second chunk's band). Each row's first task stores into the uninitialised state and the later ones merge or add:
+    the same bits as merging every task into the identity and adding every gradient into zeros."""
+    ops = KERNEL_OPS if ops_name == "kernel" else REFERENCE_OPS
+    q, k, v, dout = make_qkv(1, 16, 16, 4, 2, 16, torch.float32, seed=rank)
+    args = (ops, "zigzag", rank, world_size, True, 0.25)
+    own = [HeldBlock(rank, k, v, (range(0, 16),))]
+    out, lse = steps.own_block_forward(*args, q, k, v, window=window)
+    merged = (torch.zeros(q.shape), torch.full(lse.shape, float("-inf"), dtype=lse.dtype))
+    steps.forward_step(*args, q, own, *merged, window=window)
+    assert torch.equal(out, merged[0]) and torch.equal(lse, merged[1])
+    stats = ops.bwd_preprocess(out, dout, lse)
+    stored = steps.own_block_backward(*args, dout, q, k, v, out, lse, stats, window=window)
+    added = [torch.zeros(t.shape) for t in (q, k, v)]
+    steps.backward_step(*args, dout, q, own, out, lse, stats, added[0], [added[1:]], window=window)
+    for name, s_, a_ in zip(("dq", "dk", "dv"), stored, added, strict=True):
+        assert torch.equal(s_, a_), name
+
+
 def test_own_block_step_of_part_of_the_block_merges_into_the_identity(monkeypatch):
     """A step 0 that is not one task over the whole block (a zigzag block under a window) starts from the merge's
     identity and zeroed gradients: rows no task computes stay out 0, lse -inf, and add nothing to dK, dV."""
