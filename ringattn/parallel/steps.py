@@ -217,11 +217,10 @@ def _merge_tasks_(
     seen: list[range] = []
     for i, (b, task, kwargs) in enumerate(tasks):
         qs, kvs = task.q_rows, task.kv_rows
-        first = fresh and len(_uncovered(qs, seen)) == len(qs)
-        if fresh and not first:  # partly reached already: the identity in the rest, then merged
-            for rows in _outside(qs, seen):
-                _rows(out, rows).zero_()
-                _rows(lse, rows, 2).fill_(-torch.inf)
+        unseen = _outside(qs, seen) if fresh else []
+        first = unseen == [qs]
+        if unseen and not first:  # partly reached already: the identity in the rest, then merged
+            _identity_(out, lse, unseen)
         seen.append(qs)
         ops.fwd_merge_(
             _rows(q, qs),
@@ -233,11 +232,17 @@ def _merge_tasks_(
             _rows(lse, qs, 2),
             **kwargs,
             final=_task_final_rows(finished, finishing, i, len(tasks), qs),
-            **(dict(fresh=True) if first else {}),
+            fresh=first,
         )
-    for rows in _outside(range(0, out.shape[1]), seen) if fresh else ():
-        _rows(out, rows).zero_()
-        _rows(lse, rows, 2).fill_(-torch.inf)
+    if fresh:
+        _identity_(out, lse, _outside(range(0, out.shape[1]), seen))
+
+
+def _identity_(out: torch.Tensor, lse: torch.Tensor, rows: list[range]) -> None:
+    """The merge's identity (out 0, lse -inf) in the rows `rows` of a state (out (B, S, H, D), lse (B, H, S))."""
+    for r in rows:
+        _rows(out, r).zero_()
+        _rows(lse, r, 2).fill_(-torch.inf)
 
 
 def own_block_forward(
