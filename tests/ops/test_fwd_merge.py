@@ -72,13 +72,14 @@ def test_fwd_merge_into_the_empty_state_is_the_forward():
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("head_dim", [32, 128])
 @pytest.mark.parametrize("window", [(None, None), (6, 0)], ids=["plain", "window"])
 @pytest.mark.parametrize("merge", [attn_fwd_merge_, attn_fwd_merge_ref_], ids=["kernel", "reference"])
-def test_fwd_merge_into_a_fresh_state_stores_what_merging_into_the_identity_gives(merge, window):
+def test_fwd_merge_into_a_fresh_state_stores_what_merging_into_the_identity_gives(merge, window, head_dim):
     """fresh=True: views of a state holding garbage (NaN) get the same bits as merging into a filled identity
     (out 0, lse -inf), rows that see no key included, and nothing outside the views changes (the ring's first task
-    to reach its rows)."""
-    q, k, v, _ = make_qkv(2, 41, 29, 4, 2, 32, DTYPES[0], seed=5)
+    to reach its rows; D = 128 runs the Gluon forward on Hopper)."""
+    q, k, v, _ = make_qkv(2, 41, 29, 4, 2, head_dim, DTYPES[0], seed=5)
     out, lse, out_buf, lse_buf = _running_state(q, k, v, 0.3)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
