@@ -19,8 +19,7 @@ from .documents import ShardDocuments
 from .schedule import BlockMode, held_blocks, ring_streams
 from .steps import (
     HeldBlock,
-    add_share_,
-    add_share_rounded,
+    add_to_chain,
     backward_step,
     chains_round_early,
     finishing_plan,
@@ -30,6 +29,7 @@ from .steps import (
     own_block_forward,
     own_block_tasks,
     pack_rows,
+    start_chains,
     state_dtype,
 )
 
@@ -65,7 +65,7 @@ def ring_attn_forward(
     """
     world_size, rank = comm.world_size, comm.rank
     if world_size == 1:
-        ((task, kwargs),), _ = own_block_tasks(layout, 0, 1, causal, q.shape[1], docs, window)
+        ((task, kwargs),) = own_block_tasks(layout, 0, 1, causal, q.shape[1], docs, window)
         out_dtype = state_dtype(q) if keep_state else None
         return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, out_dtype, **kwargs)
     streams = ring_streams(layout, world_size, causal, q.shape[1], window)
@@ -130,7 +130,7 @@ def ring_attn_backward(
     """
     world_size, rank = comm.world_size, comm.rank
     if world_size == 1:
-        ((task, kwargs),), _ = own_block_tasks(layout, 0, 1, causal, q.shape[1], docs, window)
+        ((task, kwargs),) = own_block_tasks(layout, 0, 1, causal, q.shape[1], docs, window)
         return ops.bwd(dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, **kwargs)
     stats = ops.bwd_preprocess(out, dout, lse)
     plan = finishing_plan(layout, rank, world_size, causal, q.shape[1], docs, window)
@@ -157,8 +157,7 @@ def ring_attn_backward(
         if step == 0:  # dq and the accumulators of this rank's own block
             dq, dk, dv = own_block_backward(ops, layout, rank, world_size, causal, softmax_scale, dout, q, k, v, out,
                                             lse, stats, docs, dq_finished, plan[step], window)  # fmt: skip
-            chains = [(pack_rows(dk, s.rows), pack_rows(dv, s.rows)) if round_early or i == 0 else None
-                      for i, s in enumerate(streams)]  # fmt: skip
+            chains = start_chains(dk, dv, streams)
         else:
             # From step 1 on the accumulators arrive only after the kernels (they overlap the transfer): the kernels
             # store this rank's shares, which are then added to the arrived accumulators, in the rows they cover.
@@ -175,12 +174,9 @@ def ring_attn_backward(
             if step > s.steps:
                 continue
             if step > 0:  # the received accumulators are ours now: this rank's share is added, then they go on
-                acc = chains[i] if chains[i] is not None else tuple(torch.zeros_like(t) for t in shares[i])
-                if step == s.steps and round_early:  # complete: add, round now, not after the hop (half the bytes)
-                    chains[i] = add_share_rounded(*acc, *shares[i], written[i], k.dtype)
-                else:
-                    add_share_(*acc, *shares[i], written[i])
-                    chains[i] = acc
+                # complete after the stream's last share: rounded now, not after the hop (half the bytes)
+                rounded = k.dtype if step == s.steps and round_early else None
+                chains[i] = add_to_chain(chains[i], *shares[i], written[i], rounded)
             if chains[i] is not None:  # on, or from the stream's last step straight home (shift: back over its steps)
                 shift = -s.direction * step if step == s.steps else s.direction
                 chains[i] = (comm.send_recv(chains[i][0], shift=shift), comm.send_recv(chains[i][1], shift=shift))

@@ -186,17 +186,13 @@ def own_block_tasks(
     seqlen_local: int,
     docs: ShardDocuments | None,
     window: tuple[int | None, int | None] = (None, None),
-) -> tuple[list, bool]:
-    """The tasks of step 0, where a rank holds its own block, as (task, kernel arguments) (_step_tasks), and
-    whether they are one task over the whole block. Every layout computes that block whole (with W = 1 it is the
-    whole sequence), and every row shares its own document, so one task covers every row of the shard and its
-    results can be stored into uninitialised state rather than merged or added into an identity; only a window
-    over a zigzag shard splits it (block_tasks)."""
+) -> list[tuple[BlockTask, dict]]:
+    """The tasks of step 0, where a rank holds its own block, as (task, kernel arguments) (_step_tasks). Every layout
+    computes that block whole (with W = 1 it is the whole sequence, one task), and every row shares its own
+    document; only a window over a zigzag shard splits it into several tasks (block_tasks)."""
     held = _held_rows((), rank, 0, world_size, seqlen_local)
-    tasks = [(task, kwargs) for _, task, kwargs in _step_tasks(layout, rank, world_size, causal, seqlen_local, docs,
-                                                               window, held)]  # fmt: skip
-    whole = range(0, seqlen_local)
-    return tasks, len(tasks) == 1 and tasks[0][0].q_rows == whole and tasks[0][0].kv_rows == whole
+    return [(task, kwargs) for _, task, kwargs in _step_tasks(layout, rank, world_size, causal, seqlen_local, docs,
+                                                              window, held)]  # fmt: skip
 
 
 def _merge_tasks_(
@@ -214,14 +210,11 @@ def _merge_tasks_(
     """Merge each task's attention (q's rows against its block's rows, _step_tasks) into (out, lse) in place, in
     order. fresh: (out, lse) hold nothing yet; the first task to reach a row stores there (attn_fwd_merge_'s fresh),
     and the rows no task reaches get the merge's identity (out 0, lse -inf)."""
-    seen: list[range] = []
+    reached: list[range] = []
     for i, (b, task, kwargs) in enumerate(tasks):
         qs, kvs = task.q_rows, task.kv_rows
-        unseen = _outside(qs, seen) if fresh else []
-        first = unseen == [qs]
-        if unseen and not first:  # partly reached already: the identity in the rest, then merged
-            _identity_(out, lse, unseen)
-        seen.append(qs)
+        first = fresh and _first_reach(qs, reached, lambda new: _identity_(out, lse, new))
+        reached.append(qs)
         ops.fwd_merge_(
             _rows(q, qs),
             _rows(blocks[b].k, kvs),
@@ -235,7 +228,24 @@ def _merge_tasks_(
             fresh=first,
         )
     if fresh:
-        _identity_(out, lse, _outside(range(0, out.shape[1]), seen))
+        _identity_(out, lse, _outside(range(0, out.shape[1]), reached))
+
+
+def _first_reach(rows: range, reached: list[range], fill_) -> bool:
+    """Whether a task reaching `rows` is the first to reach all of them (`reached`: the rows earlier tasks reached):
+    it then stores into what holds nothing yet. Where only some of them are new, fill_(those ranges) puts the
+    identity there first (the merge's, or zero gradients), for the task to merge or add into."""
+    new = _outside(rows, reached)
+    if new and new != [rows]:
+        fill_(new)
+    return new == [rows]
+
+
+def _zero_rows_(grads: tuple[torch.Tensor, ...], rows: list[range]) -> None:
+    """Zero the rows `rows` (along dim 1) of each of `grads`."""
+    for g in grads:
+        for r in rows:
+            _rows(g, r).zero_()
 
 
 def _identity_(out: torch.Tensor, lse: torch.Tensor, rows: list[range]) -> None:
@@ -270,14 +280,10 @@ def own_block_forward(
     Returns:
         out (B, S_local, Hq, D) in state_dtype(q) and lse (B, Hq, S_local) float64, for forward_step to merge into: the
         same bits as merging the block into the merge's identity (out 0, lse -inf), without filling that
-        identity and reading it back (where a window splits a zigzag block into tasks, each row's first task stores
-        and later ones merge). Rows written to final are unspecified in out.
+        identity and reading it back: each row's first task stores (one task over the whole block but where a
+        window splits a zigzag block), later ones merge. Rows written to final are unspecified in out.
     """
-    tasks, whole = own_block_tasks(layout, rank, world_size, causal, q.shape[1], docs, window)
-    if whole:
-        task, kwargs = tasks[0]
-        return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, state_dtype(q), **kwargs,
-                       final=_task_final_rows(finished, finishing, 0, 1, task.q_rows))  # fmt: skip
+    tasks = own_block_tasks(layout, rank, world_size, causal, q.shape[1], docs, window)
     out = torch.empty(q.shape, dtype=state_dtype(q), device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=LSE_DTYPE, device=q.device)
     own = [HeldBlock(rank, k, v, (range(0, k.shape[1]),))]
@@ -350,24 +356,16 @@ def own_block_backward(
     Returns:
         dq, dk, dv shaped like q, k, v, in state_dtype(q) (dq's rows written to dq_finished unspecified).
     """
-    tasks, whole = own_block_tasks(layout, rank, world_size, causal, q.shape[1], docs, window)
+    tasks = own_block_tasks(layout, rank, world_size, causal, q.shape[1], docs, window)
     dq, dk, dv = (torch.empty(t.shape, dtype=state_dtype(q), device=t.device) for t in (q, k, v))
-    if not whole:  # a window over a zigzag shard: each row's first task stores, later ones add
-        own = HeldBlock(rank, k, v, (range(0, k.shape[1]),))
-        kv_written = _backward_tasks_(ops, tasks, own, softmax_scale, dout, q, out, lse, stats, dq, dk, dv, False,
-                                      dq_finished, finishing, add_dq=False)  # fmt: skip
-        for rows in _outside(range(0, q.shape[1]), [task.q_rows for task, _ in tasks]):  # rows no task reaches
-            _rows(dq, rows).zero_()
-        for rows in _outside(range(0, k.shape[1]), list(kv_written)):
-            _rows(dk, rows).zero_()
-            _rows(dv, rows).zero_()
-        return dq, dk, dv
-    task, kwargs = tasks[0]
-    return ops.bwd(
-        dout, q, k, v, out, lse, softmax_scale, task.mode is BlockMode.CAUSAL, stats=stats,
-        dq_acc=dq, dk_acc=dk, dv_acc=dv, **kwargs, add_dq=False, add_dkdv=False,
-        dq_final=_task_final_rows(dq_finished, finishing, 0, 1, task.q_rows),
-    )  # fmt: skip
+    own = HeldBlock(rank, k, v, (range(0, k.shape[1]),))
+    # each row's first task stores (one task over the whole block but where a window splits a zigzag block)
+    kv_written = _backward_tasks_(ops, tasks, own, softmax_scale, dout, q, out, lse, stats, dq, dk, dv, False,
+                                  dq_finished, finishing, add_dq=False)  # fmt: skip
+    # the rows no task reaches
+    _zero_rows_((dq,), _outside(range(0, q.shape[1]), [task.q_rows for task, _ in tasks]))
+    _zero_rows_((dk, dv), _outside(range(0, k.shape[1]), list(kv_written)))
+    return dq, dk, dv
 
 
 def _backward_tasks_(
@@ -395,8 +393,8 @@ def _backward_tasks_(
     q_written: list[range] = []
     for i, (task, kwargs) in enumerate(tasks):
         qs, kvs = task.q_rows, task.kv_rows
-        add = add_dkdv or not _store_first_(kvs, written, dk_acc, dv_acc)
-        add_q = add_dq or not _store_first_(qs, q_written, dq)
+        add = add_dkdv or not _first_reach(kvs, written, lambda new: _zero_rows_((dk_acc, dv_acc), new))
+        add_q = add_dq or not _first_reach(qs, q_written, lambda new: _zero_rows_((dq,), new))
         written.append(kvs)
         q_written.append(qs)
         ops.bwd(
@@ -418,16 +416,6 @@ def _backward_tasks_(
             dq_final=_task_final_rows(dq_finished, finishing, i, len(tasks), qs),
         )
     return union(written)
-
-
-def _store_first_(rows: range, written: list[range], *grads: torch.Tensor) -> bool:
-    """Whether a task reaching `rows` of `grads` (those of `written` already hold gradients) can store there: all of
-    them fresh. If only some are, those are zeroed here, for the task to add into."""
-    fresh = _uncovered(rows, written)
-    if len(fresh) != len(rows):
-        for g in grads:
-            _rows(g, fresh).zero_()
-    return len(fresh) == len(rows)
 
 
 def backward_step(
@@ -522,6 +510,35 @@ def chains_round_early(streams: tuple[KVStream, ...]) -> bool:
     from zero (at their first holder), and both come home in fp32 to be summed there (home_gradients)."""
     rows = [r for s in streams for r in s.rows]
     return sum(map(len, rows)) == sum(map(len, union(rows)))
+
+
+def start_chains(
+    dk: torch.Tensor, dv: torch.Tensor, streams: tuple[KVStream, ...]
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per stream, the dK/dV accumulators a block's chain starts with at its owner after step 0: the owner's share
+    (dk, dv (B, S_local, Hkv, D), from own_block_backward) in the stream's rows, or None where the chain starts from
+    zero at its first holder (chains_round_early)."""
+    early = chains_round_early(streams)
+    return [(pack_rows(dk, s.rows), pack_rows(dv, s.rows)) if early or i == 0 else None
+            for i, s in enumerate(streams)]  # fmt: skip
+
+
+def add_to_chain(
+    chain: tuple[torch.Tensor, torch.Tensor] | None,
+    share_k: torch.Tensor,
+    share_v: torch.Tensor,
+    rows: tuple[range, ...],
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's accumulators with a holder's share added (stored by backward_step, over `rows`): in place
+    (add_share_), or with `dtype` (the chain's last share, chains_round_early) rounded to it in the same pass
+    (add_share_rounded); a chain of None starts here, from zero."""
+    if chain is None:
+        chain = (torch.zeros_like(share_k), torch.zeros_like(share_v))
+    if dtype is not None:
+        return add_share_rounded(*chain, share_k, share_v, rows, dtype)
+    add_share_(*chain, share_k, share_v, rows)
+    return chain
 
 
 def home_gradients(

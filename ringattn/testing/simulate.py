@@ -3,7 +3,7 @@ tool for the ring's numerics and for the cost of its decomposition, not a runtim
 
 It runs the same schedule (schedule.ring_streams, schedule.block_tasks) and the same per-step
 code (parallel/steps.py: own_block_forward, own_block_backward at step 0; forward_step, backward_step,
-add_share_ after, home_gradients at the end) as the distributed loops in parallel/ring.py, with
+add_to_chain after, home_gradients at the end) as the distributed loops in parallel/ring.py, with
 the blocks that rank r would hold at step t taken from a list instead of received. Steps run in ring order
 and, within a step, ranks in order, so the dK/dV accumulator of every block collects its
 contributions in the order the real ring adds them: the results are bitwise those of the
@@ -18,8 +18,7 @@ from ..parallel.layout import check_layout, check_local_seqlen, check_seqlen, sh
 from ..parallel.schedule import held_blocks, ring_streams
 from ..parallel.steps import (
     HeldBlock,
-    add_share_,
-    add_share_rounded,
+    add_to_chain,
     backward_step,
     chains_round_early,
     finishing_plan,
@@ -28,6 +27,7 @@ from ..parallel.steps import (
     own_block_backward,
     own_block_forward,
     pack_rows,
+    start_chains,
     state_dtype,
 )
 
@@ -142,12 +142,11 @@ def simulate_ring_backward(
     if not streams:  # a window inside each rank's own block: no later share rounds them
         return [(dq_finished[r], *(g.to(grad_dtype) if grad_dtype else g for g in grads[r][1:]))
                 for r in range(world_size)]  # fmt: skip
-    round_early = chains_round_early(streams) and grad_dtype is not None
+    round_early = chains_round_early(streams) and grad_dtype is not None  # as the ring, rounding the last share
     packs = [[(pack_rows(k, st.rows), pack_rows(v, st.rows)) for k, v in zip(k_shards, v_shards, strict=True)]
              for st in streams]  # fmt: skip
     # chains[i][b]: the dK/dV accumulators of block b in stream i, as the ring passes them on (None: not started)
-    chains = [[(pack_rows(g[1], st.rows), pack_rows(g[2], st.rows)) if chains_round_early(streams) or i == 0
-               else None for g in grads] for i, st in enumerate(streams)]  # fmt: skip
+    chains = [list(c) for c in zip(*(start_chains(g[1], g[2], streams) for g in grads), strict=True)]
     shares = [tuple(torch.empty(t.shape, dtype=dq[0].dtype, device=t.device) for t in pack[0]) for pack in packs]
     for step in range(1, max(st.steps for st in streams) + 1):
         for rank in range(world_size):
@@ -160,12 +159,8 @@ def simulate_ring_backward(
                 dq_finished=dq_finished[rank], finishing=plans[rank][step], window=window,
             )  # fmt: skip
             for (i, kv), share_rows in zip(active, rows, strict=True):
-                acc = chains[i][kv] or tuple(torch.zeros_like(t) for t in shares[i])
-                if step == streams[i].steps and round_early:
-                    chains[i][kv] = add_share_rounded(*acc, *shares[i], share_rows, grad_dtype)
-                else:
-                    add_share_(*acc, *shares[i], share_rows)
-                    chains[i][kv] = acc
+                rounded = grad_dtype if step == streams[i].steps and round_early else None
+                chains[i][kv] = add_to_chain(chains[i][kv], *shares[i], share_rows, rounded)
     results = []
     for r in range(world_size):
         homes = [chains[i][r] for i in range(len(streams))]
