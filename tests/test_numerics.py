@@ -44,9 +44,9 @@ def test_fully_masked_rows_give_zero_output_and_grads_flash():
 
 class _QueryPaddingOps(AttnOps):
     """Block ops for which some query rows see no key, as padding tokens would: the first step's block output
-    is 0 with lse -inf there, and each later step leaves their running state untouched (merging a block
-    output 0 with lse -inf), so they stay (0, -inf) through every step, which the backward must carry.
-    `padded_rows(q_block)` gives the rows of a block (a view of one rank's queries) to mask."""
+    (fwd, or fwd_merge_ into a fresh state) is 0 with lse -inf there, and each later step leaves their running
+    state untouched (merging a block output 0 with lse -inf), so they stay (0, -inf) through every step, which the
+    backward must carry. `padded_rows(q_block)` gives the rows of a block (a view of one rank's queries) to mask."""
 
     def __new__(cls, ops: AttnOps, padded_rows):
         def fwd(q, k, v, softmax_scale, causal, out_dtype=None, final=None):
@@ -57,8 +57,14 @@ class _QueryPaddingOps(AttnOps):
             _keep_final(final, rows, 0.0)
             return out, lse
 
-        def fwd_merge_(q, k, v, softmax_scale, causal, out, lse, final=None):
+        def fwd_merge_(q, k, v, softmax_scale, causal, out, lse, final=None, fresh=False):
             rows = padded_rows(q)
+            if fresh:  # the state's first block: as fwd's output
+                ops.fwd_merge_(q, k, v, softmax_scale, causal, out, lse, final=final, fresh=True)
+                out[:, rows] = 0
+                lse[:, :, rows] = float("-inf")
+                _keep_final(final, rows, 0.0)
+                return
             kept_out, kept_lse = out[:, rows].clone(), lse[:, :, rows].clone()
             ops.fwd_merge_(q, k, v, softmax_scale, causal, out, lse, final=final)
             out[:, rows] = kept_out

@@ -49,10 +49,10 @@ class _DyingOps:
             os._exit(DEAD_EXIT_CODE)
         return op(*args, **kwargs)
 
-    def fwd(self, *args, **kwargs):  # step 0, the own block
+    def fwd(self, *args, **kwargs):  # a ring of one
         return self._block(REFERENCE_OPS.fwd, *args, **kwargs)
 
-    def fwd_merge_(self, *args, **kwargs):  # later steps
+    def fwd_merge_(self, *args, **kwargs):  # every step of a ring of more
         return self._block(REFERENCE_OPS.fwd_merge_, *args, **kwargs)
 
 
