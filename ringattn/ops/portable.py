@@ -113,7 +113,7 @@ def _bwd_common(call: BwdCall) -> tuple[tuple, dict]:
     return band, dict(
         GROUP_SIZE=call.q.shape[2] // call.k.shape[2], HEAD_DIM=call.q.shape[-1],
         BLOCK_D=padded_head_dim(call.q.shape[-1]), **band_flags, HAS_DOCS=call.q_doc_ids is not None,
-        DOT_PRECISION=_dot_precision(call.q.dtype),
+        DOT_PRECISION=_dot_precision(call.q.dtype), LSE_LO=call.q.element_size() > 2,  # 16-bit: hi alone
         enable_fp_fusion=True,  # as the forward's: triton's default (fused multiply-adds on) will flip
     )  # fmt: skip
 

@@ -10,7 +10,8 @@ With ACCUMULATE the gradients are added to what the output buffers hold (the rin
 accumulators); with HAS_FINAL_ROWS the dQ rows the ring finishes go rounded to their own buffer.
 P = exp2((s * scale - lse2_hi) - lse2_lo): the row's normaliser lse * log2(e) (from the forward's float64 lse)
 split into fp32 hi + lo, so that P is as exact as fp32 scores allow at any |lse| (one fp32 lse would carry half
-an ulp of |lse|: 2.4e-4 at 4096). Rows whose lse is -inf (every key masked) get lse2_hi = +inf: P = 0
+an ulp of |lse|: 2.4e-4 at 4096). 16-bit inputs leave lse2_lo unread (LSE_LO false), as the Hopper kernels do
+(kernels/sm90/attn_bwd_gluon.py says why): one add a score less. Rows whose lse is -inf (every key masked) get lse2_hi = +inf: P = 0
 everywhere, so they give zero gradients. HAS_DOCS masks pairs of different documents and skips tiles whose documents do
 not meet, LOWER and UPPER mask a sliding window's (or causal's) edges and skip tiles outside it, as
 in the forward; with SOFTCAP, dS gains tanh's derivative 1 - t^2. Derivation in docs/design.md.
@@ -64,12 +65,15 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _load_row_stats(stats_base, stride_stat, offs_m, seqlen_q):
+def _load_row_stats(stats_base, stride_stat, offs_m, seqlen_q, LSE_LO: tl.constexpr):
     """(lse2_hi, lse2_lo, delta) of rows offs_m from the row stats at stats_base (planes stride_stat apart); rows
-    past seqlen_q get lse2_hi = +inf (P = 0)."""
+    past seqlen_q get lse2_hi = +inf (P = 0). Without LSE_LO, lse2_lo is zeros, not loaded (and not used)."""
     mask_m = offs_m < seqlen_q
     lse2_hi = tl.load(stats_base + offs_m, mask=mask_m, other=float("inf"))
-    lse2_lo = tl.load(stats_base + stride_stat + offs_m, mask=mask_m, other=0.0)
+    if LSE_LO:
+        lse2_lo = tl.load(stats_base + stride_stat + offs_m, mask=mask_m, other=0.0)
+    else:
+        lse2_lo = tl.zeros_like(lse2_hi)
     delta = tl.load(stats_base + 2 * stride_stat + offs_m, mask=mask_m, other=0.0)
     return lse2_hi, lse2_lo, delta
 
@@ -79,7 +83,7 @@ def _attn_bwd_dkdv_tile(
     dk, dv, k, v, k_doc, q_base, do_base, stats_base, stride_stat, QDoc, stride_qm, stride_dom,
     offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add the Q tile at m0's share to dK (unscaled) and dV of one K/V tile.
 
@@ -91,7 +95,7 @@ def _attn_bwd_dkdv_tile(
     rows = offs_m[:, None].to(tl.int64)
     q = tl.load(q_base + rows * stride_qm + offs_d[None, :], mask=row_mask, other=0.0)
     do = tl.load(do_base + rows * stride_dom + offs_d[None, :], mask=row_mask, other=0.0)
-    lse2_hi, lse2_lo, delta = _load_row_stats(stats_base, stride_stat, offs_m, seqlen_q)
+    lse2_hi, lse2_lo, delta = _load_row_stats(stats_base, stride_stat, offs_m, seqlen_q, LSE_LO)
     t = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP)  # (BLOCK_M, BLOCK_N)
     x = t * qk_scale - lse2_hi[:, None]  # one FMA a score
     if MASKED:  # mask the exponents, not P: exp2 of a masked score past fp32's range would be inf
@@ -102,7 +106,9 @@ def _attn_bwd_dkdv_tile(
     if DOCS:
         q_doc = tl.load(QDoc + offs_m, mask=offs_m < seqlen_q, other=-1)
         x = tl.where(q_doc[:, None] == k_doc[None, :], x, float("-inf"))
-    p = tl.math.exp2(x - lse2_lo[:, None])  # masked: exp2(-inf) = 0
+    if LSE_LO:
+        x = x - lse2_lo[:, None]
+    p = tl.math.exp2(x)  # masked: exp2(-inf) = 0
     dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
@@ -117,7 +123,7 @@ def _attn_bwd_dkdv_tiles(
     dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
     stride_qm, stride_dom, offs_n, offs_d, mask_d, start_m, end_m, seqlen_q, lower, upper, qk_scale, cap_scale,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Q tiles [start_m, end_m); DOCS skips tiles whose document span misses [k_doc_first, k_doc_last]."""
     for m0 in range(start_m, end_m, BLOCK_M):
@@ -127,13 +133,13 @@ def _attn_bwd_dkdv_tiles(
                 dk, dv = _attn_bwd_dkdv_tile(
                     dk, dv, k, v, k_doc, q_base, do_base, stats_base, stride_stat, QDoc, stride_qm, stride_dom,
                     offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
-                    BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, DOT_PRECISION,
+                    BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, LSE_LO, DOT_PRECISION,
                 )
         else:
             dk, dv = _attn_bwd_dkdv_tile(
                 dk, dv, k, v, k_doc, q_base, do_base, stats_base, stride_stat, QDoc, stride_qm, stride_dom,
                 offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
-                BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, DOT_PRECISION,
+                BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, LSE_LO, DOT_PRECISION,
             )
     return dk, dv
 
@@ -152,7 +158,7 @@ def _attn_bwd_dkdv_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) for one BLOCK_N tile of keys of one (batch, kv head).
 
@@ -217,17 +223,17 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _attn_bwd_dkdv_tiles(
                 dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
                 stride_qs, stride_dos, offs_n, offs_d, mask_d, start_m, tl.minimum(full_start, end_m), seqlen_q,
-                lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
+                lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, False, SOFTCAP, LSE_LO, DOT_PRECISION,
             )
         dk, dv = _attn_bwd_dkdv_tiles(
             dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
             stride_qs, stride_dos, offs_n, offs_d, mask_d, full_start, full_end, seqlen_q,
-            lower, upper, qk_scale, cap_scale, BLOCK_M, False, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
+            lower, upper, qk_scale, cap_scale, BLOCK_M, False, LOWER, UPPER, False, SOFTCAP, LSE_LO, DOT_PRECISION,
         )
         dk, dv = _attn_bwd_dkdv_tiles(
             dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
             stride_qs, stride_dos, offs_n, offs_d, mask_d, tl.maximum(full_start, full_end), end_m, seqlen_q,
-            lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, DOT_PRECISION,
+            lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, LSE_LO, DOT_PRECISION,
         )
 
     dk = dk * sm_scale
@@ -245,7 +251,7 @@ def _attn_bwd_dq_tile(
     dq, q, do, lse2_hi, lse2_lo, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn,
     offs_m, offs_d, mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add the key tile at n0's share to dQ (unscaled) of one Q tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -255,7 +261,9 @@ def _attn_bwd_dq_tile(
     if MASKED:  # mask the exponents, not P (as in the dK/dV kernel)
         visible = _key_tile_visible(offs_m, offs_n, seqlen_k, lower, upper, q_doc, KDoc, LOWER, UPPER, DOCS)
         x = tl.where(visible, x, float("-inf"))
-    p = tl.math.exp2(x - lse2_lo[:, None])
+    if LSE_LO:
+        x = x - lse2_lo[:, None]
+    p = tl.math.exp2(x)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
@@ -268,7 +276,7 @@ def _attn_bwd_dq_tiles(
     dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_kn,
     stride_vn, offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, lower, upper, qk_scale, cap_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Key tiles [start_n, end_n); DOCS skips tiles whose document span misses [q_doc_first, q_doc_last]."""
     for n0 in range(start_n, end_n, BLOCK_N):
@@ -278,13 +286,13 @@ def _attn_bwd_dq_tiles(
                 dq = _attn_bwd_dq_tile(
                     dq, q, do, lse2_hi, lse2_lo, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m,
                     offs_d, mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, BLOCK_N, MASKED, LOWER, UPPER,
-                    DOCS, SOFTCAP, DOT_PRECISION,
+                    DOCS, SOFTCAP, LSE_LO, DOT_PRECISION,
                 )
         else:
             dq = _attn_bwd_dq_tile(
                 dq, q, do, lse2_hi, lse2_lo, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m, offs_d,
                 mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, BLOCK_N, MASKED, LOWER, UPPER, DOCS,
-                SOFTCAP, DOT_PRECISION,
+                SOFTCAP, LSE_LO, DOT_PRECISION,
             )
     return dq
 
@@ -297,7 +305,8 @@ def _attn_bwd_dq_kernel(
     sm_scale, stride_qdb, stride_kdb,
     final_lo, final_hi, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr, LSE_LO: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dQ (B, Sq, Hq, HEAD_DIM) for one BLOCK_M tile of rows of one (batch, q head).
 
@@ -325,7 +334,7 @@ def _attn_bwd_dq_kernel(
     do_ptrs = DOut + off_b * stride_dob + off_hq * stride_doh + rows * stride_dos + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_mask, other=0.0)
     do = tl.load(do_ptrs, mask=row_mask, other=0.0)
-    lse2_hi, lse2_lo, delta = _load_row_stats(Stats + off_bh * seqlen_q, stride_stat, offs_m, seqlen_q)
+    lse2_hi, lse2_lo, delta = _load_row_stats(Stats + off_bh * seqlen_q, stride_stat, offs_m, seqlen_q, LSE_LO)
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -340,17 +349,17 @@ def _attn_bwd_dq_kernel(
         dq = _attn_bwd_dq_tiles(
             dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks,
             stride_vs, offs_m, offs_d, mask_d, start_n, tl.minimum(full_start, end_n), seqlen_k, lower, upper, qk_scale,
-            cap_scale, BLOCK_N, True, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
+            cap_scale, BLOCK_N, True, LOWER, UPPER, False, SOFTCAP, LSE_LO, DOT_PRECISION,
         )
     dq = _attn_bwd_dq_tiles(
         dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
         offs_m, offs_d, mask_d, full_start, full_end, seqlen_k, lower, upper, qk_scale, cap_scale,
-        BLOCK_N, False, LOWER, UPPER, False, SOFTCAP, DOT_PRECISION,
+        BLOCK_N, False, LOWER, UPPER, False, SOFTCAP, LSE_LO, DOT_PRECISION,
     )
     dq = _attn_bwd_dq_tiles(
         dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
         offs_m, offs_d, mask_d, tl.maximum(full_start, full_end), end_n, seqlen_k, lower, upper, qk_scale,
-        cap_scale, BLOCK_N, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, DOT_PRECISION,
+        cap_scale, BLOCK_N, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, LSE_LO, DOT_PRECISION,
     )
 
     dq = dq * sm_scale
