@@ -11,10 +11,10 @@ accumulators); with HAS_FINAL_ROWS the dQ rows the ring finishes go rounded to t
 P = exp2((s * scale - lse2_hi) - lse2_lo): the row's normaliser lse * log2(e) (from the forward's float64 lse)
 split into fp32 hi + lo, so that P is as exact as fp32 scores allow at any |lse| (one fp32 lse would carry half
 an ulp of |lse|: 2.4e-4 at 4096). 16-bit inputs leave lse2_lo unread (LSE_LO false), as the Hopper kernels do
-(kernels/sm90/attn_bwd_gluon.py says why): one add a score less. Rows whose lse is -inf (every key masked) get lse2_hi = +inf: P = 0
-everywhere, so they give zero gradients. HAS_DOCS masks pairs of different documents and skips tiles whose documents do
-not meet, LOWER and UPPER mask a sliding window's (or causal's) edges and skip tiles outside it, as
-in the forward; with SOFTCAP, dS gains tanh's derivative 1 - t^2. Derivation in docs/design.md.
+(kernels/sm90/attn_bwd_gluon.py says why): one add a score less. Rows whose lse is -inf (every key masked) get
+lse2_hi = +inf: P = 0 everywhere, so they give zero gradients. HAS_DOCS masks pairs of different documents and
+skips tiles whose documents do not meet, LOWER and UPPER mask a sliding window's (or causal's) edges and skip tiles
+outside it, as in the forward; with SOFTCAP, dS gains tanh's derivative 1 - t^2. Derivation in docs/design.md.
 """
 
 import triton
