@@ -74,10 +74,13 @@ def key_band(
     causal: bool, window: tuple[int | None, int | None], seqlen_q: int, seqlen_k: int
 ) -> tuple[int | None, int | None]:
     """(lower, upper): row i sees keys j with i + lower <= j <= i + upper, None where that side has no limit, for
-    a call's causal flag and window (module docstring) at lengths Sq, Sk."""
+    a call's causal flag and window (module docstring) at lengths Sq, Sk. A side that cuts no (row, key) pair is
+    None too, so that a window of any size (sys.maxsize for no limit) gives the kernels bounds within the lengths."""
     left, right = causal_window(causal, window)
     shift = seqlen_k - seqlen_q
-    return (None if left is None else shift - left), (None if right is None else shift + right)
+    lower = None if left is None or shift - left <= 1 - seqlen_q else shift - left
+    upper = None if right is None or shift + right >= seqlen_k - 1 else shift + right
+    return lower, upper
 
 
 def plain_scores(call: "FwdCall | BwdCall") -> bool:

@@ -1,6 +1,8 @@
 """Sliding windows and logit soft-capping through flash_attn_func and the launchers, against a float64 reference
 under the tolerance rule; flash-attn's argument checks."""
 
+import sys
+
 import pytest
 import torch
 
@@ -93,6 +95,32 @@ def test_key_band_combines_causal_and_the_window():
     assert key_band(True, (None, None), 5, 9) == (None, 4)
     assert key_band(True, (3, 2), 5, 9) == (1, 4)  # causal caps the right side at 0
     assert key_band(False, (3, 2), 9, 5) == (-7, -2)
+    assert key_band(False, (8, 8), 9, 5) == (None, None)  # sides that cut no pair are no limit
+    assert key_band(False, (3, 3), 9, 5) == (-7, -1)
+    assert key_band(False, (4, 4), 9, 5) == (None, 0)
+    assert key_band(True, (sys.maxsize, sys.maxsize), 24, 8) == (None, -16)
+
+
+def _fwd_bwd(q, k, v, dout, causal, window_size):
+    """(out, lse, dq, dk, dv) of flash_attn_func."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.flash_attn_func(q, k, v, causal=causal, window_size=window_size, return_lse=True)
+    out.backward(dout)
+    return out, lse, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(16, 16), (24, 8), (8, 24)], ids=str)
+def test_windows_of_any_size_give_the_unlimited_sides_bits(seqlen_q, seqlen_k):
+    """Regression: a side near 2**63 (sys.maxsize as "no limit") overflowed the kernels' band arithmetic (a wrong
+    out silently, or an OverflowError naming no argument); a side at least as long as the sequences is no limit."""
+    q, k, v, dout = make_qkv(1, seqlen_q, seqlen_k, 2, 1, 32, DTYPES[0], seed=seqlen_q)
+    huge = sys.maxsize
+    for window, same_as in [((-1, huge), (-1, -1)), ((huge, -1), (-1, -1)), ((huge, huge), (-1, -1)),
+                            ((4, huge), (4, -1)), ((huge, 3), (-1, 3)), ((2**40, 2**40), (-1, -1))]:  # fmt: skip
+        for causal in (False, True):
+            ours, want = (_fwd_bwd(q, k, v, dout, causal, w) for w in (window, same_as))
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, want, strict=True):
+                assert torch.equal(a, b), (window, causal, name)
 
 
 def _q():
