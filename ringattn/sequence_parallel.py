@@ -27,6 +27,7 @@ reduces the loss and the gradients over every rank of the grid.
 """
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from .functional import ring_attn_func, ring_attn_varlen_func
-from .parallel.agreement import check_agreement, shared_refusals
+from .parallel.agreement import check_agreement, gather_on_cpu, shared_refusals
 from .parallel.documents import (
     check_cu_seqlens,
     cu_seqlens_from_position_ids,
@@ -179,24 +180,55 @@ def cross_entropy(
         grad_reduction: "sum" or "mean", how the parameter gradients will be combined over the group.
     Returns:
         a 0-dim tensor in fp32 (float64 for float64 logits).
-    Raises:
-        ValueError: labels' shape does not match logits' leading dims; unknown grad_reduction.
+    Raises (on every rank of the group, whichever rank's input is wrong):
+        TypeError: logits not a floating tensor, labels not an integer tensor.
+        ValueError: labels' shape does not match logits' leading dims; a label outside [0, vocab) that is not
+            ignore_index; unknown grad_reduction.
         RuntimeError: torch.distributed not initialised.
     """
-    return _cross_entropy(logits, labels, [ring_group(group)], ignore_index, grad_reduction)
+    group = ring_group(group)
+    with shared_refusals("cross_entropy", group):
+        _check_cross_entropy(logits, labels, ignore_index, grad_reduction)
+    check_agreement("cross_entropy", None, group)
+    return _cross_entropy(logits, labels, [group], ignore_index, grad_reduction)
 
 
-def _cross_entropy(logits, labels, groups: list, ignore_index: int, grad_reduction: str) -> torch.Tensor:
-    """cross_entropy with its counts summed over each group of `groups` in turn (None: the world): one group, or a
-    grid's Ulysses group and ring; the gradient scale of "mean" is the product of their sizes."""
+def _check_cross_entropy(logits, labels, ignore_index: int, grad_reduction: str) -> None:
+    """cross_entropy's local checks. The labels' range is checked (one host sync) except while torch.compile traces:
+    on a GPU, F.cross_entropy would stop the process on a device-side assert."""
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        raise TypeError(f"logits must be a floating tensor of shape (..., vocab), got {_described(logits)}")
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() or (
+        labels.dtype == torch.bool
+    ):
+        raise TypeError(f"labels must be an integer tensor, got {_described(labels)}")
     if labels.shape != logits.shape[:-1]:
         raise ValueError(
             f"labels must have logits' leading shape {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}"
         )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cross_entropy is a collective: it needs torch.distributed initialised")
+    vocab = logits.shape[-1]
+    if not torch.compiler.is_compiling():
+        outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+        if outside.any():
+            raise ValueError(
+                f"labels must be in [0, {vocab}) (logits' vocab) or ignore_index ({ignore_index}), got "
+                f"{labels[outside][0].item()}"
+            )
+
+
+def _described(x) -> str:
+    """A tensor's dtype and shape, or another value's type, for an error message."""
+    return f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _cross_entropy(logits, labels, groups: list, ignore_index: int, grad_reduction: str) -> torch.Tensor:
+    """cross_entropy, its checks passed, with its counts summed over each group of `groups` in turn (None: the
+    world): one group, or a grid's Ulysses group and ring; the gradient scale of "mean" is the product of their
+    sizes."""
     compute_dtype = torch.promote_types(logits.dtype, torch.float32)
     flat_logits = logits.reshape(-1, logits.shape[-1]).to(compute_dtype)
     flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.int64)
@@ -211,25 +243,60 @@ def _cross_entropy(logits, labels, groups: list, ignore_index: int, grad_reducti
 
 
 def sync_gradients(parameters, group: Group = None) -> None:
-    """Sum each parameter's .grad over the group, in place (parameters without a gradient are skipped).
+    """Sum each parameter's .grad over the group, in place.
 
     Each rank's gradients cover its own tokens; their sum is the unsharded gradient (pair it with
-    cross_entropy(..., grad_reduction="sum")). Every rank must pass the same parameters in the same order.
+    cross_entropy(..., grad_reduction="sum")). A parameter without a gradient on some ranks only (a layer no token
+    of their shards reached, an MoE expert no token was routed to) counts as zeros there, and gets the sum as its
+    .grad on every rank; one without a gradient on every rank is left without. Two small exchanges on the group's
+    CPU channel (parameters and which have gradients), then one all-reduce per dtype and device.
 
     Args:
-        parameters: an nn.Module or an iterable of parameters.
+        parameters: an nn.Module or an iterable of parameters, the same on every rank, in the same order.
         group: the sequence-parallel group (default: the world), or a 1-D DeviceMesh.
+    Raises:
+        ValueError: the ranks passed different parameters (their number, shapes or dtypes), on every rank.
+        RuntimeError: a rank did not take part within the P2P timeout.
     """
     _sync_gradients(parameters, [ring_group(group)])
+
+
+def _gradients_present(params: list, groups: list) -> list[bool]:
+    """Which of `params` have a gradient on some rank of `groups` (in turn, so every rank of a grid), once every
+    rank is known to pass the same parameters: the headers (count, a CRC of the shapes and dtypes, and whether a
+    mismatch was seen) travel the groups, then the Ulysses group again for a grid, so that a mismatch seen by any
+    ring reaches every rank."""
+    layout = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
+    header = torch.tensor([len(params), zlib.crc32(layout), 0], dtype=torch.int64)
+    for group in groups + groups[:-1]:
+        rows = gather_on_cpu(header, group, "sync_gradients' check of the parameters")
+        header[2] = int(bool(rows[:, 2].any()) or not bool((rows[:, :2] == header[:2]).all()))
+    if header[2]:
+        raise ValueError(
+            "sync_gradients needs the same parameters on every rank, in the same order: their number, shapes or "
+            "dtypes differ between ranks"
+        )
+    if not params:
+        return []
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int64)
+    for group in groups:
+        present = gather_on_cpu(present, group, "sync_gradients' exchange of the gradients present").amax(0)
+    return present.bool().tolist()
 
 
 def _sync_gradients(parameters, groups: list) -> None:
     """sync_gradients summing over each group of `groups` in turn (None: the world)."""
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return
+    params = list(parameters)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("sync_gradients is a collective: it needs torch.distributed initialised")
+    grads = []
+    for p, present in zip(params, _gradients_present(params, groups), strict=True):
+        if present and p.grad is None:
+            p.grad = torch.zeros_like(p)  # no gradient on this rank: its share is zero
+        if present:
+            grads.append(p.grad)
     # one all-reduce per dtype and device over a flat buffer, not one per parameter
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in grads:
@@ -624,6 +691,8 @@ class SequenceParallel:
     ) -> torch.Tensor:
         """The unsharded mean loss from this rank's logits and shifted labels (module-level cross_entropy), its
         counts summed over the group (over every rank of the grid; grad_reduction="mean" scales by U x R)."""
+        self._agreed("SequenceParallel.cross_entropy",
+                     lambda: _check_cross_entropy(logits, labels, ignore_index, grad_reduction))  # fmt: skip
         return _cross_entropy(logits, labels, self._groups(), ignore_index, grad_reduction)
 
     def sync_gradients(self, parameters) -> None:

@@ -387,27 +387,70 @@ def _toolkit_refusals_on_one_rank(rank, world_size):
     input_ids = torch.zeros(2, 12, dtype=torch.int64)
     q = torch.zeros(1, 4, 2, 8) if rank != 1 else torch.zeros(4, 2, 8)
     cu_seqlens = torch.tensor([0, 3, 4 * world_size], dtype=torch.int32)
+    logits = torch.zeros(2, 6, 5)
+    labels = torch.zeros(2, 6, dtype=torch.int64)
+    out_of_vocab = labels.clone()
+    out_of_vocab[1, 2] = 5 if rank == 1 else 0
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3 if rank == 1 else 2)]
     cases = {
         "shard_batch-labels": lambda: sp.shard_batch(input_ids, input_ids[:, : 11 if rank == 1 else 12]),
         "attention-dims": lambda: sp.attention(q, q, q, cu_seqlens, causal=True),
+        "cross_entropy-labels": lambda: sp.cross_entropy(logits, labels[:, : 5 if rank == 1 else 6]),
+        "cross_entropy-vocab": lambda: cross_entropy(logits, out_of_vocab),
+        "sync_gradients-parameters": lambda: sp.sync_gradients(params),
     }
-    return raised_errors(cases)
+    results = raised_errors(cases)
+    float_labels = labels.double() if rank == 1 else labels
+    results.update(raised_errors({"cross_entropy-dtype": lambda: cross_entropy(logits, float_labels)}, TypeError))
+    return results
 
 
 def test_a_refusal_of_the_toolkit_on_one_rank_is_raised_by_every_rank():
     """Regression: SequenceParallel.shard_batch's and attention's input checks raised only on the rank whose input
     was bad (labels of another length, a q without its batch dim), while its peers waited in the next collective
-    until the timeout. Now every rank raises the same ValueError, naming the refusing rank, within a second."""
+    until the timeout; so did cross_entropy's (labels of another shape or dtype, a label outside the vocab), and
+    sync_gradients with another parameter list aborted gloo. Now every rank raises the same error, naming the
+    refusing rank, within a second."""
     results = run_ranks(_toolkit_refusals_on_one_rank, 2)
     expected = {
         "shard_batch-labels": "SequenceParallel.shard_batch refused on group rank 1 of 2: labels must have "
         "input_ids' (batch, seqlen) (2, 12), got (2, 11)",
         "attention-dims": "SequenceParallel.attention refused on group rank 1 of 2: attention needs q of shape "
         "(batch, S_local, heads, headdim), got (4, 2, 8)",
+        "cross_entropy-labels": "SequenceParallel.cross_entropy refused on group rank 1 of 2: labels must have "
+        "logits' leading shape (2, 6), got (2, 5)",
+        "cross_entropy-vocab": "cross_entropy refused on group rank 1 of 2: labels must be in [0, 5) (logits' "
+        "vocab) or ignore_index (-100), got 5",
+        "sync_gradients-parameters": "sync_gradients needs the same parameters on every rank, in the same order",
+        "cross_entropy-dtype": "cross_entropy refused on group rank 1 of 2: labels must be an integer tensor, got "
+        "torch.float64 of shape (2, 6)",
     }
     for name, text in expected.items():
         assert results[0][name][0] == results[1][name][0] and text in results[0][name][0], results
         assert all(r[name][1] < 1.0 for r in results), results
+
+
+def _gradients_on_some_ranks(rank, world_size):
+    """Parameters with a gradient on some ranks only, of two dtypes: the sums as if the others held zeros."""
+    params = {name: torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for name, n, dtype in
+              (("a", 4, torch.float32), ("b", 3, torch.float32), ("c", 2, torch.float64), ("d", 5, torch.float64),
+               ("e", 4, torch.float32))}  # fmt: skip
+    if rank == 0:
+        params["a"].grad = torch.full((4,), 1.0)  # rank 0 only
+    params["b"].grad = torch.full((3,), 10.0 * (rank + 1))  # every rank
+    if rank > 0:
+        params["d"].grad = torch.full((5,), float(rank), dtype=torch.float64)  # all but rank 0
+    sync_gradients(list(params.values()))  # c: no gradient anywhere
+    return {name: None if p.grad is None else p.grad.tolist() for name, p in params.items()}
+
+
+def test_gradients_present_on_some_ranks_only_are_summed_as_zeros_elsewhere():
+    """Regression: sync_gradients all-reduced each rank's gradients present as one flat buffer, so a parameter with
+    a gradient on some ranks only (an MoE expert no token of a shard was routed to) summed other parameters'
+    gradients into it silently (equal buffer sizes), or aborted gloo. Now it is a zero share where absent."""
+    results = run_ranks(_gradients_on_some_ranks, 3)
+    for r in results:
+        assert r == dict(a=[1.0] * 4, b=[60.0] * 3, c=None, d=[3.0] * 5, e=None), results
 
 
 def _different_batches_raise_on_every_rank(rank, world_size, backend):

@@ -369,6 +369,13 @@ def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, timeout_s:
     return gathered if order is None else gathered[order]
 
 
+def gather_on_cpu(local: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
+    """(W, n): every group rank's `local` (a CPU tensor of n elements on every rank), in group-rank order, over the
+    group's CPU channel (cpu_channel): metadata a collective must agree on before its data moves. Raises
+    RuntimeError naming `what` when a rank does not take part within the P2P timeout."""
+    return _all_gather(local, group, p2p_timeout_s(), what)
+
+
 def _exchanges(group: dist.ProcessGroup | None) -> bool:
     """Whether calls on `group` exchange headers: $RINGATTN_AGREEMENT is not "off", torch.distributed is
     initialised, and `group` is None or a ProcessGroup of 2 or more ranks. Raises ValueError for an unknown
