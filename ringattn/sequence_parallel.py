@@ -200,9 +200,8 @@ def _check_cross_entropy(logits, labels, ignore_index: int, grad_reduction: str)
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
         raise TypeError(f"logits must be a floating tensor of shape (..., vocab), got {_described(logits)}")
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() or (
-        labels.dtype == torch.bool
-    ):
+    integer = isinstance(labels, torch.Tensor) and not (labels.is_floating_point() or labels.is_complex())
+    if not integer or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got {_described(labels)}")
     if labels.shape != logits.shape[:-1]:
         raise ValueError(
