@@ -5,7 +5,8 @@ The ring runs as two torch.library custom ops with fake implementations, ringatt
 its backward runs ringattn::ring_attn_bwd), so that torch.compile, with fullgraph=True or not, sees one call per
 direction and never the collectives, the host-side schedule or the launchers (docs/design.md, section 7). The checks
 that read only Python values and tensor metadata run before the op, in Python; those that need the group, the
-environment or tensor values, and the agreement exchange, run inside it, at every call.
+environment or tensor values, and the agreement exchange, run inside it, at every call. flash_attn_varlen_func reads
+its boundaries' values in a custom op of its own, ringattn::varlen_doc_ids, for the same reason.
 
 Signatures follow flash-attn's (2.x), in its argument order: tensors are (batch, seqlen, nheads, headdim); GQA/MQA
 by passing fewer K/V heads; lse is (batch, nheads, seqlen) fp32 in natural log. flash-attn's dropout_p,
@@ -219,33 +220,60 @@ def _check_3d(q, k, v, rows: str) -> None:
 
 def _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, same_bounds: bool):
     """The (total_q,) and (total_k,) int32 sequence ids of flash_attn_varlen_func's rows, after checking its
-    boundaries and max lengths; same_bounds (causal or a window) needs cu_seqlens_q equal to cu_seqlens_k."""
-    ids, bounds = [], []
+    boundaries and max lengths; same_bounds (causal or a window) needs cu_seqlens_q equal to cu_seqlens_k. The checks
+    of metadata run here (traced by torch.compile), those of values in ringattn::varlen_doc_ids."""
     for name, cu, max_name, max_len, t in (
         ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q),
         ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, k),
     ):
-        check_cu_seqlens(cu, t.shape[0], name=name)
+        check_cu_seqlens_tensor(cu, name)
         if cu.device != t.device:
             raise ValueError(f"{name} must be on {t.device}, got {cu.device}")
         if isinstance(max_len, bool) or not isinstance(max_len, int):
             raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got {cu_seqlens_q.numel() - 1} "
+            f"and {cu_seqlens_k.numel() - 1}"
+        )
+    return varlen_doc_ids_op(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0],
+                             same_bounds)  # fmt: skip
+
+
+@torch.library.custom_op("ringattn::varlen_doc_ids", mutates_args=())
+def varlen_doc_ids_op(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    total_q: int,
+    total_k: int,
+    same_bounds: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_varlen_func's checks of the boundaries' values (each from 0 to its total, strictly increasing,
+    no sequence longer than its max_seqlen; the same with same_bounds), then the (total_q,), (total_k,) int32
+    sequence id of every row, on the boundaries' device."""
+    bounds = []
+    for name, cu, max_name, max_len, total in (
+        ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, total_q),
+        ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, total_k),
+    ):
+        check_cu_seqlens(cu, total, name=name)
         bounds.append(cu.cpu().to(torch.int64))
         longest = int((bounds[-1][1:] - bounds[-1][:-1]).max())
         if max_len < longest:
             raise ValueError(f"{max_name} must be at least the longest sequence of {name}, {longest}; got {max_len}")
-        ids.append(document_ids(cu, t.shape[0]))
-    if len(bounds[0]) != len(bounds[1]):
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got {len(bounds[0]) - 1} and "
-            f"{len(bounds[1]) - 1}"
-        )
     if same_bounds and not torch.equal(*bounds):
         raise ValueError(
             "causal and window_size need cu_seqlens_q equal to cu_seqlens_k (per-sequence bottom-right alignment "
             "of different query and key lengths is not supported)"
         )
-    return ids
+    return document_ids(cu_seqlens_q, total_q), document_ids(cu_seqlens_k, total_k)
+
+
+@varlen_doc_ids_op.register_fake
+def _varlen_doc_ids_fake(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k, same_bounds):
+    return tuple(torch.empty(n, dtype=torch.int32, device=cu_seqlens_q.device) for n in (total_q, total_k))
 
 
 def check_ring_inputs(

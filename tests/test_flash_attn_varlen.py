@@ -81,3 +81,27 @@ def test_varlen_bad_arguments_raise(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         ringattn.flash_attn_varlen_func(**args)
+
+
+def test_varlen_compiles_with_fullgraph_and_checks_values_at_every_call():
+    """Regression: torch.compile(fullgraph=True) of flash_attn_varlen_func failed ("Could not guard on
+    data-dependent expression"): the boundaries' values were read in Python. They are read in the custom op
+    ringattn::varlen_doc_ids now, so the compiled call gives eager's bits, forward and backward, and a bad value
+    (a sequence longer than max_seqlen) is still refused by the compiled call."""
+
+    def call(q, k, v, cu, max_seqlen):
+        return ringattn.flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True)
+
+    q, k, v, dout = (t[0] for t in make_qkv(1, 16, 16, 2, 1, 32, DTYPE, seed=16))
+    cu = torch.tensor([0, 5, 13, 16], dtype=torch.int32, device=DEVICE)
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (call, compiled):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, cu, 8)
+        out.backward(dout)
+        results.append((out, *(t.grad for t in leaves)))
+    for name, eager, traced in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.equal(eager, traced), name
+    with pytest.raises(ValueError, match="max_seqlen_q must be at least the longest sequence of cu_seqlens_q, 8"):
+        compiled(q, k, v, cu, 7)
