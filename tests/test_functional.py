@@ -71,6 +71,8 @@ CASES = [
     Case("scale-negative", dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive finite number"),
     Case("scale-nan", dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be a positive finite number"),
     Case("scale-string", dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a number or None, got str"),
+    Case("scale-requires-grad", dict(softmax_scale=torch.tensor(0.3, requires_grad=True)), TypeError,
+         "softmax_scale must not require grad: ringattn computes no gradient for it"),
     Case("ring-q-kv-lengths", dict(k_shape=(1, 4, 2, 32), v_shape=(1, 4, 2, 32)), ValueError,
          "q, k and v must hold the same local sequence length in a ring, got q 8, k/v 4", ring_only=True),
     Case("ring-layout", dict(layout="striped"), ValueError, "layout must be one of", ring_only=True),

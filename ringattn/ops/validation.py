@@ -108,11 +108,17 @@ def check_softmax_scale(softmax_scale) -> float | None:
     """softmax_scale as a float, or None (the default, 1 / sqrt(headdim)).
 
     Raises:
-        TypeError: not a number (a bool, a string, a tensor of more than one element).
+        TypeError: not a number (a bool, a string, a tensor of more than one element, or one that requires grad:
+            no gradient flows to the scale).
         ValueError: not positive and finite, or outside the float32 range of the kernels (check_float32_factor).
     """
     if softmax_scale is None:
         return None
+    if isinstance(softmax_scale, torch.Tensor) and softmax_scale.requires_grad:
+        raise TypeError(
+            "softmax_scale must not require grad: ringattn computes no gradient for it (pass a float, or a "
+            "detached tensor)"
+        )
     try:
         if isinstance(softmax_scale, bool | str | bytes):
             raise TypeError

@@ -14,7 +14,7 @@ import hashlib
 
 import torch
 
-from .layout import shard_indices
+from .layout import check_multiple, shard_indices
 
 _SHARD_DOCUMENTS: dict[tuple, "ShardDocuments"] = {}
 
@@ -132,7 +132,13 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tenso
     The padding tokens form one extra document of their own, so they never attend to real tokens
     (pad the token tensors to the same length, e.g. with ringattn.pad_to_multiple, and leave the
     padding out of the loss). Returns (padded cu_seqlens, number of padding tokens).
+
+    Raises:
+        TypeError, ValueError: cu_seqlens not 1-D int32 or int64 boundaries (check_cu_seqlens_tensor); multiple
+            not an int >= 1.
     """
+    check_cu_seqlens_tensor(cu_seqlens)
+    multiple = check_multiple(multiple)
     total = int(cu_seqlens[-1].item())
     pad = (-total) % multiple
     if pad == 0:

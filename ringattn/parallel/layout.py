@@ -19,6 +19,8 @@ compares its call with the others' (parallel/agreement.py), so ranks that pass d
 shapes, or call another collective, all raise the same ValueError before any data moves.
 """
 
+import operator
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -327,6 +329,17 @@ def _grid_unshard(x_local: torch.Tensor, dim: int, grid, layout: str) -> torch.T
     return _unshard_ring(ring_shard, dim, grid.ring, grid.ring_size, layout)
 
 
+def check_multiple(multiple) -> int:
+    """`multiple` (a length to pad to a multiple of) as an int; ValueError unless an integer >= 1."""
+    try:
+        value = operator.index(multiple) if not isinstance(multiple, bool) else 0
+    except TypeError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"multiple must be a positive integer, got {multiple!r}")
+    return value
+
+
 def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) -> tuple[torch.Tensor, int]:
     """Pad x at the end of `dim` with `value` up to the next multiple of `multiple`.
 
@@ -339,10 +352,9 @@ def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) 
     Returns:
         (padded x, original length x.shape[dim]); x itself (no copy) when already a multiple.
     Raises:
-        ValueError: multiple < 1; dim not in [-x.dim(), x.dim()).
+        ValueError: multiple not an int >= 1; dim not in [-x.dim(), x.dim()).
     """
-    if multiple < 1:
-        raise ValueError(f"multiple must be a positive integer, got {multiple}")
+    multiple = check_multiple(multiple)
     dim = check_dim(dim, x.dim())
     length = x.shape[dim]
     extra = -length % multiple

@@ -57,6 +57,11 @@ def test_padding_is_a_document_of_its_own():
     assert pad == 5 and padded.tolist() == [0, 5, 11, 16]
     same, none = pad_cu_seqlens(_cu(0, 5, 16), 8)
     assert none == 0 and same.tolist() == [0, 5, 16]
+    for multiple in (0, -2, 4.0, True, "8"):  # regression: 0 divided by zero, -2 gave [0, 5, 11, 10], 4.0 a float
+        with pytest.raises(ValueError, match="multiple must be a positive integer"):
+            pad_cu_seqlens(_cu(0, 5, 11), multiple)
+    with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
+        pad_cu_seqlens(torch.tensor([0.0, 5.0]), 8)
 
 
 @pytest.mark.parametrize(

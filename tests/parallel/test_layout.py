@@ -62,8 +62,9 @@ def test_pad_to_multiple():
     assert bool((padded[:, 5:] == 0).all())
     same, length = ringattn.pad_to_multiple(y, dim=1, multiple=5)
     assert same is y and length == 5
-    with pytest.raises(ValueError, match="multiple must be a positive integer"):
-        ringattn.pad_to_multiple(y, 1, 0)
+    for multiple in (0, 2.0, True):
+        with pytest.raises(ValueError, match="multiple must be a positive integer"):
+            ringattn.pad_to_multiple(y, 1, multiple)
     with pytest.raises(ValueError, match=r"dim must be in \[-4, 4\) for a tensor of 4 dims, got 4"):
         ringattn.pad_to_multiple(y, 4, 6)
 
