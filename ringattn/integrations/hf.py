@@ -435,7 +435,8 @@ def _ring(implementation) -> RingAttentionForTransformers | None:
 
 def _check_call(model: torch.nn.Module, check_values: bool):
     """prepare's forward pre-hook for `model` (a transformers model): raises ValueError, while ring attention is
-    selected, for a call without position_ids, or with labels but without shift_labels and num_items_in_batch; with
+    selected, for a call with a KV cache holding earlier tokens, without position_ids, or with labels but without
+    shift_labels and num_items_in_batch; with
     `check_values` (a model holding no other transformers model: the one that hands the attention layers their
     arguments) it then checks the call's values with RingAttentionForTransformers.checked_position_ids and hands the
     model the checked position_ids."""
@@ -452,6 +453,12 @@ def _check_call(model: torch.nn.Module, check_values: bool):
             return None
         call = {**dict(zip(positional, args, strict=False)), **kwargs}
         where = f"attn_implementation={implementation!r}"
+        caches = [call.get(key) for key in ("cache", "past_key_values")]  # transformers 5's name, and 4's
+        if any(hasattr(c, "get_seq_length") and c.get_seq_length() > 0 for c in caches):
+            raise ValueError(
+                f"{where}: a KV cache holding earlier tokens (generation, a decode step) is not supported: the ring "
+                "attends each rank's whole shard to the others' in one call; call the model with use_cache=False"
+            )
         if call.get("position_ids") is None:
             raise ValueError(
                 f"{where} needs position_ids in every call: each rank's tokens' positions "

@@ -289,6 +289,11 @@ def _refusals(model, batch, name, rank):
         model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
     with pytest.raises(ValueError, match="output_attentions"):
         model(input_ids=ids, position_ids=pos, use_cache=False, output_attentions=True)
+    cache = model(input_ids=ids, position_ids=pos, use_cache=True).past_key_values  # a prefill: runs
+    for key in ("cache", "past_key_values"):  # transformers 5's name, and 4's
+        with pytest.raises(ValueError, match=r"a KV cache holding earlier tokens \(generation, a decode step\)"):
+            # regression: a decode step (and generate's) was refused naming the layout or the positions, not the cache
+            model(input_ids=ids[:, -1:], position_ids=pos[:, -1:] + 1, use_cache=True, **{key: cache})
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
