@@ -68,6 +68,8 @@ def main() -> int:
     parser.add_argument("--seqlen", type=int, default=None, help="global sequence length (a multiple of the ranks)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16" if on_gpu else "fp32")
     args = parser.parse_args()
+    if args.dtype == "bf16" and not on_gpu:
+        raise SystemExit("--dtype bf16 needs a GPU (Triton's interpreter computes bf16 wrongly); use fp32 or fp16")
 
     if on_gpu:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -86,9 +88,9 @@ def main() -> int:
 
     # sizes: small on the CPU, where the kernels run in the interpreter
     batch, dim, heads, kv_heads, head_dim = (2, 1024, 16, 4, 64) if on_gpu else (2, 128, 4, 2, 32)
-    seqlen = args.seqlen or (1024 if on_gpu else 64) * world_size
-    if seqlen % world_size:
-        raise SystemExit(f"--seqlen {seqlen} must be a multiple of the number of ranks {world_size}")
+    seqlen = (1024 if on_gpu else 64) * world_size if args.seqlen is None else args.seqlen
+    if seqlen <= 0 or seqlen % world_size:
+        raise SystemExit(f"--seqlen {seqlen} must be a positive multiple of the number of ranks {world_size}")
     local = seqlen // world_size
     shard = slice(rank * local, (rank + 1) * local)  # this rank's tokens
     dtype = DTYPES[args.dtype]

@@ -186,11 +186,19 @@ def parse_args(world_size: int, on_gpu: bool, argv: list[str] | None = None) -> 
     if args.steps is None:
         args.steps = 3 if args.check else (200 if on_gpu else 70)
     multiple = 2 * world_size
-    problems = []
+    problems = [
+        f"--{name.replace('_', '-')} {getattr(args, name)} must be positive"
+        for name in ("batch", "dim", "layers", "heads", "kv_heads", "log_every")
+        if getattr(args, name) < 1
+    ]
     if args.seqlen < 4 or args.seqlen % multiple:
         problems.append(f"--seqlen {args.seqlen} must be a multiple of 2 x ranks = {multiple} (zigzag), at least 4")
-    if args.dim % args.heads or (args.dim // args.heads) % 8 or args.heads % args.kv_heads:
+    if min(args.dim, args.heads, args.kv_heads) >= 1 and (
+        args.dim % args.heads or (args.dim // args.heads) % 8 or args.heads % args.kv_heads
+    ):
         problems.append("--dim / --heads must be a multiple of 8 and --heads a multiple of --kv-heads")
+    if args.warmup < 0 or not args.lr > 0:
+        problems.append(f"--warmup {args.warmup} must be at least 0 and --lr {args.lr} positive")
     if args.vocab < 3 or args.steps < 1:
         problems.append("--vocab must be at least 3 and --steps at least 1")
     if args.dtype == "bf16" and not on_gpu:

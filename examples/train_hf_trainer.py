@@ -67,9 +67,11 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     problems = []
     if args.cp < 1 or world_size % args.cp:
         problems.append(f"--cp {args.cp} must divide the number of ranks, {world_size}")
-    if args.seqlen < 4 or args.batch < 1 or args.samples < 1 or args.steps < 1:
-        problems.append("--seqlen must be at least 4, and --batch, --samples and --steps at least 1")
-    if args.dim % args.heads or (args.dim // args.heads) % 8 or args.heads % args.kv_heads:
+    if args.seqlen < 4 or args.vocab < 3 or min(args.batch, args.samples, args.steps) < 1:
+        problems.append("--seqlen must be at least 4, --vocab at least 3, --batch, --samples and --steps at least 1")
+    if min(args.dim, args.layers, args.heads, args.kv_heads) < 1:
+        problems.append("--dim, --layers, --heads and --kv-heads must be positive")
+    elif args.dim % args.heads or (args.dim // args.heads) % 8 or args.heads % args.kv_heads:
         problems.append("--dim / --heads must be a multiple of 8 and --heads a multiple of --kv-heads")
     exit_on_bad_arguments(p, problems)
     return args

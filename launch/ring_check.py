@@ -68,11 +68,13 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5 if on_gpu else 1, help="untimed iterations per phase")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    args.kv_heads = args.kv_heads or args.heads
+    args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     problems = []
     if args.seqlen <= 0 or args.seqlen % world_size:
         problems.append(f"--seqlen {args.seqlen} must be a positive multiple of the world size {world_size}")
-    if min(args.batch, args.heads, args.kv_heads) <= 0 or args.heads % args.kv_heads:
+    if args.batch <= 0:
+        problems.append(f"--batch {args.batch} must be positive")
+    if args.heads <= 0 or args.kv_heads <= 0 or args.heads % args.kv_heads:
         problems.append(f"--heads {args.heads} must be a positive multiple of --kv-heads {args.kv_heads}")
     if args.iters <= 0 or args.warmup < 0:
         problems.append("--iters must be positive and --warmup non-negative")

@@ -84,6 +84,12 @@ if [[ "$log_ranks" != all && "$nproc" -gt 1 ]]; then
     echo "torchrun.sh: LOG_RANKS must be 'all' or a comma-separated list of local ranks, got '$log_ranks'" >&2
     exit 2
   fi
+  for r in ${log_ranks//,/ }; do
+    if ((r >= nproc)); then
+      echo "torchrun.sh: LOG_RANKS lists local rank $r, but NPROC=$nproc ranks run (0 to $((nproc - 1)))" >&2
+      exit 2
+    fi
+  done
   redirects=""
   for ((r = 0; r < nproc; r++)); do
     if [[ ",$log_ranks," != *",$r,"* ]]; then

@@ -285,8 +285,8 @@ def parse_args(argv: list[str] | None, on_gpu: bool) -> argparse.Namespace:
     if args.seqlens is None:
         args.seqlens = ([1024 * 2**i for i in range(int(math.log2(max(args.max_seqlen, 1024) // 1024)) + 1)] if on_gpu
                         else [128, 256, 512, 1024])  # fmt: skip
-    if args.heads < CHECK_HEADS or min(args.seqlens) <= 0 or args.block <= 0 or args.check_rows <= 0:
-        p.error(f"--heads must be at least {CHECK_HEADS}; --seqlens, --block and --check-rows positive")
+    if args.heads < CHECK_HEADS or min(args.seqlens) <= 0 or min(args.block, args.check_rows, args.cpu_calls) <= 0:
+        p.error(f"--heads must be at least {CHECK_HEADS}; --seqlens, --block, --check-rows and --cpu-calls positive")
     return args
 
 

@@ -1,6 +1,7 @@
 """examples/train_gpt.py --check through launch/torchrun.sh on 2 CPU ranks: the first training steps,
 ring-sharded (zigzag) vs single-device, within the tolerance rule."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -21,3 +22,31 @@ def test_train_gpt_check_two_steps_on_two_cpu_ranks(tmp_path):
     assert "check: passed" in output, output
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().endswith(" ok")]
     assert [r[0] for r in rows] == ["0", "1"], output  # one checked row per step
+
+
+def _train_gpt():
+    """examples/train_gpt.py as a module (its import only defines things)."""
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--kv-heads", "0"], "--kv-heads 0 must be positive"),
+        (["--heads", "0"], "--heads 0 must be positive"),
+        (["--log-every", "0"], "--log-every 0 must be positive"),
+        (["--batch", "0"], "--batch 0 must be positive"),
+        (["--warmup", "-1"], "--warmup -1 must be at least 0"),
+    ],
+    ids=["kv-heads", "heads", "log-every", "batch", "warmup"],
+)
+def test_train_gpt_bad_arguments_are_named(argv, message, capsys, monkeypatch):
+    """Regression: --kv-heads 0 or --heads 0 divided by zero in the check, --log-every 0 after the first step, and
+    --batch 0 reached the kernels' checks; each is now a usage error naming the argument."""
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        _train_gpt().parse_args(2, False, argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -65,7 +65,8 @@ def test_all_ranks_shown_and_bad_settings_refused(tmp_path):
     assert proc.returncode == 0, proc.stderr
     # both ranks write to one stream at the same moment: their lines may interleave, so count the messages
     assert proc.stdout.count("rank 0 says hello") == 1 and proc.stdout.count("rank 1 says hello") == 1
-    for bad, message in (({"NPROC": "0"}, "NPROC must be a positive integer"), ({"DEVICE": "tpu"}, "DEVICE must")):
+    for bad, message in (({"NPROC": "0"}, "NPROC must be a positive integer"), ({"DEVICE": "tpu"}, "DEVICE must"),
+                         ({"LOG_RANKS": "0,5"}, "LOG_RANKS lists local rank 5, but NPROC=2 ranks run")):  # fmt: skip
         proc = _launch(tmp_path, -1, **{"NPROC": "2", **bad})
         assert proc.returncode == 2 and message in proc.stderr
 
