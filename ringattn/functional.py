@@ -477,11 +477,17 @@ def _ring_attn_backward(ctx, dout, _dlse, _dstate):
 ring_attn_fwd_op.register_autograd(_ring_attn_backward, setup_context=_ring_attn_setup_context)
 
 
+def records_graph(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on `tensors` (None: not given) records an autograd graph, so that its backward runs: grad mode
+    on and one of them requiring grad. Part of a ring call's signature: the ranks must agree on it, since the
+    backward communicates (with sinks too: a sink requiring grad on some ranks only made them part ways)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None)
+
+
 def _ring_attn(call, q, k, v, cu_seqlens, sink, scale, causal, window, softcap, deterministic, group_name, layout):
     """(out, lse) of ringattn::ring_attn_fwd for checked arguments."""
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     out, lse, _ = ring_attn_fwd_op(q, k, v, cu_seqlens, sink, scale, causal, *window, softcap, deterministic,
-                                   group_name, layout, requires_grad, call)  # fmt: skip
+                                   group_name, layout, records_graph(q, k, v, sink), call)  # fmt: skip
     return out, lse
 
 

@@ -20,6 +20,7 @@ from .functional import (
     check_ring_inputs,
     flash_attn_func,
     flash_attn_varlen_func,
+    records_graph,
     ring_attn_func,
     ring_attn_varlen_func,
 )
@@ -76,9 +77,8 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
             row = q.shape[1] * size * grid.ring_size  # the global length of a row
             check_cu_seqlens(cu_seqlens, q.shape[0] * row, row=row)
             documents = fingerprint(cu_seqlens)
-        requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        signature = ring_signature(q, k, v, scale, causal, layout, requires_grad, documents, window, softcap,
-                                   sink is not None)  # fmt: skip
+        signature = ring_signature(q, k, v, scale, causal, layout, records_graph(q, k, v, sink), documents, window,
+                                   softcap, sink is not None)  # fmt: skip
         return (*signature, bool(return_lse))
 
     fields = agree_across_grid(call, grid, checks, UlyssesRingSignature)

@@ -122,3 +122,28 @@ def test_ring_sinks_are_merged_once_into_the_global_softmax(layout, causal):
     """Three ranks: each row's denominator gains exp(sink) once, not once per ring step; the ranks' shares of the
     sinks' gradient sum to the unsharded one."""
     assert run_ranks(_ring_sinks, 3, layout, causal) == [True] * 3
+
+
+def _sink_grad_on_one_rank(rank, world_size):
+    """q, k, v without gradients everywhere, the sink requiring grad on rank 1 only: {case: (message, seconds)}."""
+    from tests.distributed import raised_errors
+
+    q = torch.randn(1, 8, 2, 16)
+    sink = torch.zeros(2, requires_grad=rank == 1)
+    pure_ulysses = dict(ulysses_group=torch.distributed.group.WORLD, ring_group=None)
+    return raised_errors({
+        "ring": lambda: ringattn.ring_attn_func(q, q, q, causal=True, learnable_sink=sink),
+        "ulysses": lambda: ringattn.ulysses_ring_attn_func(q, q, q, causal=True, learnable_sink=sink, **pure_ulysses),
+    })  # fmt: skip
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks run the interpreted kernels on the CPU")
+def test_a_sink_requiring_grad_on_some_ranks_only_is_refused_by_every_rank():
+    """Regression: only q, k and v counted towards a call's recording a graph, so a sink requiring grad on one rank
+    only passed the agreement check; that rank alone then ran the backward's ring (Ulysses: its all-to-all), and
+    both ranks stalled until the P2P timeout. Now every rank raises the same ValueError at the forward."""
+    results = run_ranks(_sink_grad_on_one_rank, 2)
+    for case in ("ring", "ulysses"):
+        (message, seconds), (other, _) = results[0][case], results[1][case]
+        assert message == other and "whether q, k, v or learnable_sink require grad" in message, results
+        assert seconds < 5.0, results

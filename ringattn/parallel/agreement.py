@@ -75,7 +75,7 @@ class RingSignature(NamedTuple):
         "causal": "causal",
         "softmax_scale": "softmax_scale",
         "layout": "layout",
-        "requires_grad": "whether q, k or v require grad",
+        "requires_grad": "whether q, k, v or learnable_sink require grad",
         "documents": "cu_seqlens (fingerprint)",
         "window_left": "window_size[0]",
         "window_right": "window_size[1]",
@@ -121,8 +121,8 @@ def ring_signature(
     sinks: bool = False,
 ) -> RingSignature:
     """The signature of one ring call from its (already validated) local arguments; `requires_grad` whether the call
-    records a graph (grad mode on and q, k or v requiring grad), `documents` parallel.documents.fingerprint(cu_seqlens)
-    for packed documents, window the sliding window (None: no limit)."""
+    records a graph (grad mode on and q, k, v or the sink requiring grad), `documents`
+    parallel.documents.fingerprint(cu_seqlens) for packed documents, window the sliding window (None: no limit)."""
     batch, seqlen_local, heads_q, head_dim = q.shape
     return RingSignature(
         batch, seqlen_local, heads_q, k.shape[2], head_dim, q.dtype, bool(causal), float(softmax_scale), layout,

@@ -167,7 +167,11 @@ DISAGREEMENTS = [
     ("causal", dict(causal=False), "causal (rank 0: True, rank 1: False, rank 2: True)"),
     ("scale", dict(softmax_scale=0.5), "softmax_scale (rank 0: 0.25, rank 1: 0.5, rank 2: 0.25)"),
     ("layout", dict(layout="contiguous"), "layout (rank 0: 'zigzag', rank 1: 'contiguous', rank 2: 'zigzag')"),
-    ("grad", dict(requires_grad=False), "whether q, k or v require grad (rank 0: True, rank 1: False, rank 2: True)"),
+    (
+        "grad",
+        dict(requires_grad=False),
+        "whether q, k, v or learnable_sink require grad (rank 0: True, rank 1: False, rank 2: True)",
+    ),
 ]
 
 
