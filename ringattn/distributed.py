@@ -84,8 +84,8 @@ def init_distributed(
         RuntimeError: NCCL without enough GPUs for LOCAL_RANK; gloo while ringattn's kernels were not
             imported for the interpreter (TRITON_INTERPRET=1, or another value Triton reads as on, before ringattn
             is imported).
-        ValueError: an unknown backend; a bad $RINGATTN_NCCL_HIGH_PRIORITY or $LOCAL_RANK; a timeout_s or
-            $RINGATTN_TIMEOUT that is not a positive finite number of seconds (naming which).
+        ValueError: an unknown backend; a bad $RINGATTN_NCCL_HIGH_PRIORITY, $RANK, $WORLD_SIZE or $LOCAL_RANK; a
+            timeout_s or $RINGATTN_TIMEOUT that is not a positive finite number of seconds (naming which).
         TypeError: a timeout_s that is not a number.
     """
     os.environ.update(MULTICAST_OFF)
@@ -97,6 +97,9 @@ def init_distributed(
     if "RANK" not in os.environ:  # a plain `python script.py`: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+        raise ValueError(f"RANK and WORLD_SIZE must be ints with 0 <= RANK < WORLD_SIZE, got {rank!r} and {world!r}")
     local_rank = os.environ.get("LOCAL_RANK", "0")
     if not local_rank.isdigit():
         raise ValueError(f"LOCAL_RANK must be this process's rank on its node, an int >= 0, got {local_rank!r}")

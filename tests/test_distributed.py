@@ -43,3 +43,9 @@ def test_bad_timeout_argument_and_local_rank_raise_naming_them(torchrun_env):
     torchrun_env.setenv("LOCAL_RANK", "abc")
     with pytest.raises(ValueError, match="LOCAL_RANK must be this process's rank on its node, an int >= 0, got 'abc'"):
         init_distributed("gloo")
+    torchrun_env.setenv("LOCAL_RANK", "0")
+    for rank, world in (("abc", "2"), ("2", "2"), ("0", "")):  # regression: int()'s message, or a socket timeout
+        torchrun_env.setenv("RANK", rank)
+        torchrun_env.setenv("WORLD_SIZE", world)
+        with pytest.raises(ValueError, match="RANK and WORLD_SIZE must be ints with 0 <= RANK < WORLD_SIZE"):
+            init_distributed("gloo")

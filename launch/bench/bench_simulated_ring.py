@@ -82,6 +82,7 @@ from ringattn.benchmark import (
     write_json,
 )
 from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, capped_ops
+from ringattn.ops.validation import MAX_HEAD_DIM
 from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, held_blocks, ring_streams, shard_indices
 from ringattn.parallel.steps import HeldBlock, add_share_, backward_step, forward_step
 from ringattn.parallel.ulysses import rank_heads
@@ -105,8 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seqlens-local", type=int, nargs="+", default=[8192, 16384], help="S_local per rank")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument(
-        "--full-cells", nargs="*", default=["8x8192"], metavar="WxS_LOCAL",
-        help="cells that also run non-causal (first layout only): WxS_LOCAL items, 'all', or none",
+        "--full-cells", nargs="*", default=None, metavar="WxS_LOCAL",
+        help="cells that also run non-causal (first layout only): WxS_LOCAL items, 'all', or none (default: 8x8192 "
+        "where measured)",
     )  # fmt: skip
     parser.add_argument("--ulysses", type=int, nargs="+", default=[1], metavar="U",
                         help="Ulysses degrees of U x R grids timed beside the pure ring (1: none)")  # fmt: skip
@@ -125,7 +127,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="docs/benchmarks/simulated_ring_h200.json", help="JSON path")
     parser.add_argument("--append", action="store_true", help="keep --out's records of cells not measured again")
     args = parse_with_tiny(parser, TINY, argv)
-    args.kv_heads = args.kv_heads or args.heads
+    args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    if min(args.world_sizes) < 1 or min(args.seqlens_local) < 1 or min(args.rounds, args.warmup, args.rep) < 1:
+        parser.error("--world-sizes, --seqlens-local, --rounds, --warmup and --rep must be positive")
+    if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a positive multiple of --kv-heads {args.kv_heads}")
+    if args.head_dim % 8 or not 8 <= args.head_dim <= MAX_HEAD_DIM:
+        parser.error(f"--head-dim must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {args.head_dim}")
+    if args.window < -1 or not args.softcap >= 0:
+        parser.error(f"--window must be -1 (none) or >= 0, got {args.window}; --softcap >= 0, got {args.softcap}")
+    if args.dtype == "bf16" and not torch.cuda.is_available():
+        parser.error("--dtype bf16 needs a GPU (Triton's interpreter computes bf16 wrongly)")
     if min(args.ulysses) < 1:
         parser.error(f"--ulysses takes degrees >= 1, got {args.ulysses}")
     args.ulysses = sorted({u for u in args.ulysses if u > 1})
@@ -139,10 +151,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype = DTYPES[args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")]
     if any(s % 2 for s in args.seqlens_local) and "zigzag" in args.layouts:
         parser.error("zigzag needs even --seqlens-local")
+    grid = {(w, s) for w in args.world_sizes for s in args.seqlens_local}
+    if args.full_cells is None:
+        args.full_cells = ["8x8192"] if (8, 8192) in grid else []
     try:
         args.full_cells = {"all" if c == "all" else _cell(c) for c in args.full_cells}
     except ValueError:
         parser.error(f"--full-cells takes WxS_LOCAL items (like 8x8192) or 'all', got {args.full_cells}")
+    if args.full_cells - grid - {"all"}:
+        parser.error(f"--full-cells {sorted(args.full_cells - grid - {'all'})} are not among the cells measured")
     return args
 
 

@@ -65,7 +65,7 @@ def wait_all(works: list, timeout_s: float, what: str, peers: list[str] | None =
             work.wait(timedelta(seconds=remaining))
         except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError or DistBackendError; re-raised below
             peer = f", {peers[i]}" if peers is not None and i < len(peers) else ""
-            timed_out = time.monotonic() >= deadline
+            timed_out = time.monotonic() >= deadline - 0.05  # gloo's wait may return a few ms before it
             why = f"did not complete within {timeout_s:g} s" if timed_out else "failed"
             raise RuntimeError(
                 f"{what}{peer}: {why}; a peer died, raised, or is not running the same ring call. "

@@ -132,6 +132,10 @@ def _check_arguments(world_size, gpus_per_node, nheads, nheads_k, headdim, seqle
         _check_int(name, value)
     if nheads % nheads_k:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
+    if headdim % 8 or headdim > 256:  # the kernels' head dims (ops/validation.py's MAX_HEAD_DIM)
+        raise ValueError(f"headdim must be a multiple of 8 from 8 to 256, got {headdim}")
+    if seqlen < world_size:
+        raise ValueError(f"seqlen ({seqlen}) must be at least world_size ({world_size}): a token a rank")
     for name in ("nvlink_gb_s", "internode_gb_s", "fwd_tflops", "fwd_bwd_tflops"):
         _check_positive(name, options[name])
     for name in ("nvlink_efficiency", "internode_efficiency"):

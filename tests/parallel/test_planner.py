@@ -172,6 +172,8 @@ def test_the_last_dkdv_hop_is_exposed_even_when_the_ring_hides_its_steps():
         (lambda: plan(8, 8, 32, 8, 128, 4096, fwd_tflops=-600), "fwd_tflops"),
         (lambda: plan(8, 8, 32, 8, 128, 4096, fwd_bwd_tflops=3000.0), "fwd_bwd_tflops"),
         (lambda: plan(8, 8, 32, 8, 128, 4096, objective="bwd"), "objective"),
+        (lambda: plan(8, 8, 32, 8, 12, 4096), "headdim"),  # not a head dim the kernels take
+        (lambda: plan(8, 8, 32, 8, 128, 3), "seqlen"),  # fewer tokens than ranks
         (lambda: cost(3, 2, 8, 32, 8, 128, 4096), "u"),  # 3 does not divide 32
         (lambda: cost(0, 2, 8, 32, 8, 128, 4096), "u"),
         (lambda: cost(2, 0, 8, 32, 8, 128, 4096), "r"),

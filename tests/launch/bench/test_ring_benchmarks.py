@@ -167,3 +167,23 @@ def test_bench_simulated_ring_append_replaces_only_the_cells_measured_again(tmp_
     assert bench_simulated_ring.kept_records(str(tmp_path / "none.json"), env) == []
     with pytest.raises(ValueError, match="another environment"):
         bench_simulated_ring.kept_records(str(path), dict(env, gpu="H100"))
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--world-sizes", "0"], "--world-sizes, --seqlens-local, --rounds"),
+        (["--rounds", "0"], "--rounds, --warmup and --rep must be positive"),
+        (["--head-dim", "12"], "--head-dim must be a multiple of 8"),
+        (["--heads", "3", "--kv-heads", "2"], "--heads 3 must be a positive multiple of --kv-heads 2"),
+        (["--window", "-5"], "--window must be -1 (none) or >= 0, got -5"),
+        (["--full-cells", "9x9"], "are not among the cells measured"),
+    ],
+    ids=["world-0", "rounds-0", "head-dim", "heads", "window", "full-cells"],
+)
+def test_bench_simulated_ring_names_bad_arguments(argv, message, capsys):
+    """Regression: these reached the library once timing had started (or --window -5 and unmeasured --full-cells
+    were ignored); each is a usage error naming the argument now."""
+    with pytest.raises(SystemExit):
+        bench_simulated_ring.parse_args(["--tiny", *argv])
+    assert message in capsys.readouterr().err
