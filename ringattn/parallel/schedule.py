@@ -152,13 +152,20 @@ def block_tasks(
     check_rank(rank, world_size)
     check_rank(kv_rank, world_size, name="kv_rank")
     check_local_seqlen(seqlen_local, layout)
+    return list(_block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local, window))
+
+
+@functools.lru_cache(maxsize=8192)
+def _block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local, window) -> tuple[BlockTask, ...]:
+    """block_tasks of checked arguments, cached: every ring call of a model's layers asks for the same tasks, at
+    every step and again for its finishing plan."""
     tasks = [
         task
         for q_rows, q_start in _segments(layout, rank, world_size, seqlen_local)
         for kv_rows, kv_start in _segments(layout, kv_rank, world_size, seqlen_local)
         if (task := _pair_task(q_rows, kv_rows, q_start - kv_start, causal, window)) is not None
     ]
-    return _joined(tasks, seqlen_local)
+    return tuple(_joined(tasks, seqlen_local))
 
 
 class KVStream(NamedTuple):
