@@ -18,6 +18,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from .ops.validation import MAX_HEAD_DIM
+
 __all__ = [
     "CPU_REPEATS",
     "DTYPES",
@@ -25,6 +27,7 @@ __all__ = [
     "attention_inputs",
     "env_record",
     "environment",
+    "head_dim_problems",
     "host_median_s",
     "markdown_table",
     "parse_with_tiny",
@@ -38,6 +41,14 @@ __all__ = [
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype choices
 CPU_REPEATS = 1  # calls per time_ms measurement in the interpreter: dry runs check that a script works, not speed
+
+
+def head_dim_problems(head_dim: int) -> list[str]:
+    """The scripts' complaint about --head-dim where the kernels do not take it (a multiple of 8 from 8 to
+    MAX_HEAD_DIM), so that a script names it before it starts ranks or times anything; else none."""
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        return [f"--head-dim must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}"]
+    return []
 
 
 def attention_flops(

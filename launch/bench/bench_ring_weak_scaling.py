@@ -105,6 +105,7 @@ from ringattn.benchmark import (  # noqa: E402
     DTYPES,
     attention_flops,
     env_record,
+    head_dim_problems,
     host_median_s,
     markdown_table,
     run_measuring_peak,
@@ -168,6 +169,7 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
         problems.append("--seqlens-local must be positive and even (zigzag)")
     if min(args.heads, *args.kv_heads) <= 0 or any(args.heads % h for h in args.kv_heads):
         problems.append(f"--heads {args.heads} must be a positive multiple of every --kv-heads {args.kv_heads}")
+    problems += head_dim_problems(args.head_dim)
     if args.dtype == torch.bfloat16 and not on_gpu:
         problems.append("--dtype bf16 needs a GPU: Triton's interpreter computes bf16 wrongly; use fp32 or fp16")
     if args.budget_s <= 0 or args.warmup_ms < 0 or args.rep_ms < 0 or args.bisect_steps < 0:

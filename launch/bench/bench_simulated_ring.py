@@ -74,6 +74,7 @@ from ringattn.benchmark import (
     DTYPES,
     attention_flops,
     env_record,
+    head_dim_problems,
     markdown_table,
     parse_with_tiny,
     run_measuring_peak,
@@ -82,7 +83,6 @@ from ringattn.benchmark import (
     write_json,
 )
 from ringattn.ops import KERNEL_OPS, attn_bwd, attn_fwd, capped_ops
-from ringattn.ops.validation import MAX_HEAD_DIM
 from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, block_tasks, held_blocks, ring_streams, shard_indices
 from ringattn.parallel.steps import HeldBlock, add_share_, backward_step, forward_step
 from ringattn.parallel.ulysses import rank_heads
@@ -132,8 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--world-sizes, --seqlens-local, --rounds, --warmup and --rep must be positive")
     if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a positive multiple of --kv-heads {args.kv_heads}")
-    if args.head_dim % 8 or not 8 <= args.head_dim <= MAX_HEAD_DIM:
-        parser.error(f"--head-dim must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {args.head_dim}")
+    for problem in head_dim_problems(args.head_dim):
+        parser.error(problem)
     if args.window < -1 or not args.softcap >= 0:
         parser.error(f"--window must be -1 (none) or >= 0, got {args.window}; --softcap >= 0, got {args.softcap}")
     if args.dtype == "bf16" and not torch.cuda.is_available():

@@ -53,7 +53,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 import ringattn  # noqa: E402
 import ringattn.functional  # noqa: E402
-from ringattn.benchmark import DTYPES, env_record, markdown_table, write_json  # noqa: E402
+from ringattn.benchmark import DTYPES, env_record, head_dim_problems, markdown_table, write_json  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 from ringattn.ops import AttnOps  # noqa: E402
 from ringattn.parallel import LAYOUTS  # noqa: E402
@@ -88,6 +88,7 @@ def parse_args(on_gpu: bool) -> argparse.Namespace:
         problems.append("--seqlen-local must be positive (and even for zigzag)")
     if min(args.heads, args.kv_heads) <= 0 or args.heads % args.kv_heads:
         problems.append(f"--heads {args.heads} must be a positive multiple of --kv-heads {args.kv_heads}")
+    problems += head_dim_problems(args.head_dim)
     if args.dtype == "bf16" and not on_gpu:
         problems.append("--dtype bf16 needs a GPU: Triton's interpreter computes bf16 wrongly; use fp32 or fp16")
     if args.warmup < 0:

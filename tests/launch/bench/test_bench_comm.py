@@ -54,7 +54,8 @@ def test_two_gloo_ranks_write_every_kind_of_record(tmp_path):
 
 
 def test_bad_arguments_refused_once(tmp_path):
-    proc = _launch(tmp_path, "--tiny", "--ulysses", "3", "--out", str(tmp_path / "x.json"))
+    proc = _launch(tmp_path, "--tiny", "--ulysses", "3", "--head-dim", "12", "--out", str(tmp_path / "x.json"))
     assert proc.returncode != 0
     assert proc.stderr.count("--ulysses 3 must divide --heads") == 1
+    assert proc.stderr.count("--head-dim must be a multiple of 8 from 8 to 256, got 12") == 1
     assert not (tmp_path / "x.json").exists()

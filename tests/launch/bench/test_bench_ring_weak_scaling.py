@@ -225,3 +225,11 @@ def test_longest_on_cpu_ranks_stops_at_the_cap(tmp_path):
     assert [(t["seqlen"], t["ok"]) for t in record["trials"]] == [(32, True), (64, True), (128, True)]
     assert record["ms"] > 0 and record["peak_bytes"] is None
     assert "| ringattn | 2 | 128 | 64 | max_seqlen |" in proc.stdout
+
+
+def test_head_dims_the_kernels_do_not_take_are_refused_by_name(capsys, monkeypatch):
+    """Regression: --head-dim 12 reached the kernels on every rank; it is a usage error naming the argument now."""
+    monkeypatch.setattr(sys, "argv", ["bench_ring_weak_scaling.py", "--head-dim", "12"])
+    with pytest.raises(SystemExit):
+        ws.parse_args(world_size=2, on_gpu=False)
+    assert "--head-dim must be a multiple of 8 from 8 to 256, got 12" in capsys.readouterr().err

@@ -124,3 +124,11 @@ def test_script_on_cpu_ranks_writes_traces_and_summary(tmp_path):
         assert 0 <= r["overlap_ms"] <= min(r["comm_ms"], r["compute_ms"]) + 1e-9
         assert r["exposed_comm_ms"] == pytest.approx(r["comm_ms"] - r["overlap_ms"])
     assert "| rank | comm ms | compute ms | overlap ms |" in proc.stdout
+
+
+def test_head_dims_the_kernels_do_not_take_are_refused_by_name(capsys, monkeypatch):
+    """Regression: --head-dim 12 reached the kernels on every rank; it is a usage error naming the argument now."""
+    monkeypatch.setattr(sys, "argv", ["profile_ring.py", "--head-dim", "12"])
+    with pytest.raises(SystemExit):
+        pr.parse_args(on_gpu=False)
+    assert "--head-dim must be a multiple of 8 from 8 to 256, got 12" in capsys.readouterr().err
