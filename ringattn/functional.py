@@ -368,7 +368,7 @@ def ring_attn_fwd_op(
     deterministic: bool,
     group_name: str,
     layout: str,
-    requires_grad: bool,
+    grads: str,
     call: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ring's forward as one custom op, differentiable (its backward runs ringattn::ring_attn_bwd), so that
@@ -376,8 +376,8 @@ def ring_attn_fwd_op(
 
     At every call, on the group named `group_name`: check_ring_group and the boundaries' values (cu_seqlens), as
     shared refusals, then the agreement exchange of the call's signature (`call` names it: "ring_attn_func",
-    "ring_attn_varlen_func"; `requires_grad`: whether the call records a graph, so that every rank joins the
-    backward ring), then the ring, then the sinks merged once into the global result.
+    "ring_attn_varlen_func"; `grads`: graph_grads(q, k, v, learnable_sink), so that every rank joins the backward's
+    ring, or none does), then the ring, then the sinks merged once into the global result.
 
     Args: q (B, S_local, Hq, D), k, v (B, S_local, Hkv, D), checked by check_ring_inputs; cu_seqlens
         (n_docs + 1,) global document boundaries of the flattened B rows (every row start one) or None;
@@ -399,7 +399,7 @@ def ring_attn_fwd_op(
             seqlen = q.shape[1] * dist.get_world_size(group)  # a row's global length
             check_cu_seqlens(cu_seqlens, q.shape[0] * seqlen, row=seqlen)
             documents = fingerprint(cu_seqlens)
-    signature = ring_signature(q, k, v, softmax_scale, causal, layout, requires_grad, documents, window, softcap,
+    signature = ring_signature(q, k, v, softmax_scale, causal, layout, grads, documents, window, softcap,
                                learnable_sink is not None)  # fmt: skip
     check_agreement(call, signature, group)
     ops = capped_ops(KERNEL_OPS, softcap)
@@ -461,14 +461,16 @@ def _ring_attn_setup_context(ctx, inputs, output) -> None:
     # with sinks that need their gradient, the backward runs on the unrounded out (see _with_sink)
     kept = state if state.numel() and ctx.needs_input_grad[_SINK] else out
     ctx.save_for_backward(q, k, v, kept, lse, cu_seqlens, sink)
-    ctx.options = options[:-2]  # softmax_scale .. layout, the backward's; not requires_grad, call
+    ctx.options = options[:-2]  # softmax_scale .. layout, the backward's; not grads, call
     ctx.mark_non_differentiable(lse, state)
 
 
 def _ring_attn_backward(ctx, dout, _dlse, _dstate):
     _check_not_double_backward()  # on every rank alike, before the ring
     q, k, v, out, lse, cu_seqlens, sink = ctx.saved_tensors
-    dq, dk, dv = ring_attn_bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.options)
+    dq = dk = dv = None
+    if any(ctx.needs_input_grad[:3]):  # the ranks agreed on it (graph_grads): all run the ring, or none (sinks alone)
+        dq, dk, dv = ring_attn_bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.options)
     # this rank's rows' share, as for any parameter the ranks hold alike (SequenceParallel.sync_gradients)
     dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[_SINK] else None
     return dq, dk, dv, None, dsink, *(None,) * 10
@@ -477,17 +479,20 @@ def _ring_attn_backward(ctx, dout, _dlse, _dstate):
 ring_attn_fwd_op.register_autograd(_ring_attn_backward, setup_context=_ring_attn_setup_context)
 
 
-def records_graph(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call on `tensors` (None: not given) records an autograd graph, so that its backward runs: grad mode
-    on and one of them requiring grad. Part of a ring call's signature: the ranks must agree on it, since the
-    backward communicates (with sinks too: a sink requiring grad on some ranks only made them part ways)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors if t is not None)
+def graph_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None) -> str:
+    """Which of q, k, v and the sink need gradients from a call's backward, "q,k,v,sink" or a part of it, "none" with
+    grad mode off. Part of a ring call's signature: the ranks must agree on it, since the backward communicates for q,
+    k and v (the ring, or Ulysses' all-to-alls, q's apart from k's and v's) and not for the sinks alone (a sink
+    requiring grad on some ranks only made them part ways)."""
+    tensors = {"q": q, "k": k, "v": v, "sink": sink}
+    names = [name for name, t in tensors.items() if torch.is_grad_enabled() and t is not None and t.requires_grad]
+    return ",".join(names) or "none"
 
 
 def _ring_attn(call, q, k, v, cu_seqlens, sink, scale, causal, window, softcap, deterministic, group_name, layout):
     """(out, lse) of ringattn::ring_attn_fwd for checked arguments."""
     out, lse, _ = ring_attn_fwd_op(q, k, v, cu_seqlens, sink, scale, causal, *window, softcap, deterministic,
-                                   group_name, layout, records_graph(q, k, v, sink), call)  # fmt: skip
+                                   group_name, layout, graph_grads(q, k, v, sink), call)  # fmt: skip
     return out, lse
 
 

@@ -20,7 +20,7 @@ from .functional import (
     check_ring_inputs,
     flash_attn_func,
     flash_attn_varlen_func,
-    records_graph,
+    graph_grads,
     ring_attn_func,
     ring_attn_varlen_func,
 )
@@ -77,7 +77,7 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
             row = q.shape[1] * size * grid.ring_size  # the global length of a row
             check_cu_seqlens(cu_seqlens, q.shape[0] * row, row=row)
             documents = fingerprint(cu_seqlens)
-        signature = ring_signature(q, k, v, scale, causal, layout, records_graph(q, k, v, sink), documents, window,
+        signature = ring_signature(q, k, v, scale, causal, layout, graph_grads(q, k, v, sink), documents, window,
                                    softcap, sink is not None)  # fmt: skip
         return (*signature, bool(return_lse))
 

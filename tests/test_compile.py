@@ -143,8 +143,9 @@ def _ring_ops_pass_opcheck(rank, world_size):
     cu_seqlens = torch.tensor([0, 3, 16], dtype=torch.int32)
     options = (HEAD_DIM**-0.5, True, None, None, 0.0, False, dist.group.WORLD.group_name, "zigzag")
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")  # AOT dispatch: the compiled tests
-    torch.library.opcheck(ring_attn_fwd_op, (q, k, v, cu_seqlens, sink, *options, True, "ring"), test_utils=checks)
-    out, lse, _ = ring_attn_fwd_op(q, k, v, cu_seqlens, sink, *options, True, "ring")
+    fwd_args = (q, k, v, cu_seqlens, sink, *options, "q,k,v,sink", "ring")  # every input requires grad
+    torch.library.opcheck(ring_attn_fwd_op, fwd_args, test_utils=checks)
+    out, lse, _ = ring_attn_fwd_op(*fwd_args)
     q, k, v, out, lse = (t.detach() for t in (q, k, v, out, lse))
     torch.library.opcheck(ring_attn_bwd_op, (dout, q, k, v, out, lse, cu_seqlens, *options), test_utils=checks)
     return True

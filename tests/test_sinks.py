@@ -145,5 +145,51 @@ def test_a_sink_requiring_grad_on_some_ranks_only_is_refused_by_every_rank():
     results = run_ranks(_sink_grad_on_one_rank, 2)
     for case in ("ring", "ulysses"):
         (message, seconds), (other, _) = results[0][case], results[1][case]
-        assert message == other and "whether q, k, v or learnable_sink require grad" in message, results
+        assert message == other and "which of q, k, v and learnable_sink require grad" in message, results
         assert seconds < 5.0, results
+
+
+def _sinks_alone(rank, world_size):
+    """q, k, v without gradients, the sink requiring grad on every rank: the backward runs no ring and the ranks'
+    shares of dsink sum to the unsharded one; then q requiring grad on rank 0 only and k, v on rank 1 only under
+    Ulysses (an all-to-all for q's gradient, another for k's and v's): {case: (message, seconds)}."""
+    import ringattn.functional as functional
+    from tests.distributed import raised_errors
+
+    seqlen = 24 * world_size
+    idx = shard_indices(seqlen, rank, world_size, "zigzag")
+    q, k, v, dout = make_qkv(1, seqlen, seqlen, 4, 2, 32, torch.float32, device="cpu", seed=seqlen)
+    sink = torch.tensor([1.0, -0.5, 3.0, 0.0], requires_grad=True)
+
+    def no_ring(*args):
+        raise AssertionError("the backward ran the ring for the sinks alone")
+
+    ring_bwd, functional.ring_attn_bwd_op = functional.ring_attn_bwd_op, no_ring
+    try:
+        out = ringattn.ring_attn_func(
+            q[:, idx], k[:, idx], v[:, idx], causal=True, layout="zigzag", learnable_sink=sink
+        )
+        out.backward(dout[:, idx])
+    finally:
+        functional.ring_attn_bwd_op = ring_bwd
+    grads = torch.stack([sink.grad])
+    torch.distributed.all_reduce(grads)
+    ref = sink_reference(q, k, v, dout, sink, 32**-0.5, True, torch.float64)
+    pt = sink_reference(q, k, v, dout, sink, 32**-0.5, True, torch.float32)
+    check_close(f"rank {rank} dsink", grads[0], pt[5], ref[5])
+    q_l, k_l = q[:, idx].requires_grad_(rank == 0), k[:, idx].requires_grad_(rank == 1)
+    grid = dict(ulysses_group=torch.distributed.group.WORLD, ring_group=None, layout="contiguous")
+    return raised_errors({"ulysses": lambda: ringattn.ulysses_ring_attn_func(q_l, k_l, k_l, causal=True, **grid)})
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks run the interpreted kernels on the CPU")
+def test_sinks_alone_requiring_grad_run_no_ring_and_grads_must_agree():
+    """With the sinks alone requiring grad the ring's backward (which would give q, k, v no gradient) is skipped on
+    every rank, and the sinks' gradient is the unsharded one. Regression: which of q, k, v required grad was not
+    compared, only whether any did, so a rank with q's and one with k's each ran a different all-to-all of Ulysses'
+    backward and both stalled until the P2P timeout; now every rank raises the same ValueError at the forward."""
+    results = run_ranks(_sinks_alone, 2)
+    (message, seconds), (other, _) = results[0]["ulysses"], results[1]["ulysses"]
+    assert message == other, results
+    assert "which of q, k, v and learnable_sink require grad (rank 0: 'q', rank 1: 'k,v')" in message
+    assert seconds < 5.0, results

@@ -58,7 +58,7 @@ class RingSignature(NamedTuple):
     causal: bool
     softmax_scale: float
     layout: str
-    requires_grad: bool  # a rank that records no graph never joins the backward ring
+    grads: str  # functional.graph_grads: which of q, k, v and the sink the backward (which communicates) serves
     documents: int = 0  # fingerprint of cu_seqlens (ring_attn_varlen_func); 0 for one dense sequence
     window_left: int = -1  # the sliding window's sides, -1 for no limit
     window_right: int = -1
@@ -75,7 +75,7 @@ class RingSignature(NamedTuple):
         "causal": "causal",
         "softmax_scale": "softmax_scale",
         "layout": "layout",
-        "requires_grad": "whether q, k, v or learnable_sink require grad",
+        "grads": "which of q, k, v and learnable_sink require grad",
         "documents": "cu_seqlens (fingerprint)",
         "window_left": "window_size[0]",
         "window_right": "window_size[1]",
@@ -84,7 +84,7 @@ class RingSignature(NamedTuple):
     }
     expected = (
         "Every rank of the ring must pass the same shapes, dtype, softmax_scale, causal, window_size, softcap, layout "
-        "and learnable_sink or None (and all or none need gradients)."
+        "and learnable_sink or None (and the same of q, k, v and learnable_sink need gradients)."
     )
 
 
@@ -114,19 +114,19 @@ def ring_signature(
     softmax_scale: float,
     causal: bool,
     layout: str,
-    requires_grad: bool,
+    grads: str,
     documents: int = 0,
     window: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
     sinks: bool = False,
 ) -> RingSignature:
-    """The signature of one ring call from its (already validated) local arguments; `requires_grad` whether the call
-    records a graph (grad mode on and q, k, v or the sink requiring grad), `documents`
+    """The signature of one ring call from its (already validated) local arguments; `grads` which of q, k, v and the
+    sink require grad in a call that records a graph (functional.graph_grads), `documents`
     parallel.documents.fingerprint(cu_seqlens) for packed documents, window the sliding window (None: no limit)."""
     batch, seqlen_local, heads_q, head_dim = q.shape
     return RingSignature(
         batch, seqlen_local, heads_q, k.shape[2], head_dim, q.dtype, bool(causal), float(softmax_scale), layout,
-        bool(requires_grad), documents, *(-1 if side is None else side for side in window), float(softcap),
+        grads, documents, *(-1 if side is None else side for side in window), float(softcap),
         bool(sinks),
     )  # fmt: skip
 

@@ -30,7 +30,7 @@ from ringattn.parallel.agreement import (
 )
 from tests.distributed import run_ranks
 
-SIG = RingSignature(2, 37, 4, 2, 40, torch.float32, True, 0.15811388300841897, "zigzag", True)
+SIG = RingSignature(2, 37, 4, 2, 40, torch.float32, True, 0.15811388300841897, "zigzag", "q,k,v")
 SHARD = UnshardSignature((2, 8, 3, 16), torch.bfloat16, 1, "contiguous")
 
 
@@ -42,7 +42,7 @@ def _header(call, fields=None, refusal=None):
     "call, sig",
     [
         ("ring_attn_func", SIG),
-        ("ring_attn_func", SIG._replace(dtype=torch.bfloat16, causal=False, layout="contiguous", requires_grad=False)),
+        ("ring_attn_func", SIG._replace(dtype=torch.bfloat16, causal=False, layout="contiguous", grads="none")),
         ("ring_attn_func", SIG._replace(softmax_scale=1e-300, dtype=torch.float16, batch=65535, seqlen_local=2**40)),
         ("ring_attn_func", SIG._replace(softmax_scale=float.fromhex("0x1.fffffffffffffp+1023"))),
         ("ring_attn_varlen_func", SIG._replace(documents=-(2**63) + 1, window_left=3, softcap=30.0, sinks=True)),
@@ -170,7 +170,7 @@ DISAGREEMENTS = [
     (
         "grad",
         dict(requires_grad=False),
-        "whether q, k, v or learnable_sink require grad (rank 0: True, rank 1: False, rank 2: True)",
+        "which of q, k, v and learnable_sink require grad (rank 0: 'q,k,v', rank 1: 'none', rank 2: 'q,k,v')",
     ),
 ]
 

@@ -195,7 +195,7 @@ def test_cu_seqlens_that_differ_across_ranks_raise_on_every_rank():
 def test_disagreement_in_a_varlen_call_names_ring_attn_varlen_func():
     """Regression: ranks that disagreed in a ring_attn_varlen_func call were told "ring_attn_func: the ranks of
     the group disagree on ...", naming a function they did not call."""
-    sig = RingSignature(1, 8, 2, 2, 32, torch.float32, True, 32**-0.5, "zigzag", False, documents=7)
+    sig = RingSignature(1, 8, 2, 2, 32, torch.float32, True, 32**-0.5, "zigzag", "none", documents=7)
 
     def message(call, signatures):
         return describe_disagreement([decode_header(encode_header(call, s)) for s in signatures], RingSignature)
