@@ -32,7 +32,7 @@ from ringattn.benchmark import env_record, markdown_table
 from ringattn.distributed import destroy, init_distributed, log
 from ringattn.parallel.agreement import AGREEMENT_ENV, RingSignature, check_agreement, cpu_channel, encode_header
 
-SIGNATURE = RingSignature(1, 4096, 32, 8, 128, torch.bfloat16, True, 128**-0.5, "zigzag", True)
+SIGNATURE = RingSignature(1, 4096, 32, 8, 128, torch.bfloat16, True, 128**-0.5, "zigzag", "q,k,v")
 
 
 def parse_args() -> argparse.Namespace:
