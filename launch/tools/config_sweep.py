@@ -63,7 +63,7 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
         128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 1)],
     },
     "sm90.bwd": {  # BLOCK_M query rows a step, BLOCK_N keys a program (half each consumer's), Q and dO ring depth
-        64: [(64, 128, 4, 2), (128, 128, 4, 2), (64, 128, 4, 3)],
+        64: [(128, 128, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3)],
         128: [(64, 128, 4, 2), (64, 128, 4, 3)],
     },
     "sm90.dkdv": {

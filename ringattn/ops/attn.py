@@ -221,7 +221,7 @@ def attn_bwd(
     )  # fmt: skip
     launches = dispatch.bwd_launches(call, backend)
     with device_guard(q):
-        if len(launches) == 2 and dispatch.bwd_on_two_streams(call):  # dK/dV on a side stream, dQ on the current
+        if dispatch.bwd_on_two_streams(call, launches):  # dK/dV on a side stream, dQ on the current
             run_side_by_side(*launches, q.device)
         else:
             for launch in launches:

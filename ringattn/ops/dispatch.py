@@ -169,12 +169,12 @@ def fwd_launch(call: FwdCall, backend: str | None = None, target: Target | None 
 
 def bwd_launches(call: BwdCall, backend: str | None = None, target: Target | None = None) -> tuple[KernelLaunch, ...]:
     """The backward's launches of `call` on `backend`, for `target`, as fwd_launch, to run in order: the Hopper
-    backward alone, or the (dK/dV, dQ) pair."""
+    backward (one launch per group of kv heads: ops/sm90.py's bwd_launches), or the (dK/dV, dQ) pair."""
     target = target or Target.of(call.q)
     head_dim, dtype = call.q.shape[-1], call.q.dtype
     hopper = resolve_backend(backend, target) == "sm90"
     if hopper and sm90.bwd_supported(call, target):
-        return (sm90.bwd_launch(call, launch_config("sm90.bwd", head_dim, dtype, target)),)
+        return sm90.bwd_launches(call, launch_config("sm90.bwd", head_dim, dtype, target))
     split_dkdv = hopper and sm90.dkdv_supported(call, target)
     split_dq = hopper and sm90.dq_supported(call, target)
     positions = sm90.mask_positions(call) if split_dkdv or split_dq else None
@@ -203,7 +203,8 @@ def short_backward(call: BwdCall) -> bool:
     return (scores // 2 if call.causal else scores) <= SHORT_BWD_SCORES
 
 
-def bwd_on_two_streams(call: BwdCall) -> bool:
-    """Whether the backward of `call`, where it is a (dK/dV, dQ) pair, runs them on two CUDA streams at once: a
-    short one on a GPU."""
-    return call.q.is_cuda and short_backward(call)
+def bwd_on_two_streams(call: BwdCall, launches: tuple[KernelLaunch, ...]) -> bool:
+    """Whether the backward `launches` of `call` run on two CUDA streams at once: a (dK/dV, dQ) pair of a short
+    backward on a GPU."""
+    pair = len(launches) == 2 and launches[0].name.endswith(".dkdv")
+    return pair and call.q.is_cuda and short_backward(call)

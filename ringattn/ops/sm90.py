@@ -34,16 +34,23 @@ TABLE = {
     # depth of its key and value rings (launch/tools/config_sweep.py timed 2 and 3 alike)
     "fwd": {128: LaunchConfig(128, 128, 4, 2)},
     # the Gluon backward: block_m query rows a step, block_n keys a program, num_warps the first consumer's
-    # warpgroup, num_stages the depth of its Q and dO ring (128 rows spill at D = 64 and ran 0.63x to 0.72x of 64's
-    # speed; a ring of 3 ran within 2% at D = 128, 4% to 5% slower at D = 64 without a mask)
-    "bwd": {64: LaunchConfig(64, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
+    # warpgroup, num_stages the depth of its Q and dO ring (at D = 64, 128 rows spill up to 148 bytes and ran 1.02x
+    # to 1.07x 64 rows' speed; a ring of 3 ran within 2% at D = 128, 4% to 5% slower at D = 64 without a mask)
+    "bwd": {64: LaunchConfig(128, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
     # num_warps is the consumers' warpgroup: the partitioner adds a producer one and splits the consumers in two
     "dkdv": {64: LaunchConfig(64, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
     "dq": {128: LaunchConfig(128, 64, 4, 2)},
 }
-# the Gluon kernels' registers per thread at launch: 12 warps x 32 x 168 fill the SM's 64K registers, which the
-# kernels then move to 240 for each consumer and 24 for the producer (and the backward's dQ writer)
-GLUON_MAXNREG = 168
+
+
+def gluon_maxnreg(num_warps: int) -> int:
+    """The Gluon kernels' registers per thread at launch, for num_warps warps in all (the one-warp partitions padded to
+    a warpgroup: registers move by warpgroups): the most that fit the SM's 64K registers, in steps of 8. 12 warps:
+    168, which the kernels then move to 240 for each of two consumers and 24 for the producer warpgroup (the
+    backward's holds the dQ writer too); 16: 128, moved to 160 for each of three consumers and 24."""
+    return 65536 // (32 * num_warps) // 8 * 8
+
+
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
@@ -161,41 +168,95 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig) -> KernelLaunch:
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
             **band_flags, MERGE_STATE=call.merge_state, OUT_FP32=out.dtype == torch.float32,
             HAS_FINAL_ROWS=call.final is not None,
-            NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps, maxnreg=GLUON_MAXNREG,
+            NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps,
+            maxnreg=gluon_maxnreg(2 * cfg.num_warps + 4),
             enable_fp_fusion=True,  # exp2(s * qk_scale - m) as one FMA, as the portable kernels
         ),
         scratch=True,
     )  # fmt: skip
 
 
-def bwd_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
-    """_attn_bwd_gluon_kernel: dK, dV stored into (add_dkdv: added into) call.dk, call.dv, and dQ added into
-    call.dq (fp32, zeroed first unless add_dq; dq_final's rows copied out after), or, for a dQ in q's dtype, into an
-    fp32 scratch copied into it after; bwd_supported."""
+# the most fp32 dQ scratch one Gluon backward launch holds where dQ is in q's dtype: a longer call runs over groups of
+# kv heads in turn, each through the scratch of its q heads (S = 131072, H = 32, D = 128: 4 launches, 512 MiB
+# instead of 2 GiB); the scratch is B x Sq x Hq x D x 4 bytes at most this, or one kv head's where that is more
+DQ_SCRATCH_BYTES = 512 << 20
+
+
+def scratch_kv_heads(batch: int, seqlen_q: int, heads_k: int, group_size: int, head_dim: int) -> int:
+    """The kv heads of one Gluon backward launch whose dQ goes through the fp32 scratch: as many as keep the scratch
+    of their q heads, (B, Sq, heads x group_size, D) fp32, within DQ_SCRATCH_BYTES, at least one, spread evenly over
+    the launches."""
+    per_kv_head = batch * seqlen_q * group_size * head_dim * 4
+    launches = triton.cdiv(heads_k, max(1, min(heads_k, DQ_SCRATCH_BYTES // per_kv_head)))
+    return triton.cdiv(heads_k, launches)
+
+
+def _kv_heads(call: BwdCall, stats: torch.Tensor, first: int, end: int) -> tuple[BwdCall, torch.Tensor]:
+    """call and its row stats narrowed to kv heads [first, end) and their q heads (views: dK, dV are written
+    through them)."""
+    group = call.q.shape[2] // call.k.shape[2]
+    hq, hk = slice(first * group, end * group), slice(first, end)
+    narrowed = call._replace(
+        q=call.q[:, :, hq], dout=call.dout[:, :, hq], k=call.k[:, :, hk], v=call.v[:, :, hk], dk=call.dk[:, :, hk],
+        dv=call.dv[:, :, hk], dq=call.dq[:, :, hq],
+    )  # fmt: skip
+    return narrowed, stats[:, :, hq]
+
+
+def bwd_launches(call: BwdCall, cfg: LaunchConfig) -> tuple[KernelLaunch, ...]:
+    """_attn_bwd_gluon_kernel's launches, to run in order: dK, dV stored into (add_dkdv: added into) call.dk,
+    call.dv, and dQ added into call.dq (fp32, zeroed first unless add_dq; dq_final's rows copied out after: one
+    launch), or, for a dQ in q's dtype, into an fp32 scratch copied into it after, a launch for each group of kv
+    heads (scratch_kv_heads); bwd_supported."""
+    stats, copy_stats = _bwd_stats(call, cfg.block_m)
+    if call.dq.dtype == torch.float32:
+        dq, final = call.dq, call.dq_final
+
+        def prepare() -> None:
+            if copy_stats is not None:
+                copy_stats()
+            if not call.add_dq:
+                dq.zero_()
+
+        def finish() -> None:
+            if final is not None and len(final.rows):
+                final.out[:, final.rows.start : final.rows.stop].copy_(dq[:, final.rows.start : final.rows.stop])
+
+        return (_bwd_launch(call, stats, dq, cfg, prepare, finish),)
+    batch, seqlen_q, heads_q, head_dim = call.q.shape
+    heads_k = call.k.shape[2]
+    per_launch = scratch_kv_heads(batch, seqlen_q, heads_k, heads_q // heads_k, head_dim)
+    scratch = torch.empty((batch, seqlen_q, per_launch * heads_q // heads_k, head_dim), dtype=torch.float32,
+                          device=call.q.device)  # fmt: skip
+    launches = []
+    for first in range(0, heads_k, per_launch):
+        part, part_stats = _kv_heads(call, stats, first, min(first + per_launch, heads_k))
+        dq = scratch[:, :, : part.q.shape[2]]
+
+        def prepare(dq=dq, copy_stats=copy_stats if first == 0 else None) -> None:
+            if copy_stats is not None:
+                copy_stats()
+            dq.zero_()
+
+        def finish(dq=dq, out=part.dq) -> None:
+            out.copy_(dq)
+
+        launches.append(_bwd_launch(part, part_stats, dq, cfg, prepare, finish))
+    return tuple(launches)
+
+
+def _bwd_launch(
+    call: BwdCall, stats: torch.Tensor, dq: torch.Tensor, cfg: LaunchConfig, prepare: Callable[[], None],
+    finish: Callable[[], None],
+) -> KernelLaunch:  # fmt: skip
+    """_attn_bwd_gluon_kernel over call's heads, dQ added into dq (fp32, heads packed), between prepare() and
+    finish()."""
     from ..kernels.sm90.attn_bwd_gluon import _attn_bwd_gluon_kernel  # Gluon: imported once a call is taken
 
     q, k, v, dout, dk, dv = call.q, call.k, call.v, call.dout, call.dk, call.dv
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
-    accumulator = call.dq.dtype == torch.float32
-    dq = call.dq if accumulator else torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    zero_first = not (accumulator and call.add_dq)
-    final = call.dq_final
-    stats, copy_stats = _bwd_stats(call, cfg.block_m)
     band, band_flags = band_args(call)
-
-    def prepare() -> None:
-        if copy_stats is not None:
-            copy_stats()
-        if zero_first:
-            dq.zero_()
-
-    def finish() -> None:
-        if not accumulator:
-            call.dq.copy_(dq)
-        elif final is not None and len(final.rows):
-            final.out[:, final.rows.start : final.rows.stop].copy_(dq[:, final.rows.start : final.rows.stop])
-
     return KernelLaunch(
         "sm90.bwd",
         _attn_bwd_gluon_kernel,
@@ -204,12 +265,12 @@ def bwd_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
             q, k, v, dout, stats, dq, dk, dv,
             q.stride(0), q.stride(1), *strides(k), *strides(v), dout.stride(0), dout.stride(1),
             dq.stride(0), dq.stride(1), *strides(dk), *strides(dv),
-            stats.shape[-1], stats.stride(0), seqlen_q, seqlen_k, heads_q, *band, call.softmax_scale,
+            stats.stride(2), stats.stride(1), stats.stride(0), seqlen_q, seqlen_k, heads_q, *band, call.softmax_scale,
         ),
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
             **band_flags, ADD_DKDV=call.add_dkdv, NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps,
-            maxnreg=GLUON_MAXNREG, enable_fp_fusion=True,
+            maxnreg=gluon_maxnreg(2 * cfg.num_warps + 4), enable_fp_fusion=True,
         ),
         scratch=True,
         prepare=prepare,

@@ -246,7 +246,7 @@ def test_short_backwards_run_on_two_streams_on_gpus_only():
     """At most 2^32 score entries (halved when causal); CPU tensors never (no streams)."""
     q, k, v, dout = _tensors(seqlen_q=8, seqlen_k=8)
     call = _bwd(q, k, v, dout)
-    assert dispatch.short_backward(call) and not dispatch.bwd_on_two_streams(call)
+    assert dispatch.short_backward(call) and not dispatch.bwd_on_two_streams(call, bwd_launches(call, "portable"))
     big = torch.empty(1, 2**16, 1, 8).expand(2, 2**16, 2, 8)  # B Hq Sq Sk = 2^34: too many, causal or not
     for causal, short in ((False, False), (True, False)):
         assert dispatch.short_backward(_bwd(big, big, big, big, causal=causal)) is short

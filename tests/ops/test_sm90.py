@@ -192,6 +192,34 @@ def test_gluon_backward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, c
     check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads), what="gluon backward")
 
 
+def test_dq_scratch_spans_as_many_kv_heads_as_fit():
+    """Launches over groups of kv heads, evenly spread, each group's fp32 dQ scratch within DQ_SCRATCH_BYTES (one kv
+    head at least)."""
+    cap = sm90.DQ_SCRATCH_BYTES
+    per_kv_head = cap // 8  # (B, Sq, group, D) fp32 of one kv head
+    assert sm90.scratch_kv_heads(1, per_kv_head // (4 * 2 * 64), 8, 2, 64) == 8  # all fit: one launch
+    assert sm90.scratch_kv_heads(1, per_kv_head // (4 * 2 * 64), 32, 2, 64) == 8  # 4 launches of 8
+    assert sm90.scratch_kv_heads(1, per_kv_head // (4 * 2 * 64), 12, 2, 64) == 6  # 2 of 6, not 8 + 4
+    assert sm90.scratch_kv_heads(4, cap // 64, 3, 1, 64) == 1  # one kv head is over the cap: one at a time
+
+
+@needs_hopper_gpu
+@pytest.mark.parametrize("heads", HEADS, ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_backward_over_groups_of_kv_heads(monkeypatch, heads, causal):
+    """With the scratch held to one kv head's q heads, the backward runs a launch per kv head: dq, dk, dv against
+    float64, and dK, dV (one writer per row) the bits of the single launch."""
+    q, k, v, dout = make_qkv(2, 777, 2049, heads[0] * 2, heads[1] * 2, 64, DTYPES[0], seed=11)
+    scale = 0.125
+    out, lse = attn_fwd(q, k, v, scale, causal)
+    whole = attn_bwd(dout, q, k, v, out, lse, scale, causal)
+    monkeypatch.setattr(sm90, "DQ_SCRATCH_BYTES", 1)
+    assert _launched(q, k, v, dout, causal) == ("sm90.bwd",) * k.shape[2]
+    grads = attn_bwd(dout, q, k, v, out, lse, scale, causal)
+    check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads), what="gluon backward by kv heads")
+    assert torch.equal(grads[1], whole[1]) and torch.equal(grads[2], whole[2])
+
+
 @needs_hopper_gpu
 @pytest.mark.parametrize("heads", HEADS[:2], ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS[:2]])
 @pytest.mark.parametrize("head_dim,causal", GLUON_BWD_CASES, ids=GLUON_BWD_IDS)

@@ -1,6 +1,8 @@
 """The backward's two kernels on two CUDA streams (ops/dispatch.py decides, ops/launch.py runs them): when they
 are, and that they give the bits of one stream."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -35,7 +37,10 @@ def test_two_streams_only_on_cuda():
     q = torch.empty(1, 64, 4, 32, device=DEVICE)
     stats = torch.empty(3, 1, 4, 64, device=DEVICE)
     call = BwdCall(q, q, q, q, stats, q, q, q, 0.125, False)
-    assert dispatch.bwd_on_two_streams(call) == (DEVICE.type == "cuda")
+    pair = bwd_launches(call, "portable")
+    assert dispatch.bwd_on_two_streams(call, pair) == (DEVICE.type == "cuda")
+    # two launches of the Hopper backward (groups of kv heads sharing one dQ scratch) run in turn, never side by side
+    assert not dispatch.bwd_on_two_streams(call, tuple(dataclasses.replace(launch, name="sm90.bwd") for launch in pair))
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA streams")
@@ -56,8 +61,8 @@ def test_two_streams_give_the_bits_of_one(form, causal):
         else:
             grads = [torch.ones(t.shape, dtype=torch.float32, device=DEVICE) for t in (q, k, v)]
         call = BwdCall(dout, q, k, v, stats, *grads, 0.125, causal, add_dq=form == "ring-step")
-        assert dispatch.bwd_on_two_streams(call)
         dkdv, dq = bwd_launches(call, "portable")  # a pair (on Hopper the Gluon backward is one kernel)
+        assert dispatch.bwd_on_two_streams(call, (dkdv, dq))
         if two_streams:
             run_side_by_side(dkdv, dq, q.device)
         else:

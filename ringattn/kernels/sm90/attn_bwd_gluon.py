@@ -142,22 +142,22 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         delta = delta_bufs.index(slot).load(col_layout)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
         ds16 = (pt * (dpt - delta[None, :])).to(dtype)
-        # this half of dSᵀ into the step's dS buffer; then the whole dS (both halves) times this half of K's columns
+        # this half of dSᵀ into the step's dS buffer; then the whole dS (both halves) times this half of K's columns.
+        # The buffer of two steps ago is free: the other consumer's dQ of that step, which read it, retired before it
+        # stored its half of the last step's dS, whose barrier this consumer passed
         ds_slot = i % 2
         ds_phase = i // 2 & 1
-        mbarrier.wait(ds_bars.index(2 * ds_slot + 1), ds_phase ^ 1)  # both consumers' dQ of two steps ago read it
         ds_tile = ds_bufs.index(ds_slot)
         ds_tile.slice(FIRST, KEYS).store(ds16)
         fence_async_shared()
         gl.barrier()  # every thread's part stored before the arrival
-        mbarrier.arrive(ds_bars.index(2 * ds_slot), count=1)
+        mbarrier.arrive(ds_bars.index(ds_slot), count=1)
         dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
-        mbarrier.wait(ds_bars.index(2 * ds_slot), ds_phase)
+        mbarrier.wait(ds_bars.index(ds_slot), ds_phase)
         dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
         dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
         dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))
-        mbarrier.arrive(ds_bars.index(2 * ds_slot + 1), count=1)
         # this half of the step's dQ to the writer, once it has read the last one
         mbarrier.wait(dq_bars.index(2 * HALF + 1), (i & 1) ^ 1)
         dq_smem.store(dq * sm_scale)
@@ -222,7 +222,8 @@ def _attn_bwd_gluon_kernel(
     stride_dqb, stride_dqs,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_stats, stride_plane, seqlen_q, seqlen_k, num_heads_q, lower, upper, qk_scale, cap_scale, sm_scale,
+    stride_stats, stride_statsb, stride_plane, seqlen_q, seqlen_k, num_heads_q, lower, upper, qk_scale, cap_scale,
+    sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
     LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
@@ -232,13 +233,14 @@ def _attn_bwd_gluon_kernel(
 
     Q, DOut (B, Sq, Hq, HEAD_DIM) with their heads packed (head stride HEAD_DIM) and K, V (B, Sk, Hkv, HEAD_DIM), all
     16-bit (bf16 or fp16), HEAD_DIM 64 or 128, base addresses and every stride but the last 16-byte aligned; Stats the
-    row stats (3, B, Hq, stride_stats) fp32 contiguous (lse2_hi, lse2_lo, delta: ops/attn.py's attn_bwd_preprocess;
-    planes stride_plane apart; lse2_lo is not read), 16-byte aligned, stride_stats >= Sq a multiple of BLOCK_M, the
-    entries past Sq zeros. DQ (B, Sq, Hq, HEAD_DIM) fp32 with its heads packed, aligned alike: dQ is added into it
-    (atomically: every key tile adds its share). DK, DV like K and V, in their dtype or fp32 (the ring's shares), last
-    dim contiguous; stored, or with ADD_DKDV added into. Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <=
-    i + upper; qk_scale, cap_scale, SOFTCAP as in the forward kernel; rows whose lse2_hi is +inf (no key) add nothing.
-    The additions into DQ come in the order the programs reach them, so dQ's last bits vary from run to run.
+    row stats (3, B, Hq, Sq') fp32 (lse2_hi, lse2_lo, delta: ops/attn.py's attn_bwd_preprocess; lse2_lo is not read)
+    with strides (stride_plane, stride_statsb, stride_stats, 1), 16-byte aligned, Sq' = stride_stats >= Sq a multiple
+    of BLOCK_M, the entries past Sq zeros (a view of some heads of a larger one is fine). DQ (B, Sq, Hq, HEAD_DIM)
+    fp32 with its heads packed, aligned alike: dQ is added into it (atomically: every key tile adds its share). DK, DV
+    like K and V, in their dtype or fp32 (the ring's shares), last dim contiguous; stored, or with ADD_DKDV added into.
+    Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <= i + upper; qk_scale, cap_scale, SOFTCAP as in the
+    forward kernel; rows whose lse2_hi is +inf (no key) add nothing. The additions into DQ come in the order the
+    programs reach them, so dQ's last bits vary from run to run.
     """
     start_n = gl.program_id(0)
     off_hk = gl.program_id(1)
@@ -259,7 +261,7 @@ def _attn_bwd_gluon_kernel(
                                          [stride_dqs, 1], [BLOCK_M, HEAD_DIM // 2], dq_layout)  # fmt: skip
     # each step's rows of lse2_hi and delta, by TMA: a BLOCK_M block never crosses into the next head's
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    stats = Stats + off_b * num_heads_q * stride_stats
+    stats = Stats + off_b * stride_statsb
     hi_desc = tma.make_tensor_descriptor(stats, [num_heads_q * stride_stats], [1], [BLOCK_M], stats_layout)
     delta_desc = tma.make_tensor_descriptor(stats + 2 * stride_plane, [num_heads_q * stride_stats], [1], [BLOCK_M],
                                             stats_layout)  # fmt: skip
@@ -275,10 +277,10 @@ def _attn_bwd_gluon_kernel(
     hi_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    # per slot, two barriers: [2 * slot] its tiles landed (Q, dO, the stats; dS: both halves stored), [2 * slot + 1]
-    # both consumers are done with it
+    # per slot, two barriers: [2 * slot] its tiles landed (Q, dO, the stats), [2 * slot + 1] both consumers are done
+    # with it; per dS buffer, one: both halves stored
     qdo_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    ds_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # per consumer h, [2 * h] its half of the step's dQ is in dq_bufs[h], [2 * h + 1] the writer has read it
     dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -286,8 +288,7 @@ def _attn_bwd_gluon_kernel(
         mbarrier.init(qdo_bars.index(2 * i), count=1)
         mbarrier.init(qdo_bars.index(2 * i + 1), count=2)
     for i in gl.static_range(2):
-        mbarrier.init(ds_bars.index(2 * i), count=2)
-        mbarrier.init(ds_bars.index(2 * i + 1), count=2)
+        mbarrier.init(ds_bars.index(i), count=2)
         mbarrier.init(dq_bars.index(2 * i), count=1)
         mbarrier.init(dq_bars.index(2 * i + 1), count=1)
 

@@ -73,9 +73,10 @@ def test_split_kernels_partition_without_known_hazards(tmp_path):
 def test_gluon_backward_compiles_for_hopper(tmp_path):
     """The Gluon backward in the ring's form (dQ added into fp32, dK and dV stored as fp32 shares), GQA, at D = 64 and
     128, causal or not (four compiles). One warp-specialised region of 12 warps, one CTA an SM, within a CTA's shared
-    memory, at most a few bytes of spills, and its products overlapping: ptxas did not serialise the wgmma (it does
-    when an instruction touches a pending product's registers, as a product issued across the loop's back edge
-    did)."""
+    memory, at most a few bytes of spills at D = 128 (at D = 64 its 128-row steps spill up to 148 bytes, and ran
+    1.02x to 1.07x the spill-free 64-row steps' speed: docs/performance.md, decisions), and its products overlapping:
+    ptxas did not serialise the wgmma (it does when an instruction touches a pending product's registers, as a
+    product issued across the loop's back edge did)."""
     out = tmp_path / "resources.json"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch" / "tools"), str(ROOT)])
@@ -88,7 +89,7 @@ def test_gluon_backward_compiles_for_hopper(tmp_path):
     for r in records:
         assert "error" not in r, r
         assert (r["ws_partitions"], r["warps"], r["ctas_per_sm"], r["wgmma_serialized"]) == (1, 12, 1, False), r
-        assert r["spill_store_bytes"] <= 8 and r["smem_bytes"] <= 227 * 1024, r
+        assert r["spill_store_bytes"] <= (8 if r["D"] == 128 else 160) and r["smem_bytes"] <= 227 * 1024, r
 
 
 @pytest.mark.timeout(600)
@@ -111,4 +112,4 @@ def test_gluon_forward_compiles_for_hopper(tmp_path):
     for r in records:
         assert "error" not in r, r
         assert (r["ws_partitions"], r["warps"], r["ctas_per_sm"], r["wgmma_serialized"]) == (1, 12, 1, False), r
-        assert r["spill_store_bytes"] <= 8 and r["smem_bytes"] <= 227 * 1024, r
+        assert r["spill_store_bytes"] <= (8 if r["D"] == 128 else 160) and r["smem_bytes"] <= 227 * 1024, r
