@@ -484,9 +484,10 @@ def graph_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.T
     grad mode off. Part of a ring call's signature: the ranks must agree on it, since the backward communicates for q,
     k and v (the ring, or Ulysses' all-to-alls, q's apart from k's and v's) and not for the sinks alone (a sink
     requiring grad on some ranks only made them part ways)."""
+    if not torch.is_grad_enabled():
+        return "none"
     tensors = {"q": q, "k": k, "v": v, "sink": sink}
-    names = [name for name, t in tensors.items() if torch.is_grad_enabled() and t is not None and t.requires_grad]
-    return ",".join(names) or "none"
+    return ",".join(name for name, t in tensors.items() if t is not None and t.requires_grad) or "none"
 
 
 def _ring_attn(call, q, k, v, cu_seqlens, sink, scale, causal, window, softcap, deterministic, group_name, layout):

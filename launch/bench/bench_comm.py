@@ -81,9 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     problems = []
     if min(args.sizes_mib) <= 0:
         problems.append("--sizes-mib must be > 0")
-    if min(args.block_seqlens) < 1 or args.heads < 1 or args.kv_heads < 1 or args.head_dim < 1:
-        problems.append("--block-seqlens, --heads, --kv-heads and --head-dim must be >= 1")
-    problems += head_dim_problems(args.head_dim) if args.head_dim >= 1 else []
+    if min(args.block_seqlens) < 1 or args.heads < 1 or args.kv_heads < 1:
+        problems.append("--block-seqlens, --heads and --kv-heads must be >= 1")
+    problems += head_dim_problems(args.head_dim)
     if args.heads % args.kv_heads:
         problems.append(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     for u in args.ulysses:

@@ -41,16 +41,9 @@ TABLE = {
     "dkdv": {64: LaunchConfig(64, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
     "dq": {128: LaunchConfig(128, 64, 4, 2)},
 }
-
-
-def gluon_maxnreg(num_warps: int) -> int:
-    """The Gluon kernels' registers per thread at launch, for num_warps warps in all (the one-warp partitions padded to
-    a warpgroup: registers move by warpgroups): the most that fit the SM's 64K registers, in steps of 8. 12 warps:
-    168, which the kernels then move to 240 for each of two consumers and 24 for the producer warpgroup (the
-    backward's holds the dQ writer too); 16: 128, moved to 160 for each of three consumers and 24."""
-    return 65536 // (32 * num_warps) // 8 * 8
-
-
+# the Gluon kernels' registers per thread at launch: 12 warps x 32 x 168 fill the SM's 64K registers, which the
+# kernels then move to 240 for each consumer and 24 for the producer (and the backward's dQ writer)
+GLUON_MAXNREG = 168
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
@@ -168,8 +161,7 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig) -> KernelLaunch:
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
             **band_flags, MERGE_STATE=call.merge_state, OUT_FP32=out.dtype == torch.float32,
             HAS_FINAL_ROWS=call.final is not None,
-            NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps,
-            maxnreg=gluon_maxnreg(2 * cfg.num_warps + 4),
+            NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps, maxnreg=GLUON_MAXNREG,
             enable_fp_fusion=True,  # exp2(s * qk_scale - m) as one FMA, as the portable kernels
         ),
         scratch=True,
@@ -270,7 +262,7 @@ def _bwd_launch(
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
             **band_flags, ADD_DKDV=call.add_dkdv, NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps,
-            maxnreg=gluon_maxnreg(2 * cfg.num_warps + 4), enable_fp_fusion=True,
+            maxnreg=GLUON_MAXNREG, enable_fp_fusion=True,
         ),
         scratch=True,
         prepare=prepare,

@@ -67,6 +67,7 @@ DEFAULTS = dict(
     ulysses_across_nodes=False,
 )
 ACCUMULATOR_BYTES = 4  # the ring backward's dK/dV accumulators travel in fp32
+MAX_HEADDIM = 256  # the kernels' largest head dim, ops/validation.py's MAX_HEAD_DIM (this module imports no torch)
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,8 @@ def _check_arguments(world_size, gpus_per_node, nheads, nheads_k, headdim, seqle
         _check_int(name, value)
     if nheads % nheads_k:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
-    if headdim % 8 or headdim > 256:  # the kernels' head dims (ops/validation.py's MAX_HEAD_DIM)
-        raise ValueError(f"headdim must be a multiple of 8 from 8 to 256, got {headdim}")
+    if headdim % 8 or headdim > MAX_HEADDIM:
+        raise ValueError(f"headdim must be a multiple of 8 from 8 to {MAX_HEADDIM}, got {headdim}")
     if seqlen < world_size:
         raise ValueError(f"seqlen ({seqlen}) must be at least world_size ({world_size}): a token a rank")
     for name in ("nvlink_gb_s", "internode_gb_s", "fwd_tflops", "fwd_bwd_tflops"):

@@ -231,3 +231,11 @@ def test_the_module_needs_neither_torch_nor_the_package():
 def test_docs_planning_holds_the_current_tables():
     """docs/planning.md pastes `python3 -m ringattn.parallel.planner --doc`: a changed model regenerates it."""
     assert doc_tables() in (ROOT / "docs" / "planning.md").read_text()
+
+
+def test_the_planners_head_dim_bound_is_the_kernels():
+    """The planner, which imports no torch, keeps its own copy of the kernels' largest head dim."""
+    from ringattn.ops.validation import MAX_HEAD_DIM
+    from ringattn.parallel import planner
+
+    assert planner.MAX_HEADDIM == MAX_HEAD_DIM
