@@ -18,7 +18,9 @@ padding a document of its own) and gives each token its position inside its docu
 `SequenceParallel.attention(q, k, v, batch.cu_seqlens, causal=True)` keeps attention inside each document
 (ring_attn_varlen_func, all rows in one ring). No token's target is the next document's first token. A padding
 mask (`shard_batch(..., attention_mask=...)`, left or right padding per row) makes each row's padding a document
-of its own, out of the loss: the real tokens train as the unpadded rows would.
+of its own, out of the loss: the real tokens train as the unpadded rows would. So is the padding shard_batch adds
+to make the length a multiple of the ranks: with any padding the batch has boundaries, and an encoder's tokens
+(non-causal attention) never attend to the padding.
 
 2-D context parallelism (Ulysses x ring): `SequenceParallel(ulysses_group=..., group=ring)` or
 `SequenceParallel(mesh=mesh)` (dimensions "ulysses" and "ring") splits each sequence over the U x R ranks of the grid
@@ -316,19 +318,19 @@ class ShardedBatch:
 
     input_ids: (batch, S_local) this rank's tokens.
     position_ids: (batch, S_local) int64, the positions of these tokens for RoPE and for Hugging Face
-        models' `position_ids`: their global positions (an expanded view: one row repeated), or, for packed
-        documents and padding masks, their positions inside their documents (each row its own).
+        models' `position_ids`: their global positions (an expanded view: one row repeated), or, where there are
+        documents (cu_seqlens), their positions inside them (each row its own).
     labels: (batch, S_local) the shifted targets of these tokens, or None.
     seqlen: the global length S after padding (S_local = S / W, W the ranks of the group or of the grid).
     unpadded_seqlen: the length before padding; positions from it on are padding (label ignore_index).
-    cu_seqlens: packed documents or a padding mask only (else None): (n_docs + 1,) int32 global document
-        boundaries of the flattened batch * seqlen tokens (row b's token t is token b * seqlen + t, flash-attn's and
-        Hugging Face's convention for packed rows): 0, every row start b * seqlen, ..., batch * seqlen; the
-        padding to `seqlen` and each run of a padding mask's zeros form documents of their own. For batch 1 the
-        boundaries of the one row. The same on every rank: pass it to SequenceParallel.attention or
-        ring_attn_varlen_func, or to a Hugging Face model as cu_seq_lens_q and cu_seq_lens_k. On the CPU even
-        for GPU batches: the ring plans which blocks meet on the host, and a host tensor spares it a device sync
-        per call.
+    cu_seqlens: for packed documents, a padding mask or any padding to `seqlen` (else None): (n_docs + 1,) int32
+        global document boundaries of the flattened batch * seqlen tokens (row b's token t is token b * seqlen + t,
+        flash-attn's and Hugging Face's convention for packed rows): 0, every row start b * seqlen, ..., batch *
+        seqlen; the padding to `seqlen` and each run of a padding mask's zeros form documents of their own. For
+        batch 1 the boundaries of the one row. The same on every rank: pass it to SequenceParallel.attention or
+        ring_attn_varlen_func, or to a Hugging Face model as cu_seq_lens_q and cu_seq_lens_k. On the CPU even for
+        GPU batches: the ring plans which blocks meet on the host, and a host tensor spares it a device sync per
+        call.
     """
 
     input_ids: torch.Tensor
@@ -439,7 +441,9 @@ class SequenceParallel:
 
         Labels are shifted (shift_labels) on the full sequence first; then tokens are padded with `pad_id`
         and labels with `ignore_index` at the end up to a multiple of `self.multiple`, and both are sharded.
-        Under causal attention the padding comes last, so no real token attends to it.
+        The padding is a document of its own: when there is any, the result carries the boundaries in
+        `cu_seqlens` (each row one document and its padding another) and `position_ids` inside them, so that no
+        real token attends to it, causal or not (an encoder's would otherwise). Pass them to the attention.
 
         Packed documents: pass their positions (`position_ids`, restarting at 0 at each document start, in
         each row, as packed-sequence trainers make them) or their boundaries (`cu_seqlens`: of the flattened
@@ -469,7 +473,7 @@ class SequenceParallel:
             pad_id: the token used for padding.
         Returns:
             ShardedBatch with input_ids, labels (batch, S_pad / W), position_ids (batch, S_pad / W) and,
-            for packed documents or padding, cu_seqlens.
+            for packed documents or padding (an attention_mask's, or the padding to a multiple), cu_seqlens.
         Raises (on every rank alike when any rank raises them):
             ValueError: the ranks were not all given the same batch (a collective: one all_gather of a few int64
                 per rank, the shape and a digest of each argument); labels' (batch, S) differ from input_ids'; both
@@ -494,6 +498,8 @@ class SequenceParallel:
                                attention_mask=attention_mask)  # fmt: skip
         input_ids, _ = pad_to_multiple(input_ids, dim=1, multiple=self.multiple, value=pad_id)
         seqlen = input_ids.shape[1]
+        if rows is None and seqlen > unpadded:  # the padding a document of its own: no real token sees it
+            rows = [torch.tensor([0, unpadded]) for _ in range(batch)]
         if labels is not None:
             if padding is not None:  # no target is a padding token, and no padding token has a target
                 labels = labels.masked_fill(padding.to(labels.device), ignore_index)

@@ -66,7 +66,12 @@ def _toolkit_matches_unsharded(rank, world_size, backend, seqlen):
         local_shape = (batch, s_pad // world_size)
         assert batch_l.input_ids.shape == batch_l.labels.shape == batch_l.position_ids.shape == local_shape
         idx = ringattn.shard_indices(s_pad, rank, world_size, layout, device=device)
-        assert torch.equal(batch_l.position_ids, idx.expand(batch, -1))
+        if s_pad == seqlen:  # one sequence a row: global positions, no documents
+            assert torch.equal(batch_l.position_ids, idx.expand(batch, -1)) and batch_l.cu_seqlens is None
+        else:  # the padding a document of its own in each row, its positions from 0
+            assert torch.equal(batch_l.position_ids, torch.where(idx < seqlen, idx, idx - seqlen).expand(batch, -1))
+            bounds = [b * s_pad + t for b in range(batch) for t in (0, seqlen)] + [batch * s_pad]
+            assert batch_l.cu_seqlens.tolist() == bounds
         # each token's target is the next global token, even where that token lives on another rank
         full_targets = F.pad(shift_labels(labels), (0, s_pad - seqlen), value=IGNORE_INDEX)
         assert torch.equal(batch_l.labels, full_targets[:, idx])
@@ -538,7 +543,7 @@ def _grid_toolkit_matches_single_process(rank, world_size, shape, groups, cases)
             batch = sp.shard_batch(input_ids, labels, **documents)
             s_pad = batch.seqlen
             assert s_pad % sp.multiple == 0 and s_pad - T < sp.multiple
-            assert (batch.cu_seqlens is None) == (case == "dense-B2")
+            assert (batch.cu_seqlens is None) == (case == "dense-B2" and s_pad == T)  # the padding: a document
             idx = ringattn.grid_shard_indices(s_pad, u, shape[0], r, shape[1], layout)
             assert torch.equal(sp.position_ids(s_pad), idx)
             assert torch.equal(batch.input_ids, F.pad(input_ids, (0, s_pad - T))[:, idx])

@@ -5,14 +5,14 @@
     hf.prepare(model)                                # attn_implementation="ringattn", and each call checked
     sp = ringattn.SequenceParallel(layout="zigzag")  # the same group and layout
     batch = sp.shard_batch(input_ids, labels)
-    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-    loss = sp.cross_entropy(logits, batch.labels)
-    # packed documents, each row its own: pos (B, S) restarting at 0 at each document of a row; and/or padding:
-    # Hugging Face's attention_mask (B, S), left or right padding, which becomes documents of its own. The
-    # boundaries go to the model, the mask does not
-    batch = sp.shard_batch(input_ids, labels, position_ids=pos, attention_mask=mask)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
                    cu_seq_lens_k=batch.cu_seqlens, use_cache=False).logits
+    loss = sp.cross_entropy(logits, batch.labels)
+    # the boundaries are None for rows of one sequence each that needed no padding; documents of their own:
+    # packed documents, each row its own: pos (B, S) restarting at 0 at each document of a row; padding:
+    # Hugging Face's attention_mask (B, S), left or right padding, and the padding to a multiple of the ranks.
+    # The boundaries go to the model, the mask does not
+    batch = sp.shard_batch(input_ids, labels, position_ids=pos, attention_mask=mask)
 
 2-D context parallelism (Ulysses x ring): register and shard with the same grid, a DeviceMesh with dimensions
 "ulysses" and "ring" or the two groups, and call the model as above:
@@ -377,7 +377,10 @@ def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask,
     if not bad.numel():
         return
     row = int(bad[0])
-    got = f"row {row} is {_preview(rows[row])}, expected {_preview(expected if expected.dim() == 1 else expected[row])}"
+    want = expected if expected.dim() == 1 else expected[row]
+    at = int(torch.nonzero(rows[row] != want)[0])
+    got = (f"row {row} differs first at its local position {at}: from there it is {_preview(rows[row, at:])}, "
+           f"expected {_preview(want[at:])}")  # fmt: skip
     grid = "" if isinstance(place, _RingPlace) else " over the Ulysses x ring grid"
     if cu_seqlens_q is not None:
         raise ValueError(
@@ -388,12 +391,14 @@ def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask,
     raise ValueError(
         f"{where}: position_ids must be, in every row, this rank's global positions in layout {layout!r}{grid} "
         f"(SequenceParallel.shard_batch(...).position_ids, or ringattn.position_ids); {got}. Packed documents "
-        "(positions restarting at 0 at each document) need their boundaries as well: model(..., "
-        "cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)"
+        "(positions restarting at 0 at each document), and the padding shard_batch adds to a multiple of the ranks "
+        "(a document of its own), need their boundaries as well: model(..., cu_seq_lens_q=batch.cu_seqlens, "
+        "cu_seq_lens_k=batch.cu_seqlens)"
     )
 
 
 def _preview(t: torch.Tensor, n: int = 8) -> str:
+    """The first n values of t, and how many there are when more."""
     flat = t.reshape(-1).tolist()
     return str(flat) if len(flat) <= n else f"[{', '.join(map(str, flat[:n]))}, ...] ({len(flat)} positions)"
 

@@ -281,7 +281,8 @@ def _refusals(model, batch, name, rank):
         # rank 0's positions are 0..S_local-1 only in the contiguous layout; every rank tries a wrong row
         wrong = pos + 1
         model(input_ids=ids, position_ids=wrong, use_cache=False)
-    with pytest.raises(ValueError, match=r"in every row, this rank's global positions .*; row 1 is"):
+    with pytest.raises(ValueError, match=r"in every row, this rank's global positions .*; row 1 differs first at its "
+                       r"local position 0: from there it is \[\d+"):  # fmt: skip
         model(input_ids=ids.expand(2, -1), position_ids=torch.stack([pos[0], pos[0] + 1]), use_cache=False)
     with pytest.raises(ValueError, match=r"takes no padding mask .*\.shard_batch\(input_ids, labels, attention_mask"):
         mask = torch.ones_like(ids)

@@ -78,7 +78,7 @@ def _model(family: str, seed: int, seqlen: int):
     return model
 
 
-def _family_matches_eager(rank, world_size, families, layouts, packed):
+def _family_matches_eager(rank, world_size, families, layouts, packed, padded=()):
     import ringattn
     from ringattn.integrations import hf
 
@@ -100,7 +100,36 @@ def _family_matches_eager(rank, world_size, families, layouts, packed):
             check_step(f"{family} {layout} rank {rank}", out.logits, loss, model, plain, ref, pos)
         if family in packed:
             _packed_family_matches_per_document(rank, world_size, family, layouts[0])
+        if family in padded:
+            _padded_family_matches_eager(rank, world_size, family, layouts[0])
     return True
+
+
+def _padded_family_matches_eager(rank, world_size, family, layout):
+    """A sequence 3 tokens short of a multiple of 2W: shard_batch's padding is a document of its own, so that with
+    the boundaries passed no real token attends to it (an encoder's tokens would, were it in their document), and
+    without them the model refuses the positions (which restart at the padding) on every rank."""
+    import ringattn
+    from ringattn.integrations import hf
+
+    seqlen = 32 * world_size - 3
+    input_ids, labels = _batch(seqlen, "cpu")
+    plain = _unsharded(_model(family, 2, seqlen), input_ids, labels, torch.float32)
+    ref = _unsharded(_model(family, 2, seqlen), input_ids, labels, torch.float64)
+    name = hf.register(f"ringattn-{layout}", layout=layout)
+    sp = ringattn.SequenceParallel(layout=layout)
+    model = hf.prepare(_model(family, 2, seqlen + 3), name)
+    batch = sp.shard_batch(input_ids, labels)
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    given = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **given)
+    loss = sp.cross_entropy(out.logits, batch.labels)
+    loss.backward()
+    sp.sync_gradients(model)
+    idx = ringattn.shard_indices(batch.seqlen, rank, world_size, layout)
+    real = idx < seqlen
+    check_step(f"{family} padded {layout} rank {rank}", out.logits[:, real], loss, model, plain, ref, idx[real])
 
 
 def _packed_family_matches_per_document(rank, world_size, family, layout):
@@ -132,10 +161,11 @@ def _packed_family_matches_per_document(rank, world_size, family, layout):
     check_step(f"{family} packed {layout} rank {rank}", out.logits[:, real], loss, model, plain, ref, idx[real])
 
 
-# W = 2: every family in both layouts, packed documents for three; W = 4: a mixed sliding / full family with
+# W = 2: every family in both layouts, packed documents for three, a padded sequence for a decoder and the encoder;
+# W = 4: a mixed sliding / full family with
 # soft-capping in zigzag, the family with sinks in the contiguous layout (rank counts cost the most CPU time)
 CASES = {
-    "W2": (2, FAMILIES, ["zigzag", "contiguous"], ["mistral", "gpt_oss", "modernbert"]),
+    "W2": (2, FAMILIES, ["zigzag", "contiguous"], ["mistral", "gpt_oss", "modernbert"], ["mistral", "modernbert"]),
     "W4-zigzag": (4, ["gemma2"], ["zigzag"], []),
     "W4-contiguous": (4, ["gpt_oss"], ["contiguous"], ["gpt_oss"]),
 }
@@ -143,5 +173,6 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_families_with_windows_softcap_sinks_and_encoders_match_eager(case):
-    world_size, families, layouts, packed = CASES[case]
-    assert run_ranks(_family_matches_eager, world_size, families, layouts, packed, timeout=600) == [True] * world_size
+    world_size, families, layouts, packed, *padded = CASES[case]
+    ranks = run_ranks(_family_matches_eager, world_size, families, layouts, packed, *padded, timeout=600)
+    assert ranks == [True] * world_size
