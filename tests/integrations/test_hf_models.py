@@ -122,14 +122,22 @@ def _padded_family_matches_eager(rank, world_size, family, layout):
     batch = sp.shard_batch(input_ids, labels)
     with pytest.raises(ValueError, match="cu_seq_lens"):
         model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    _step_with_boundaries_matches(f"{family} padded {layout} rank {rank}", model, sp, batch, seqlen, plain, ref)
+
+
+def _step_with_boundaries_matches(where, model, sp, batch, real_tokens, plain, ref):
+    """The model's step on a ShardedBatch with its document boundaries against the unsharded plain and reference
+    steps, at the global positions before `real_tokens` (check_step)."""
+    import ringattn
+
     given = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
     out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **given)
     loss = sp.cross_entropy(out.logits, batch.labels)
     loss.backward()
     sp.sync_gradients(model)
-    idx = ringattn.shard_indices(batch.seqlen, rank, world_size, layout)
-    real = idx < seqlen
-    check_step(f"{family} padded {layout} rank {rank}", out.logits[:, real], loss, model, plain, ref, idx[real])
+    idx = ringattn.shard_indices(batch.seqlen, sp.rank, sp.world_size, sp.layout)
+    real = idx < real_tokens
+    check_step(where, out.logits[:, real], loss, model, plain, ref, idx[real])
 
 
 def _packed_family_matches_per_document(rank, world_size, family, layout):
@@ -151,19 +159,12 @@ def _packed_family_matches_per_document(rank, world_size, family, layout):
     model = hf.prepare(_model(family, 1, total), name)
     batch = sp.shard_batch(input_ids, labels, position_ids=position_ids)
     # the boundaries go as transformers' packed kwargs (ModernBERT hands its attention layers no position_ids)
-    given = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
-    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **given)
-    loss = sp.cross_entropy(out.logits, batch.labels)
-    loss.backward()
-    sp.sync_gradients(model)
-    idx = ringattn.shard_indices(batch.seqlen, rank, world_size, layout)
-    real = idx < total
-    check_step(f"{family} packed {layout} rank {rank}", out.logits[:, real], loss, model, plain, ref, idx[real])
+    _step_with_boundaries_matches(f"{family} packed {layout} rank {rank}", model, sp, batch, total, plain, ref)
 
 
 # W = 2: every family in both layouts, packed documents for three, a padded sequence for a decoder and the encoder;
-# W = 4: a mixed sliding / full family with
-# soft-capping in zigzag, the family with sinks in the contiguous layout (rank counts cost the most CPU time)
+# W = 4: a mixed sliding / full family with soft-capping in zigzag, the family with sinks in the contiguous layout
+# (rank counts cost the most CPU time)
 CASES = {
     "W2": (2, FAMILIES, ["zigzag", "contiguous"], ["mistral", "gpt_oss", "modernbert"], ["mistral", "modernbert"]),
     "W4-zigzag": (4, ["gemma2"], ["zigzag"], []),
