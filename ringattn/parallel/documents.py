@@ -205,6 +205,13 @@ class ShardDocuments:
             start = stop
         return spans
 
+    def one_document(self, q_rank: int, q_rows: range, kv_rank: int, kv_rows: range) -> bool:
+        """Whether, in every batch row, the query rows and the key rows all lie in one and the same document: the
+        block then needs no document mask."""
+        spans = self._spans(q_rank, q_rows) + self._spans(kv_rank, kv_rows)
+        ids = spans[0][0]
+        return all(first == ids and last == ids for first, last in spans)
+
     def meet(self, q_rank: int, q_rows: range, kv_rank: int, kv_rows: range) -> bool:
         """Whether, in some batch row, some query row shares a document with some key row."""
         return any(

@@ -84,8 +84,8 @@ def _step_tasks(
 ) -> list[tuple[int, BlockTask, dict]]:
     """The tasks of block_tasks that run at a step, block by block for the blocks `held` there ((kv_rank, rows
     held), in order): (index of the block, the task with its key rows counted in the block's pack, its kernel
-    call's keyword arguments: document ids (none without documents), a BAND task's window). Tasks whose documents
-    never meet are skipped."""
+    call's keyword arguments: document ids (none without documents, or for a task inside one document, which the
+    dense kernels then take), a BAND task's window). Tasks whose documents never meet are skipped."""
     tasks = []
     for i, (kv_rank, rows) in enumerate(held):
         for task in block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local, window):
@@ -93,7 +93,8 @@ def _step_tasks(
             if docs is not None:
                 if not docs.meet(rank, task.q_rows, kv_rank, task.kv_rows):
                     continue
-                kwargs.update(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
+                if not docs.one_document(rank, task.q_rows, kv_rank, task.kv_rows):
+                    kwargs.update(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
             tasks.append((i, task._replace(kv_rows=_packed(task.kv_rows, rows)), kwargs))
     return tasks
 

@@ -93,6 +93,8 @@ ROWS = {
 @pytest.mark.parametrize("batch", sorted(ROWS), ids=[f"B{b}" for b in sorted(ROWS)])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_shard_documents_match_global_ids_and_blocks_meet_iff_a_pair_shares_a_document(layout, batch):
+    """Every rank's ids are its shard of the global ids; a block meets where some pair shares a document, and lies
+    in one document where, in every batch row, all its rows do."""
     world_size, seqlen_local = 3, 8
     seqlen = world_size * seqlen_local
     cu = _cu(*ROWS[batch])
@@ -112,6 +114,8 @@ def test_shard_documents_match_global_ids_and_blocks_meet_iff_a_pair_shares_a_do
                     k_ids = docs.ids(kv_rank, kv_rows)
                     shares = bool((q_ids[:, :, None] == k_ids[:, None, :]).any())  # in the same batch row
                     assert docs.meet(q_rank, q_rows, kv_rank, kv_rows) == shares
+                    one = all(len(set(q.tolist() + k.tolist())) == 1 for q, k in zip(q_ids, k_ids, strict=True))
+                    assert docs.one_document(q_rank, q_rows, kv_rank, kv_rows) == one
 
 
 def test_cu_seqlens_of_a_batch_need_every_row_start():
