@@ -6,12 +6,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..functional import ring_attn_func
+from ..functional import ring_attn_func, ring_attn_varlen_func
 from ..ops.validation import check_flash_attn_options, check_softmax_scale
 from ..parallel.grid import grid_arguments
 from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout
-from ..ulysses import ulysses_ring_attn_func
+from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
 
 
 class RingAttention(nn.Module):
@@ -64,18 +64,34 @@ class RingAttention(nn.Module):
         self.causal, self.softmax_scale, self.layout, self.group = causal, softmax_scale, layout, group
         self.window_size, self.softcap = tuple(window_size), softcap
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ):
         """q (batch, S_local, nheads, headdim); k, v (batch, S_local, nheads_k, headdim), nheads % nheads_k == 0
-        (over a grid: U divides nheads, and U and nheads_k divide one another).
+        (over a grid: U divides nheads, and U and nheads_k divide one another). cu_seqlens: the global document
+        boundaries of the flattened batch (SequenceParallel.shard_batch(...).cu_seqlens: packed documents and
+        padding), attention staying inside each document (ring_attn_varlen_func), or None.
 
         Returns out (batch, S_local, nheads, headdim) in q's dtype; with return_lse also
-        lse (batch, nheads, S_local) fp32, natural log. Raises as ring_attn_func (ulysses_ring_attn_func).
+        lse (batch, nheads, S_local) fp32, natural log. Raises as ring_attn_func and ring_attn_varlen_func
+        (ulysses_ring_attn_func, ulysses_ring_attn_varlen_func).
         """
         options = dict(softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window_size,
                        softcap=self.softcap, layout=self.layout, return_lse=return_lse)  # fmt: skip
         if self.ulysses_group is None:
-            return ring_attn_func(q, k, v, group=self.group, **options)
-        return ulysses_ring_attn_func(q, k, v, ulysses_group=self.ulysses_group, ring_group=self.group, **options)
+            if cu_seqlens is None:
+                return ring_attn_func(q, k, v, group=self.group, **options)
+            return ring_attn_varlen_func(q, k, v, cu_seqlens, group=self.group, **options)
+        groups = dict(ulysses_group=self.ulysses_group, ring_group=self.group)
+        if cu_seqlens is None:
+            return ulysses_ring_attn_func(q, k, v, **groups, **options)
+        return ulysses_ring_attn_varlen_func(q, k, v, cu_seqlens, **groups, **options)
 
     def extra_repr(self) -> str:
         if self.group is None:

@@ -44,6 +44,37 @@ def test_layer_matches_reference_on_2_ranks(backend, dtype):
     assert run_ranks(_layer_matches_reference, 2, backend, dtype, backend=backend) == [True, True]
 
 
+def _layer_with_boundaries_matches_reference(rank, world_size):
+    """A non-causal layer given the boundaries of a padded batch (shard_batch's: the padding a document of its own):
+    the real rows against float64 attention over the real tokens alone; a padding row sees only the padding."""
+    seqlen, real = 4 * world_size, 4 * world_size - 3  # zigzag chunks of 2; 3 padding tokens
+    sp = ringattn.SequenceParallel(layout="zigzag")
+    batch = sp.shard_batch(torch.zeros(2, real, dtype=torch.int64))
+    assert batch.seqlen == seqlen and batch.cu_seqlens.tolist() == [0, real, seqlen, seqlen + real, 2 * seqlen]
+    q, k, v, dout = make_qkv(2, seqlen, seqlen, 4, 2, 16, torch.float32, device="cpu", seed=7)
+    idx = ringattn.shard_indices(seqlen, rank, world_size, "zigzag")
+    layer = ringattn.nn.RingAttention(causal=False, layout="zigzag")
+    q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
+    out = layer(q_l, k_l, v_l, cu_seqlens=batch.cu_seqlens)
+    rows = idx < real
+    (out[:, rows] * dout[:, idx][:, rows]).sum().backward()
+    args = (q[:, :real], k[:, :real], v[:, :real], dout[:, :real], 0.25, False)
+    ref, pt = reference_attention(*args, torch.float64), reference_attention(*args, torch.float32)
+    check_close(f"rank {rank} out", out[:, rows], pt[0][:, idx[rows]], ref[0][:, idx[rows]])
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    check_close(f"rank {rank} dq", q_l.grad[:, rows], pt[2][:, idx[rows]], ref[2][:, idx[rows]], grad_scale)
+    # the padding's keys get no gradient from the real rows: they were never seen
+    assert not k_l.grad[:, ~rows].any() and not v_l.grad[:, ~rows].any()
+    with pytest.raises(TypeError):
+        layer(q_l, k_l, v_l, True)  # everything after q, k, v is keyword-only
+    return True
+
+
+def test_layer_takes_the_boundaries_of_a_padded_batch():
+    """RingAttention(..., causal=False) with cu_seqlens: an encoder's real tokens never attend to the padding."""
+    assert run_ranks(_layer_with_boundaries_matches_reference, 2) == [True, True]
+
+
 def _grid_layer_matches_reference(rank, world_size):
     """2 x 2 (a mesh) and 4 x 1 (ulysses_group the world, no ring: pure Ulysses, K/V heads 2 < U = 4)."""
     from torch.distributed.device_mesh import init_device_mesh
