@@ -11,6 +11,7 @@ from the global cu_seqlens, so ids never travel the ring.
 """
 
 import hashlib
+from typing import NamedTuple
 
 import torch
 
@@ -165,6 +166,13 @@ def shard_documents(
     return docs
 
 
+class Meeting(NamedTuple):
+    """How a block's query rows and key rows meet in their documents (ShardDocuments.meeting)."""
+
+    meet: bool  # in some batch row, some query row shares a document with some key row; else the block is skipped
+    one: bool  # in every batch row, all of them lie in one and the same document: the block needs no document mask
+
+
 class ShardDocuments:
     """Document ids of every rank's shard of B packed rows, on the device for the kernels and on the host for
     deciding, without a device sync, whether a (query rows, key rows) block can meet at all in some row.
@@ -205,18 +213,14 @@ class ShardDocuments:
             start = stop
         return spans
 
-    def one_document(self, q_rank: int, q_rows: range, kv_rank: int, kv_rows: range) -> bool:
-        """Whether, in every batch row, the query rows and the key rows all lie in one and the same document: the
-        block then needs no document mask."""
-        spans = self._spans(q_rank, q_rows) + self._spans(kv_rank, kv_rows)
-        ids = spans[0][0]
-        return all(first == ids and last == ids for first, last in spans)
-
-    def meet(self, q_rank: int, q_rows: range, kv_rank: int, kv_rows: range) -> bool:
-        """Whether, in some batch row, some query row shares a document with some key row."""
-        return any(
+    def meeting(self, q_rank: int, q_rows: range, kv_rank: int, kv_rows: range) -> "Meeting":
+        """How the documents of `q_rank`'s query rows and `kv_rank`'s key rows meet, from one look at their spans."""
+        q_spans, k_spans = self._spans(q_rank, q_rows), self._spans(kv_rank, kv_rows)
+        meet = any(
             k_last >= q_first and k_first <= q_last
-            for q_firsts, q_lasts in self._spans(q_rank, q_rows)
-            for k_firsts, k_lasts in self._spans(kv_rank, kv_rows)
+            for q_firsts, q_lasts in q_spans
+            for k_firsts, k_lasts in k_spans
             for q_first, q_last, k_first, k_last in zip(q_firsts, q_lasts, k_firsts, k_lasts, strict=True)
         )
+        ids = q_spans[0][0]
+        return Meeting(meet, all(first == ids and last == ids for first, last in q_spans + k_spans))

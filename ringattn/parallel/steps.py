@@ -91,9 +91,10 @@ def _step_tasks(
         for task in block_tasks(layout, rank, kv_rank, world_size, causal, seqlen_local, window):
             kwargs = dict(window=task.window) if task.mode is BlockMode.BAND else {}
             if docs is not None:
-                if not docs.meet(rank, task.q_rows, kv_rank, task.kv_rows):
+                meeting = docs.meeting(rank, task.q_rows, kv_rank, task.kv_rows)
+                if not meeting.meet:
                     continue
-                if not docs.one_document(rank, task.q_rows, kv_rank, task.kv_rows):
+                if not meeting.one:
                     kwargs.update(q_doc_ids=docs.ids(rank, task.q_rows), k_doc_ids=docs.ids(kv_rank, task.kv_rows))
             tasks.append((i, task._replace(kv_rows=_packed(task.kv_rows, rows)), kwargs))
     return tasks

@@ -113,9 +113,8 @@ def test_shard_documents_match_global_ids_and_blocks_meet_iff_a_pair_shares_a_do
                     q_ids = docs.ids(q_rank, q_rows)  # (B, n)
                     k_ids = docs.ids(kv_rank, kv_rows)
                     shares = bool((q_ids[:, :, None] == k_ids[:, None, :]).any())  # in the same batch row
-                    assert docs.meet(q_rank, q_rows, kv_rank, kv_rows) == shares
                     one = all(len(set(q.tolist() + k.tolist())) == 1 for q, k in zip(q_ids, k_ids, strict=True))
-                    assert docs.one_document(q_rank, q_rows, kv_rank, kv_rows) == one
+                    assert docs.meeting(q_rank, q_rows, kv_rank, kv_rows) == (shares, one)
 
 
 def test_cu_seqlens_of_a_batch_need_every_row_start():
