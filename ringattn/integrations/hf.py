@@ -71,12 +71,13 @@ gpt-oss, ModernBERT's local layers, each layer with its own), `softcap` (Gemma 2
 the attention sinks `s_aux` (gpt-oss: one learned logit per head, its gradient a parameter gradient like any
 other, summed over the ranks by SequenceParallel.sync_gradients).
 
-Refused with ValueError: dropout > 0, chunked attention, position biases, attention masks other than none/all-
-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks), a KV cache holding
-earlier tokens (generation), output_attentions, position_ids that are not this rank's positions in the registered
+Refused with ValueError: models whose attention is not transformers' AttentionInterface (by prepare), dropout > 0,
+chunked attention, position biases (ALiBi too), attention masks other than none/all-ones in the model call (a
+padding mask, naming shard_batch's attention_mask; custom 4-D masks), a KV cache holding earlier tokens or an empty
+one passed in (generation), output_attentions, position_ids that are not this rank's positions in the registered
 layout (e.g. sharded in another layout, rows that differ, packed documents without their boundaries, or fewer rows
-than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different from it, and boundaries of a batch
-whose row starts are not among them.
+than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different from it, and boundaries of a batch whose
+row starts are not among them.
 """
 
 import functools
@@ -459,10 +460,12 @@ def _check_call(model: torch.nn.Module, check_values: bool):
         call = {**dict(zip(positional, args, strict=False)), **kwargs}
         where = f"attn_implementation={implementation!r}"
         caches = [call.get(key) for key in ("cache", "past_key_values")]  # transformers 5's name, and 4's
-        if any(hasattr(c, "get_seq_length") and c.get_seq_length() > 0 for c in caches):
+        if any(c is not None for c in caches):
             raise ValueError(
-                f"{where}: a KV cache holding earlier tokens (generation, a decode step) is not supported: the ring "
-                "attends each rank's whole shard to the others' in one call; call the model with use_cache=False"
+                f"{where}: a KV cache passed in (generation: generate's first step passes an empty one, a decode "
+                "step one holding earlier tokens) is not supported: the ring attends each rank's whole shard to the "
+                "others' in one call, and each rank's last token is a different one; generate with the unsharded "
+                "model, and call this one with use_cache=False"
             )
         if call.get("position_ids") is None:
             raise ValueError(
@@ -507,14 +510,30 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
     Returns:
         model.
     Raises:
-        ValueError: `name` is not registered as ring attention (`register`).
+        ValueError: `name` is not registered as ring attention (`register`); a transformers model in `model` whose
+            attention does not go through transformers' AttentionInterface (its attn_implementation cannot be set,
+            e.g. Bloom), or that adds ALiBi biases (Falcon with alibi=True).
     """
     if _ring(name) is None:
         raise ValueError(
             f"{name!r} is not a ring attention registered with transformers: call "
             f"ringattn.integrations.hf.register({name!r}, ...) first"
         )
+    models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    for module in models:
+        if getattr(module.config, "alibi", False) is True:  # Falcon's: a bias added to the mask the ring does not build
+            raise ValueError(
+                f"{type(module).__name__} adds ALiBi position biases (config.alibi=True): ring attention computes "
+                "no position biases"
+            )
     model.set_attn_implementation(name)
+    for module in models:
+        if module.config._attn_implementation != name:
+            raise ValueError(
+                f"{type(module).__name__} runs its own attention code, not transformers' AttentionInterface, so "
+                f"attn_implementation={name!r} does not reach it (its attn_implementation is still "
+                f"{module.config._attn_implementation!r}): ring attention cannot run this model"
+            )
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and not getattr(module, PREPARED, False):
             innermost = not any(isinstance(m, PreTrainedModel) for m in module.modules() if m is not module)

@@ -290,11 +290,15 @@ def _refusals(model, batch, name, rank):
         model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
     with pytest.raises(ValueError, match="output_attentions"):
         model(input_ids=ids, position_ids=pos, use_cache=False, output_attentions=True)
-    cache = model(input_ids=ids, position_ids=pos, use_cache=True).past_key_values  # a prefill: runs
+    cache = model(input_ids=ids, position_ids=pos, use_cache=True).past_key_values  # a forward with use_cache: runs
     for key in ("cache", "past_key_values"):  # transformers 5's name, and 4's
-        with pytest.raises(ValueError, match=r"a KV cache holding earlier tokens \(generation, a decode step\)"):
-            # regression: a decode step (and generate's) was refused naming the layout or the positions, not the cache
-            model(input_ids=ids[:, -1:], position_ids=pos[:, -1:] + 1, use_cache=True, **{key: cache})
+        for given, step in ((cache, (ids[:, -1:], pos[:, -1:] + 1)), (transformers.DynamicCache(), (ids, pos))):
+            with pytest.raises(ValueError, match=r"a KV cache passed in \(generation: generate's first step"):
+                # regression: a decode step was refused naming the layout or the positions, not the cache, and
+                # generate's first step (an empty cache) ran, each rank continuing from its own last token
+                model(input_ids=step[0], position_ids=step[1], use_cache=True, **{key: given})
+    with pytest.raises(ValueError, match="a KV cache passed in"):
+        model.generate(input_ids=ids, position_ids=pos, max_new_tokens=1, do_sample=False)
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
@@ -371,6 +375,15 @@ def test_attn_implementation_selected_by_name(tmp_path):
     assert fn.layout == "zigzag" and fn.group is None
     with pytest.raises(ValueError, match="layout must be one of"):
         hf.register("ringattn-bad", layout="striped")
+    # regression: prepare left a model whose attention is its own code on eager, without a word (each rank then
+    # attended within its shard), and Falcon's ALiBi failed inside transformers with an AttributeError
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match=r"BloomForCausalLM runs its own attention code, not transformers' Atten"):
+        hf.prepare(bloom)
+    falcon_config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                              vocab_size=VOCAB, alibi=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"FalconForCausalLM adds ALiBi position biases \(config.alibi=True\)"):
+        hf.prepare(transformers.FalconForCausalLM(falcon_config))
 
 
 def _calls_that_were_silently_wrong_raise(rank, world_size):
