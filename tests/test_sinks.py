@@ -57,6 +57,23 @@ def test_sinks_match_the_extra_key_reference(case):
     _check(case, (out, lse, q.grad, k.grad, v.grad, sink.grad), q, k, v, dout, sink, 32**-0.5, causal, window=window)
 
 
+def test_a_minus_inf_sink_with_rows_that_see_no_key_has_zero_gradient():
+    """A head whose sink is -inf (no sink) where some rows see no key (lse -inf, out 0): its gradient is 0, not NaN
+    (regression: exp(sink - lse) was exp(-inf + inf)); everything else as the reference with that sink at -1e4, which
+    no row's exp reaches in float64."""
+    q, k, v, dout = make_qkv(1, 50, 20, 2, 2, 32, DTYPE, seed=7)
+    sink = torch.tensor([0.5, float("-inf")], device=DEVICE)
+    q, k, v, sink = (t.requires_grad_() for t in (q, k, v, sink))
+    out, lse = ringattn.flash_attn_func(q, k, v, causal=True, learnable_sink=sink, return_lse=True)
+    out.backward(dout)
+    assert sink.grad[1].item() == 0.0
+    no_key = lse == float("-inf")  # rows 0..29 (row i sees keys j <= i - 30) of the head without a sink
+    assert no_key[:, 1, :30].all() and no_key.sum() == 30
+    finite_sink = torch.tensor([0.5, -1e4], device=DEVICE)
+    ours = (out, lse.masked_fill(no_key, -1e4), q.grad, k.grad, v.grad, sink.grad)  # the reference's lse there
+    _check("-inf sink", ours, q, k, v, dout, finite_sink, 32**-0.5, True)
+
+
 def test_varlen_sinks_count_once_per_row():
     lengths = [9, 30, 21]
     q, k, v, dout = make_qkv(1, sum(lengths), sum(lengths), 2, 1, 32, DTYPE, seed=3)

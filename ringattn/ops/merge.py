@@ -49,12 +49,14 @@ def add_sink_(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> None:
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """The loss's gradient with respect to the sinks, (H,) in sink's dtype: the sink is a key of value 0, so its dS
-    is -P_sink * delta, P_sink = exp(sink[h] - lse), delta = rowsum(dout * out), summed over batch and rows.
+    is -P_sink * delta, P_sink = exp(sink[h] - lse), delta = rowsum(dout * out), summed over batch and rows. A row
+    whose lse is -inf (no key and a -inf sink: its output is 0) adds nothing.
 
     Args:
         dout, out: (B, S, H, D), out with the sinks merged in; lse: (B, H, S) with them; sink: (H,).
     """
     stat = torch.promote_types(lse.dtype, torch.float32)
     delta = (dout.to(stat) * out.to(stat)).sum(-1).transpose(1, 2)  # (B, H, S)
-    p_sink = torch.exp(sink.to(stat)[None, :, None] - lse.to(stat))
+    lse = lse.to(stat)
+    p_sink = torch.exp(sink.to(stat)[None, :, None] - lse).masked_fill_(lse == float("-inf"), 0.0)
     return -(p_sink * delta).sum(dim=(0, 2)).to(sink.dtype)
