@@ -12,11 +12,17 @@ def ring_group(group: Group, name: str = "group") -> dist.ProcessGroup | None:
     """The ProcessGroup (None: the default group) that `group` stands for.
 
     Raises:
-        ValueError: a DeviceMesh of more than one dimension (the message names its dimensions: pass one of them).
+        ValueError: a DeviceMesh of more than one dimension (the message names its dimensions: pass one of them);
+            the placeholder dist.new_group returns on the ranks outside the new group.
         TypeError: anything but None, a ProcessGroup or a DeviceMesh.
     """
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{name} does not hold this process (rank {dist.get_rank()}): dist.new_group returns a placeholder on the "
+            "ranks outside the new group; call ring attention on the group's own ranks only"
+        )
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             dims = ", ".join(repr(d) for d in group.mesh_dim_names or ()) or "unnamed"

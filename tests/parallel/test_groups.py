@@ -85,6 +85,11 @@ def _mesh_dimension_as_the_group(rank, world_size):
         ringattn.ring_attn_func(*shards, group=mesh)
     with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None"):
         ringattn.SequenceParallel(group=[0, 1])
+    pair = dist.new_group([0, 1])  # every process creates it; ranks 2 and 3 get a placeholder
+    if rank >= 2:  # regression: the placeholder was refused as "got int"
+        for call in (lambda: ringattn.ring_attn_func(*shards, group=pair), lambda: ringattn.SequenceParallel(group=pair)):
+            with pytest.raises(ValueError, match=rf"group does not hold this process \(rank {rank}\): dist.new_group"):
+                call()
     return True
 
 
