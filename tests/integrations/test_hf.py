@@ -377,7 +377,8 @@ def test_attn_implementation_selected_by_name(tmp_path):
         hf.register("ringattn-bad", layout="striped")
     # regression: prepare left a model whose attention is its own code on eager, without a word (each rank then
     # attended within its shard), and Falcon's ALiBi failed inside transformers with an AttributeError
-    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=VOCAB))
+    bloom_config = transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=VOCAB)
+    bloom = transformers.BloomForCausalLM(bloom_config)
     with pytest.raises(ValueError, match=r"BloomForCausalLM runs its own attention code, not transformers' Atten"):
         hf.prepare(bloom)
     falcon_config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

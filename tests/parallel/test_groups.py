@@ -87,7 +87,8 @@ def _mesh_dimension_as_the_group(rank, world_size):
         ringattn.SequenceParallel(group=[0, 1])
     pair = dist.new_group([0, 1])  # every process creates it; ranks 2 and 3 get a placeholder
     if rank >= 2:  # regression: the placeholder was refused as "got int"
-        for call in (lambda: ringattn.ring_attn_func(*shards, group=pair), lambda: ringattn.SequenceParallel(group=pair)):
+        calls = (lambda: ringattn.ring_attn_func(*shards, group=pair), lambda: ringattn.SequenceParallel(group=pair))
+        for call in calls:
             with pytest.raises(ValueError, match=rf"group does not hold this process \(rank {rank}\): dist.new_group"):
                 call()
     return True
