@@ -38,7 +38,13 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from .functional import ring_attn_func, ring_attn_varlen_func
-from .parallel.agreement import check_agreement, gather_on_cpu, shared_refusals
+from .parallel.agreement import (
+    CrossEntropySignature,
+    ShardBatchSignature,
+    check_agreement,
+    gather_on_cpu,
+    shared_refusals,
+)
 from .parallel.documents import (
     check_cu_seqlens,
     cu_seqlens_from_position_ids,
@@ -46,7 +52,13 @@ from .parallel.documents import (
     host_values,
     pad_cu_seqlens,
 )
-from .parallel.grid import GridSignature, agree_across_grid, grid_all_gather, grid_arguments
+from .parallel.grid import (
+    GridCrossEntropySignature,
+    GridShardBatchSignature,
+    agree_across_grid,
+    grid_all_gather,
+    grid_arguments,
+)
 from .parallel.groups import Group, ring_group
 from .parallel.layout import (
     check_layout,
@@ -185,13 +197,13 @@ def cross_entropy(
     Raises (on every rank of the group, whichever rank's input is wrong):
         TypeError: logits not a floating tensor, labels not an integer tensor.
         ValueError: labels' shape does not match logits' leading dims; a label outside [0, vocab) that is not
-            ignore_index; unknown grad_reduction.
+            ignore_index; unknown grad_reduction; ranks that pass different ignore_index or grad_reduction.
         RuntimeError: torch.distributed not initialised.
     """
     group = ring_group(group)
     with shared_refusals("cross_entropy", group):
         _check_cross_entropy(logits, labels, ignore_index, grad_reduction)
-    check_agreement("cross_entropy", None, group)
+    check_agreement("cross_entropy", CrossEntropySignature(ignore_index, grad_reduction), group)
     return _cross_entropy(logits, labels, [group], ignore_index, grad_reduction)
 
 
@@ -476,7 +488,8 @@ class SequenceParallel:
             for packed documents or padding (an attention_mask's, or the padding to a multiple), cu_seqlens.
         Raises (on every rank alike when any rank raises them):
             ValueError: the ranks were not all given the same batch (a collective: one all_gather of a few int64
-                per rank, the shape and a digest of each argument); labels' (batch, S) differ from input_ids'; both
+                per rank, the shape and a digest of each argument) or the same shift, ignore_index and pad_id;
+                labels' (batch, S) differ from input_ids'; both
                 position_ids and cu_seqlens given; position_ids or cu_seqlens that do not describe documents of
                 the batch's rows (cu_seqlens_from_position_ids, check_cu_seqlens); an attention_mask of another
                 shape, with values other than 0 and 1, or with padding between a row's real tokens.
@@ -493,7 +506,9 @@ class SequenceParallel:
             padding = _padding(attention_mask, batch, unpadded)  # (B, S) bool on the host, or None
             return padding, self._documents(batch, unpadded, position_ids, cu_seqlens, padding)  # rows' boundaries
 
-        padding, rows = self._agreed("SequenceParallel.shard_batch", checks)  # any rank's refusal, raised by all
+        options = ShardBatchSignature(bool(shift), ignore_index, pad_id)
+        # any rank's refusal, raised by all
+        padding, rows = self._agreed("SequenceParallel.shard_batch", checks, options, GridShardBatchSignature)
         self._check_same_batch(input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu_seqlens,
                                attention_mask=attention_mask)  # fmt: skip
         input_ids, _ = pad_to_multiple(input_ids, dim=1, multiple=self.multiple, value=pad_id)
@@ -529,22 +544,23 @@ class SequenceParallel:
             cu_seqlens=docs,
         )
 
-    def _agreed(self, call: str, checks):
+    def _agreed(self, call: str, checks, fields: tuple, grid_signature: type):
         """Run a collective call's local `checks` (a callable) and return its result, after the agreement of the
-        group's ranks (of the grid's, parallel/grid.py): a rank's refusal is raised by every rank."""
+        group's ranks (of the grid's, parallel/grid.py) on `fields` (a signature NamedTuple; over a grid, its
+        `grid_signature`): a rank's refusal, or ranks that disagree, raised by every rank."""
         if self.grid is not None:
             result = None
 
             def grid_checks():
                 nonlocal result
                 result = checks()
-                return ()
+                return tuple(fields)
 
-            agree_across_grid(call, self.grid, grid_checks, GridSignature)
+            agree_across_grid(call, self.grid, grid_checks, grid_signature)
             return result
         with shared_refusals(call, self.group):
             result = checks()
-        check_agreement(call, None, self.group)
+        check_agreement(call, fields, self.group)
         return result
 
     def _check_same_batch(self, **tensors: torch.Tensor | None) -> None:
@@ -697,7 +713,8 @@ class SequenceParallel:
         """The unsharded mean loss from this rank's logits and shifted labels (module-level cross_entropy), its
         counts summed over the group (over every rank of the grid; grad_reduction="mean" scales by U x R)."""
         self._agreed("SequenceParallel.cross_entropy",
-                     lambda: _check_cross_entropy(logits, labels, ignore_index, grad_reduction))  # fmt: skip
+                     lambda: _check_cross_entropy(logits, labels, ignore_index, grad_reduction),
+                     CrossEntropySignature(ignore_index, grad_reduction), GridCrossEntropySignature)  # fmt: skip
         return _cross_entropy(logits, labels, self._groups(), ignore_index, grad_reduction)
 
     def sync_gradients(self, parameters) -> None:

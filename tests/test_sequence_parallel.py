@@ -479,6 +479,18 @@ def _different_batches_raise_on_every_rank(rank, world_size, backend):
     wrong[1, 16, 7] = wrong[1, 16, 7].nextafter(torch.tensor(1.0)) if last else wrong[1, 16, 7]  # one ulp on one rank
     with pytest.raises(ValueError, match="input_ids of group ranks"):
         sp.shard_batch(wrong)
+    # the scalar options too (regression: a rank's unshifted labels, or a loss reduced for another gradient
+    # all-reduce, went on silently); each message names the option and every rank's value
+    options = {"shift": (True, False), "ignore_index": (-100, -1), "pad_id": (0, 1)}
+    for name, (value, other) in options.items():
+        disagreement = rf"disagree on {name} \(rank 0: {value}, .*rank {world_size - 1}: {other}\)"
+        with pytest.raises(ValueError, match=disagreement):
+            sp.shard_batch(input_ids, input_ids.clone(), **{name: other if last else value})
+    logits, labels = torch.randn(2, 6, 5, generator=gen).to(device), torch.zeros(2, 6, dtype=torch.int64).to(device)
+    for name, (value, other) in {"ignore_index": (-100, -1), "grad_reduction": ("sum", "mean")}.items():
+        for loss in (sp.cross_entropy, cross_entropy):
+            with pytest.raises(ValueError, match=rf"disagree on {name} \(rank 0: '?{value}'?, .*{other}'?\)"):
+                loss(logits, labels, **{name: other if last else value})
     return True
 
 

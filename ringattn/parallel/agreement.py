@@ -107,6 +107,28 @@ class UnshardSignature(ShardSignature):
     expected = "Every rank must pass a shard of the same shape and dtype, with the same dim and layout."
 
 
+class ShardBatchSignature(NamedTuple):
+    """What every rank of SequenceParallel.shard_batch must agree on besides the batch's tensors (compared by digest
+    apart from this): its scalar options."""
+
+    shift: bool
+    ignore_index: int
+    pad_id: int
+
+    labels = {"shift": "shift", "ignore_index": "ignore_index", "pad_id": "pad_id"}
+    expected = "Every rank must pass the same shift, ignore_index and pad_id."
+
+
+class CrossEntropySignature(NamedTuple):
+    """What every rank of cross_entropy must agree on: its scalar options."""
+
+    ignore_index: int
+    grad_reduction: str
+
+    labels = {"ignore_index": "ignore_index", "grad_reduction": "grad_reduction"}
+    expected = "Every rank must pass the same ignore_index and grad_reduction."
+
+
 def ring_signature(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -21,7 +21,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .agreement import REFUSALS, RingSignature, ShardSignature, UnshardSignature, check_agreement, cpu_channel
+from .agreement import (
+    REFUSALS,
+    CrossEntropySignature,
+    RingSignature,
+    ShardBatchSignature,
+    ShardSignature,
+    UnshardSignature,
+    check_agreement,
+    cpu_channel,
+)
 from .agreement import shared_refusals as _shared_refusals
 from .comm import p2p_timeout_s, wait_all
 from .groups import Group, ring_group
@@ -201,6 +210,8 @@ UlyssesRingSignature = _grid_signature(
     "UlyssesRingSignature",
 )  # fmt: skip
 GridSignature = _grid_signature(_NoFields, "GridSignature")  # a call whose checks return () (agree_across_grid)
+GridShardBatchSignature = _grid_signature(ShardBatchSignature, "GridShardBatchSignature")
+GridCrossEntropySignature = _grid_signature(CrossEntropySignature, "GridCrossEntropySignature")
 GridShardSignature = _grid_signature(ShardSignature, "GridShardSignature")
 GridUnshardSignature = _grid_signature(UnshardSignature, "GridUnshardSignature")
 
