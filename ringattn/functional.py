@@ -29,7 +29,14 @@ from .ops.validation import (
     default_softmax_scale,
 )
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
-from .parallel.agreement import agreement_mode, check_agreement, ring_signature, shared_refusals
+from .parallel.agreement import (
+    RingBackwardSignature,
+    agreement_mode,
+    check_agreement,
+    count_ring_call,
+    ring_signature,
+    shared_refusals,
+)
 from .parallel.comm import p2p_timeout_s
 from .parallel.documents import (
     check_cu_seqlens,
@@ -370,7 +377,7 @@ def ring_attn_fwd_op(
     layout: str,
     grads: str,
     call: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ring's forward as one custom op, differentiable (its backward runs ringattn::ring_attn_bwd), so that
     torch.compile sees one call and never the collectives, the host-side schedule or the launchers.
 
@@ -385,8 +392,9 @@ def ring_attn_fwd_op(
         kernels take them; deterministic: for the backward (saved by the autograd registration).
     Returns:
         out (B, S_local, Hq, D) in q's dtype, contiguous; lse (B, Hq, S_local) float64 (with sinks, counting them);
-        and the fp32 out with the sinks merged in, for their gradient, where it is not out itself (_keeps_state),
-        else an empty tensor.
+        the fp32 out with the sinks merged in, for their gradient, where it is not out itself (_keeps_state),
+        else an empty tensor; and the call's number on the group (count_ring_call), a 0-dim int64 CPU tensor, which
+        the backward's ranks agree on.
     Raises:
         ValueError, TypeError, RuntimeError: as ring_attn_func, on every rank alike.
     """
@@ -402,14 +410,15 @@ def ring_attn_fwd_op(
     signature = ring_signature(q, k, v, softmax_scale, causal, layout, grads, documents, window, softcap,
                                learnable_sink is not None)  # fmt: skip
     check_agreement(call, signature, group)
+    number = torch.tensor(count_ring_call(group_name))
     ops = capped_ops(KERNEL_OPS, softcap)
     out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout,
                                  _ring_documents(cu_seqlens, q, group, layout), window,
                                  keep_state=learnable_sink is not None)  # fmt: skip
     if learnable_sink is None:
-        return out, lse, out.new_empty(0)
+        return out, lse, out.new_empty(0), number
     out, lse, state = _with_sink(out, lse, learnable_sink, q.dtype)  # once, after the ring: the global lse is complete
-    return out, lse, state if _keeps_state(q, learnable_sink) else state.new_empty(0)
+    return out, lse, state if _keeps_state(q, learnable_sink) else state.new_empty(0), number
 
 
 @ring_attn_fwd_op.register_fake
@@ -417,7 +426,8 @@ def _ring_attn_fwd_fake(q, k, v, cu_seqlens, learnable_sink, *options):
     batch, seqlen, heads_q, _ = q.shape
     lse = q.new_empty((batch, heads_q, seqlen), dtype=LSE_DTYPE)
     state = q.new_empty(q.shape if _keeps_state(q, learnable_sink) else (0,), dtype=state_dtype(q))
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse, state
+    number = torch.empty((), dtype=torch.int64, device="cpu")
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse, state, number
 
 
 @torch.library.custom_op("ringattn::ring_attn_bwd", mutates_args=())
@@ -428,6 +438,7 @@ def ring_attn_bwd_op(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    forward_call: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
     softmax_scale: float,
     causal: bool,
@@ -439,8 +450,10 @@ def ring_attn_bwd_op(
     layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ring's backward as one custom op: (dq, dk, dv) shaped like q, k, v, contiguous, in q's dtype, from the
-    forward's out (with sinks, merged in) and lse and the same arguments."""
+    forward's out (with sinks, merged in), lse and call number (`forward_call`, agreed across the ranks first: a
+    rank differentiating another call raises on every rank) and the same arguments."""
     group = _resolve_process_group(group_name)
+    check_agreement("ring attention backward", RingBackwardSignature(int(forward_call)), group)
     ops = capped_ops(kernel_ops(deterministic=True) if deterministic else KERNEL_OPS, softcap)
     grads = ring_attn_backward(RingComm(group), ops, dout, q, k, v, out, lse, softmax_scale, causal, layout,
                                _ring_documents(cu_seqlens, q, group, layout), (window_left, window_right))  # fmt: skip
@@ -457,20 +470,20 @@ _SINK = 4  # learnable_sink's place among ringattn::ring_attn_fwd's arguments
 
 def _ring_attn_setup_context(ctx, inputs, output) -> None:
     q, k, v, cu_seqlens, sink, *options = inputs
-    out, lse, state = output
+    out, lse, state, number = output
     # with sinks that need their gradient, the backward runs on the unrounded out (see _with_sink)
     kept = state if state.numel() and ctx.needs_input_grad[_SINK] else out
-    ctx.save_for_backward(q, k, v, kept, lse, cu_seqlens, sink)
+    ctx.save_for_backward(q, k, v, kept, lse, number, cu_seqlens, sink)
     ctx.options = options[:-2]  # softmax_scale .. layout, the backward's; not grads, call
-    ctx.mark_non_differentiable(lse, state)
+    ctx.mark_non_differentiable(lse, state, number)
 
 
-def _ring_attn_backward(ctx, dout, _dlse, _dstate):
+def _ring_attn_backward(ctx, dout, _dlse, _dstate, _dnumber):
     _check_not_double_backward()  # on every rank alike, before the ring
-    q, k, v, out, lse, cu_seqlens, sink = ctx.saved_tensors
+    q, k, v, out, lse, number, cu_seqlens, sink = ctx.saved_tensors
     dq = dk = dv = None
     if any(ctx.needs_input_grad[:3]):  # the ranks agreed on it (graph_grads): all run the ring, or none (sinks alone)
-        dq, dk, dv = ring_attn_bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.options)
+        dq, dk, dv = ring_attn_bwd_op(dout, q, k, v, out, lse, number, cu_seqlens, *ctx.options)
     # this rank's rows' share, as for any parameter the ranks hold alike (SequenceParallel.sync_gradients)
     dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[_SINK] else None
     return dq, dk, dv, None, dsink, *(None,) * 10
@@ -492,8 +505,8 @@ def graph_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.T
 
 def _ring_attn(call, q, k, v, cu_seqlens, sink, scale, causal, window, softcap, deterministic, group_name, layout):
     """(out, lse) of ringattn::ring_attn_fwd for checked arguments."""
-    out, lse, _ = ring_attn_fwd_op(q, k, v, cu_seqlens, sink, scale, causal, *window, softcap, deterministic,
-                                   group_name, layout, graph_grads(q, k, v, sink), call)  # fmt: skip
+    out, lse, *_ = ring_attn_fwd_op(q, k, v, cu_seqlens, sink, scale, causal, *window, softcap, deterministic,
+                                    group_name, layout, graph_grads(q, k, v, sink), call)  # fmt: skip
     return out, lse
 
 

@@ -145,9 +145,10 @@ def _ring_ops_pass_opcheck(rank, world_size):
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")  # AOT dispatch: the compiled tests
     fwd_args = (q, k, v, cu_seqlens, sink, *options, "q,k,v,sink", "ring")  # every input requires grad
     torch.library.opcheck(ring_attn_fwd_op, fwd_args, test_utils=checks)
-    out, lse, _ = ring_attn_fwd_op(*fwd_args)
+    out, lse, _, number = ring_attn_fwd_op(*fwd_args)
     q, k, v, out, lse = (t.detach() for t in (q, k, v, out, lse))
-    torch.library.opcheck(ring_attn_bwd_op, (dout, q, k, v, out, lse, cu_seqlens, *options), test_utils=checks)
+    bwd_args = (dout, q, k, v, out, lse, number, cu_seqlens, *options)
+    torch.library.opcheck(ring_attn_bwd_op, bwd_args, test_utils=checks)
     return True
 
 

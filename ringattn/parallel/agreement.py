@@ -129,6 +129,32 @@ class CrossEntropySignature(NamedTuple):
     expected = "Every rank must pass the same ignore_index and grad_reduction."
 
 
+class RingBackwardSignature(NamedTuple):
+    """What every rank of a ring call's backward must agree on: which forward call it differentiates, numbered in
+    the order the group's ranks made their (agreed) ring forward calls (count_ring_call)."""
+
+    forward_call: int
+
+    distinct = True  # every call's fields differ: not worth keeping its encoding (_own_header)
+    labels = {"forward_call": "the ring forward call whose backward this is (numbered in call order)"}
+    expected = (
+        "Every rank must run the backward of the same ring call at the same time: backward the same losses in the "
+        "same order on every rank."
+    )
+
+
+_ring_calls: dict[str, int] = {}  # per group name: the ring forward calls made on it so far
+
+
+def count_ring_call(group_name: str) -> int:
+    """The number of this ring forward call on the group named `group_name` (0, 1, ...): the same on every rank of
+    the group, whose forward calls are agreed one by one in the same order; its backward agrees on it
+    (RingBackwardSignature)."""
+    number = _ring_calls.get(group_name, 0)
+    _ring_calls[group_name] = number + 1
+    return number
+
+
 def ring_signature(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -420,7 +446,13 @@ def _exchange(call: str, fields: tuple | None, refusal: Exception | None, group)
     Raises ValueError for a bad P2P timeout (the exchange's) before any communication."""
     timeout_s = p2p_timeout_s()
     try:
-        header, own = _own_header(call, fields) if refusal is None else (encode_header(call, None, refusal), None)
+        if refusal is not None:
+            header, own = encode_header(call, None, refusal), None
+        elif getattr(fields, "distinct", False):
+            header = encode_header(call, fields)
+            own = header.tolist()
+        else:
+            header, own = _own_header(call, fields)
     except ValueError as err:  # a field that cannot travel (a shape of too many dims): refused like a local check
         refusal, header, own = err, encode_header(call, None, err), None
     what = f"{call}'s agreement check (all_gather) on group rank {dist.get_rank(group)}"

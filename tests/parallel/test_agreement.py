@@ -330,6 +330,30 @@ def test_ranks_calling_different_collectives_all_raise():
     assert all(elapsed < 1.0 for _, elapsed in results)
 
 
+def _backwards_in_another_order(rank, world_size, shapes):
+    """Two ring calls agreed forward; rank 1 runs their backwards in the other order."""
+    first, second = (_call(seqlen=n).sum() for n in shapes)
+    losses = (first, second) if rank == 0 else (second, first)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        for loss in losses:
+            loss.backward()
+    return str(err.value), time.monotonic() - start
+
+
+@pytest.mark.parametrize("shapes", [(8, 8), (8, 16)], ids=["same-shapes", "other-shapes"])
+def test_backwards_in_another_order_on_one_rank_raise_on_every_rank(shapes):
+    """Regression: the backward exchanged no header, so a rank differentiating the ring calls in another order ran
+    each backward against its peers' other call: silently wrong gradients (off by 5 to 9 here) with equal shapes, a
+    gloo abort with others. Now the backward agrees on which forward call it differentiates, numbered in the
+    group's call order: the same ValueError on both ranks, within a second."""
+    results = run_ranks(_backwards_in_another_order, 2, shapes)
+    assert results[0][0] == results[1][0], results
+    expected = "ring attention backward: the ranks of the group disagree on the ring forward call whose backward"
+    assert expected in results[0][0], results
+    assert all(elapsed < 1.0 for _, elapsed in results)
+
+
 def _exchange_on_a_twin(rank, world_size):
     group = dist.new_group([1, 0], sort_ranks=False)  # group rank 0 is global rank 1
     real_backend, created = dist.get_backend, []
