@@ -101,7 +101,7 @@ def main() -> int:
     dy = torch.randn(batch, seqlen, dim, device=device)  # (B, S, dim), gradient of the output
 
     def ring(q, k, v):  # this rank's shard of the global causal attention
-        return ringattn.ring_attn_func(q, k, v, causal=True)
+        return ringattn.ring_attn_func(q, k, v, causal=True, layout="contiguous")
 
     def flash(q, k, v):  # one device, whole sequence
         return ringattn.flash_attn_func(q, k, v, causal=True)

@@ -111,7 +111,7 @@ def check(args, device: torch.device, ref_dtype: torch.dtype) -> list[dict]:
     q, k, v, dout = make_inputs(args, device)
 
     shards = [local_slice("q", t).requires_grad_() for t in (q, k, v)]
-    out, lse = ringattn.ring_attn_func(*shards, causal=args.causal, return_lse=True)
+    out, lse = ringattn.ring_attn_func(*shards, causal=args.causal, return_lse=True, layout="contiguous")
     out.backward(local_slice("out", dout))
     ring = {"out": out, "lse": lse, "dq": shards[0].grad, "dk": shards[1].grad, "dv": shards[2].grad}
 
@@ -172,12 +172,12 @@ def benchmark(args, device: torch.device) -> dict:
 
     def fwd():
         with torch.no_grad():
-            ringattn.ring_attn_func(q, k, v, causal=args.causal)
+            ringattn.ring_attn_func(q, k, v, causal=args.causal, layout="contiguous")
 
     def fwd_bwd():
         for t in (q, k, v):
             t.grad = None
-        ringattn.ring_attn_func(q, k, v, causal=args.causal).backward(dout)
+        ringattn.ring_attn_func(q, k, v, causal=args.causal, layout="contiguous").backward(dout)
 
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -524,7 +524,7 @@ def ring_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     group: Group = None,
-    layout: str = "contiguous",
+    layout: str,
     return_lse: bool = False,
     learnable_sink: torch.Tensor | None = None,
 ):
@@ -564,7 +564,9 @@ def ring_attn_func(
         group: the process group forming the ring (default: the world), or a 1-D DeviceMesh (a (dp, cp) mesh's
             mesh["cp"]: its ranks form the ring in the mesh's order). NCCL for CUDA tensors, gloo for CPU tensors
             (with TRITON_INTERPRET=1).
-        layout: "contiguous" or "zigzag" (S_local must then be even); all ranks pass the same.
+        layout: "contiguous" or "zigzag" (S_local must then be even), the layout the shards are in (ringattn.shard's,
+            SequenceParallel.layout); all ranks pass the same. Required: with the shards in the other layout, a
+            causal, windowed or packed call would be silently wrong.
         return_lse: also return this shard's lse.
     Returns:
         out (batch, S_local, nheads, headdim) in q's dtype, this rank's shard of the global
@@ -605,7 +607,7 @@ def ring_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     group: Group = None,
-    layout: str = "zigzag",
+    layout: str,
     return_lse: bool = False,
     learnable_sink: torch.Tensor | None = None,
 ):
@@ -635,7 +637,7 @@ def ring_attn_varlen_func(
         window_size: a sliding window inside each document, as ring_attn_func's (layout "contiguous").
         dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs, group, learnable_sink:
             as in ring_attn_func.
-        layout: as in ring_attn_func (default "zigzag").
+        layout: as in ring_attn_func (required).
         return_lse: also return lse (nheads, S_local), or (B, nheads, S_local) for 4-D inputs, fp32.
     Returns:
         out shaped like q, in q's dtype, and lse with return_lse.

@@ -124,7 +124,7 @@ def ulysses_ring_attn_func(
     ulysses_group: Group = None,
     ring_group: Group = None,
     mesh=None,
-    layout: str = "zigzag",
+    layout: str,
     return_lse: bool = False,
     learnable_sink: torch.Tensor | None = None,
 ):
@@ -151,7 +151,8 @@ def ulysses_ring_attn_func(
             is None too, else degree 1 (pure Ulysses).
         mesh: instead of the groups, a DeviceMesh with dimensions named "ulysses" and "ring" (others, such as "dp",
             may be there too).
-        layout: the ring's layout, "contiguous" or "zigzag" (default; U x S_local must then be even).
+        layout: the ring's layout, "contiguous" or "zigzag" (U x S_local must then be even): the one the shards are
+            in (ringattn.shard with ulysses_group=); required, as ring_attn_func's.
         return_lse: also return this shard's lse; the same on every rank of the grid (the lse comes back through an
             all-to-all, which a call without it skips).
         learnable_sink: (nheads,) attention sinks, as in ring_attn_func; each rank's gradient is its rows' share for
@@ -196,7 +197,7 @@ def ulysses_ring_attn_varlen_func(
     ulysses_group: Group = None,
     ring_group: Group = None,
     mesh=None,
-    layout: str = "zigzag",
+    layout: str,
     return_lse: bool = False,
     learnable_sink: torch.Tensor | None = None,
 ):

@@ -51,7 +51,7 @@ def _varlen_with_sinks(q, k, v, cu_seqlens, sink):
     import ringattn
 
     return ringattn.ring_attn_varlen_func(q, k, v, cu_seqlens, learnable_sink=sink, deterministic=True,
-                                          return_lse=True)  # fmt: skip
+                                          return_lse=True, layout="zigzag")  # fmt: skip
 
 
 def _run(fn, inputs, dout, leaves):
@@ -96,7 +96,7 @@ def _compiled_equals_eager(rank, world_size):
 
     # a check that fails while tracing, on rank 1 only: that frame runs eagerly and shares the refusal
     def refused(q, dropout_p):
-        return ringattn.ring_attn_func(q, q, q, causal=True, dropout_p=dropout_p)
+        return ringattn.ring_attn_func(q, q, q, causal=True, dropout_p=dropout_p, layout="contiguous")
 
     with pytest.raises(ValueError) as refusal:
         torch.compile(refused, backend="aot_eager")(q[None, :, :KV_HEADS].float(), 0.1 if rank == 1 else 0.0)

@@ -147,7 +147,7 @@ def test_bad_input_raises_a_clear_error_before_communication(case, ring_of_two_w
         patch.setattr(dist, "get_backend", lambda group=None: backend)
     q, k, v, kwargs = _inputs(args)
     with pytest.raises(case.error, match=case.match):
-        ringattn.ring_attn_func(q, k, v, **kwargs)
+        ringattn.ring_attn_func(q, k, v, **{"layout": "contiguous", **kwargs})
     if not case.ring_only:
         with pytest.raises(case.error, match=case.match):
             ringattn.flash_attn_func(q, k, v, **kwargs)
@@ -158,7 +158,7 @@ def test_good_input_reaches_the_ring(ring_of_two_without_communication):
     (whose failure RingComm reports as a RuntimeError naming the backend's error)."""
     q, k, v, _ = _inputs({})
     with pytest.raises(RuntimeError, match="Backend error: communication started before the inputs were validated"):
-        ringattn.ring_attn_func(q, k, v)
+        ringattn.ring_attn_func(q, k, v, layout="contiguous")
 
 
 @pytest.mark.parametrize("causal", ["False", "no", torch.tensor([True, False])], ids=["False", "no", "tensor-2"])
@@ -170,9 +170,9 @@ def test_causal_that_is_not_a_bool_raises_naming_causal(causal, ring_of_two_with
     with pytest.raises(TypeError, match=match):
         ringattn.flash_attn_func(q, k, v, causal=causal)
     with pytest.raises(TypeError, match=match):
-        ringattn.ring_attn_func(q, k, v, causal=causal)
+        ringattn.ring_attn_func(q, k, v, causal=causal, layout="contiguous")
     with pytest.raises(TypeError, match=match):
-        ringattn.nn.RingAttention(causal=causal)
+        ringattn.nn.RingAttention(causal=causal, layout="contiguous")
 
 
 def test_positional_varlen_call_cannot_set_softmax_scale():
@@ -181,7 +181,25 @@ def test_positional_varlen_call_cannot_set_softmax_scale():
     q = torch.zeros(8, 2, 32, device=DEVICE, dtype=DTYPE)
     cu_seqlens = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
     with pytest.raises(TypeError, match="takes 4 positional arguments but 5 were given"):
-        ringattn.ring_attn_varlen_func(q, q, q, cu_seqlens, 44)
+        ringattn.ring_attn_varlen_func(q, q, q, cu_seqlens, 44, layout="zigzag")
+
+
+def test_the_layout_has_no_default():
+    """Regression: ringattn.shard defaulted to zigzag shards, ring_attn_func and RingAttention to the contiguous
+    layout and ring_attn_varlen_func to zigzag, so a causal call with every default ran on shards of the other layout:
+    wrong by 1.08 on 2 ranks, without an error. Every attention call over shards now names its layout."""
+    q = torch.zeros(1, 8, 2, 32, device=DEVICE, dtype=DTYPE)
+    cu_seqlens = torch.tensor([0, 3, 16], dtype=torch.int32, device=DEVICE)
+    calls = {
+        "ring_attn_func": lambda: ringattn.ring_attn_func(q, q, q, causal=True),
+        "ring_attn_varlen_func": lambda: ringattn.ring_attn_varlen_func(q[0], q[0], q[0], cu_seqlens),
+        "ulysses_ring_attn_func": lambda: ringattn.ulysses_ring_attn_func(q, q, q, causal=True),
+        "ulysses_ring_attn_varlen_func": lambda: ringattn.ulysses_ring_attn_varlen_func(q[0], q[0], q[0], cu_seqlens),
+        "__init__": lambda: ringattn.nn.RingAttention(causal=True),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"{name}\(\) missing 1 required keyword-only argument: 'layout'"):
+            call()
 
 
 @pytest.mark.parametrize(
@@ -197,9 +215,9 @@ def test_scale_and_softcap_outside_float32_raise_naming_them(name, value, ring_o
     with pytest.raises(ValueError, match=match):
         ringattn.flash_attn_func(q, k, v, **{name: value})
     with pytest.raises(ValueError, match=match):
-        ringattn.ring_attn_func(q, k, v, **{name: value})
+        ringattn.ring_attn_func(q, k, v, layout="contiguous", **{name: value})
     with pytest.raises(ValueError, match=match):
-        ringattn.nn.RingAttention(**{name: value})
+        ringattn.nn.RingAttention(layout="contiguous", **{name: value})
 
 
 DOUBLE_BACKWARD = "ringattn's attention is differentiable once: double backward"
@@ -208,7 +226,7 @@ DOUBLE_BACKWARD = "ringattn's attention is differentiable once: double backward"
 def _double_backward_raises(rank, world_size, backend, dtype):
     q, k, v, _ = make_qkv(1, 8, 8, 2, 2, 16, dtype, device=rank_device(rank, backend), seed=rank)
     q.requires_grad_()
-    out = ringattn.ring_attn_func(q, k, v, causal=True)
+    out = ringattn.ring_attn_func(q, k, v, causal=True, layout="contiguous")
     with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
         torch.autograd.grad(out.square().sum(), q, create_graph=True)
     return True

@@ -147,9 +147,9 @@ def _sink_grad_on_one_rank(rank, world_size):
 
     q = torch.randn(1, 8, 2, 16)
     sink = torch.zeros(2, requires_grad=rank == 1)
-    pure_ulysses = dict(ulysses_group=torch.distributed.group.WORLD, ring_group=None)
+    pure_ulysses = dict(ulysses_group=torch.distributed.group.WORLD, ring_group=None, layout="zigzag")
     return raised_errors({
-        "ring": lambda: ringattn.ring_attn_func(q, q, q, causal=True, learnable_sink=sink),
+        "ring": lambda: ringattn.ring_attn_func(q, q, q, causal=True, learnable_sink=sink, layout="contiguous"),
         "ulysses": lambda: ringattn.ulysses_ring_attn_func(q, q, q, causal=True, learnable_sink=sink, **pure_ulysses),
     })  # fmt: skip
 

@@ -20,13 +20,14 @@ class RingAttention(nn.Module):
     (ringattn.ulysses_ring_attn_func).
 
     No parameters: q, k, v come from the model's own projections. Every rank of the group (of the grid) calls
-    forward with its shard, in the same `layout` its tokens were sharded with (ringattn.SequenceParallel or
-    ringattn.shard, with the same groups); a layout mismatch gives wrong results silently.
+    forward with its shard, in the same `layout` its tokens were sharded with (ringattn.SequenceParallel's
+    sp.layout, or ringattn.shard's, with the same groups): `layout` has no default, since a mismatch would give
+    wrong results silently.
 
     Args:
         causal: causal over global positions.
         softmax_scale: defaults to 1 / sqrt(headdim).
-        layout: "contiguous" (default, as ring_attn_func) or "zigzag".
+        layout: "contiguous" or "zigzag", required (keyword-only).
         group: the process group forming the ring (default: the world; with ulysses_group, no ring: degree 1), or a
             1-D DeviceMesh (a (dp, cp) mesh's mesh["cp"]).
         window_size, softcap: a sliding window and logit soft-capping, as ring_attn_func's.
@@ -46,7 +47,8 @@ class RingAttention(nn.Module):
         self,
         causal: bool = False,
         softmax_scale: float | None = None,
-        layout: str = "contiguous",
+        *,
+        layout: str,
         group: Group = None,
         window_size: tuple[int, int] = (-1, -1),
         softcap: float = 0.0,

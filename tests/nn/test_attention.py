@@ -99,11 +99,13 @@ def _grid_layer_matches_reference(rank, world_size):
         check_close(f"{where} rank {rank} lse", lse, pt[1][:, :, idx], ref[1][:, :, idx])
         for name, ours, i in (("dq", q_l.grad, 2), ("dk", k_l.grad, 3), ("dv", v_l.grad, 4)):
             check_close(f"{where} rank {rank} {name}", ours, pt[i][:, idx], ref[i][:, idx], grad_scale)
-    assert "ulysses_group=2 ranks" in repr(ringattn.nn.RingAttention(mesh=mesh))
+    assert "ulysses_group=2 ranks" in repr(ringattn.nn.RingAttention(mesh=mesh, layout="contiguous"))
     with pytest.raises(ValueError, match="mesh must have dimensions named 'ulysses' and 'ring'"):
-        ringattn.nn.RingAttention(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp")))
+        ringattn.nn.RingAttention(
+            mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp")), layout="contiguous"
+        )
     with pytest.raises(ValueError, match="pass either mesh or ulysses_group / ring_group, not both"):
-        ringattn.nn.RingAttention(mesh=mesh, group=mesh["ring"])
+        ringattn.nn.RingAttention(mesh=mesh, group=mesh["ring"], layout="contiguous")
     return True
 
 

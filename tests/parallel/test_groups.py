@@ -82,12 +82,15 @@ def _mesh_dimension_as_the_group(rank, world_size):
     assert (sp.rank, sp.world_size) == (rank % 2, 2) and torch.equal(sp.gather(out), ringattn.unshard(out, group=cp))
     assert torch.equal(ringattn.position_ids(32, group=cp), ringattn.position_ids(32, group=group))
     with pytest.raises(ValueError, match=r"group must be a 1-D DeviceMesh, got one of 2 dimensions \('dp', 'cp'\)"):
-        ringattn.ring_attn_func(*shards, group=mesh)
+        ringattn.ring_attn_func(*shards, group=mesh, layout="contiguous")
     with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None"):
         ringattn.SequenceParallel(group=[0, 1])
     pair = dist.new_group([0, 1])  # every process creates it; ranks 2 and 3 get a placeholder
     if rank >= 2:  # regression: the placeholder was refused as "got int"
-        calls = (lambda: ringattn.ring_attn_func(*shards, group=pair), lambda: ringattn.SequenceParallel(group=pair))
+        calls = (
+            lambda: ringattn.ring_attn_func(*shards, group=pair, layout="contiguous"),
+            lambda: ringattn.SequenceParallel(group=pair),
+        )
         for call in calls:
             with pytest.raises(ValueError, match=rf"group does not hold this process \(rank {rank}\): dist.new_group"):
                 call()

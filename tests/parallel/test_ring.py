@@ -130,7 +130,7 @@ def _bad_layout_raises_before_communication(rank, world_size):
     with pytest.raises(ValueError, match="layout must be one of"):
         ringattn.ring_attn_func(q, q, q, layout="striped")
     with pytest.raises(ValueError, match="same local sequence length"):
-        ringattn.ring_attn_func(q, q[:, :4], q[:, :4])
+        ringattn.ring_attn_func(q, q[:, :4], q[:, :4], layout="contiguous")
     with pytest.raises(ValueError, match=r"q.shape\[1\] = 7 must be divisible by 2 for layout 'zigzag'"):
         ringattn.ring_attn_func(q[:, :7], q[:, :7], q[:, :7], layout="zigzag")
     return True
@@ -144,7 +144,7 @@ def test_ring_without_process_group_raises():
     assert not dist.is_initialized()
     q = torch.zeros(1, 8, 2, 32)
     with pytest.raises(RuntimeError, match="init_process_group"):
-        ringattn.ring_attn_func(q, q, q)
+        ringattn.ring_attn_func(q, q, q, layout="contiguous")
 
 
 def _ring_window_matches_reference(rank, world_size, seqlen_local, window_size, causal, softcap, layout):

@@ -200,7 +200,7 @@ def _sinks_match_reference(rank, world_size):
     idx = ringattn.grid_shard_indices(24, u, 2, r, 2, "zigzag")
     q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
     out, lse = ringattn.ulysses_ring_attn_func(q_l, k_l, v_l, causal=True, mesh=mesh, return_lse=True,
-                                               learnable_sink=sink)  # fmt: skip
+                                               learnable_sink=sink, layout="zigzag")  # fmt: skip
     out.backward(dout[:, idx])
     dsink = sink.grad.clone()
     dist.all_reduce(dsink)  # each rank's share: its rows, its Ulysses heads
@@ -227,8 +227,10 @@ def _ulysses_of_one_is_the_ring(rank, world_size):
     results = []
     for attn in (
         lambda *a: ringattn.ring_attn_func(*a, causal=True, layout="zigzag", group=mesh["ring"], return_lse=True),
-        lambda *a: ringattn.ulysses_ring_attn_func(*a, causal=True, mesh=mesh, return_lse=True),
-        lambda *a: ringattn.ulysses_ring_attn_func(*a, causal=True, ring_group=mesh["ring"], return_lse=True),
+        lambda *a: ringattn.ulysses_ring_attn_func(*a, causal=True, mesh=mesh, return_lse=True, layout="zigzag"),
+        lambda *a: ringattn.ulysses_ring_attn_func(
+            *a, causal=True, ring_group=mesh["ring"], return_lse=True, layout="zigzag"
+        ),
     ):
         q_l, k_l, v_l = (ringattn.shard(t, group=mesh["ring"]).requires_grad_() for t in (q, k, v))
         out, lse = attn(q_l, k_l, v_l)
@@ -258,7 +260,7 @@ def _bad_grids_and_inputs(rank, world_size):
         q = torch.zeros(1, 6, heads_q, 16)
         k = torch.zeros(1, 6, heads_k, 16)
         grids = {} if {"ulysses_group", "ring_group", "mesh"} & kw.keys() else {"mesh": mesh}
-        return lambda: ringattn.ulysses_ring_attn_func(q, k, k, causal=True, **grids, **kw)
+        return lambda: ringattn.ulysses_ring_attn_func(q, k, k, causal=True, layout="zigzag", **grids, **kw)
 
     cases = {
         "u-not-dividing-hq": attn(heads_q=3, heads_k=1),
@@ -267,13 +269,15 @@ def _bad_grids_and_inputs(rank, world_size):
         "not-a-grid": attn(ulysses_group=crossed_ulysses[rank // 2], ring_group=crossed_rings[rank in (1, 2)]),
         "mesh-names": attn(mesh=named_wrong),
         "one-rank-dtype": lambda: ringattn.ulysses_ring_attn_func(
-            *(torch.zeros(1, 6, 4, 16, dtype=torch.float64 if rank == 3 else torch.float32),) * 3, mesh=mesh
+            *(torch.zeros(1, 6, 4, 16, dtype=torch.float64 if rank == 3 else torch.float32),) * 3,
+            mesh=mesh,
+            layout="zigzag",
         ),
         "one-rank-causal": lambda: ringattn.ulysses_ring_attn_func(
-            *(torch.zeros(1, 6, 4, 16),) * 3, causal=rank != 2, mesh=mesh
+            *(torch.zeros(1, 6, 4, 16),) * 3, causal=rank != 2, mesh=mesh, layout="zigzag"
         ),  # fmt: skip
         "one-rank-return-lse": lambda: ringattn.ulysses_ring_attn_func(
-            *(torch.zeros(1, 6, 4, 16),) * 3, return_lse=rank != 3, mesh=mesh
+            *(torch.zeros(1, 6, 4, 16),) * 3, return_lse=rank != 3, mesh=mesh, layout="zigzag"
         ),  # fmt: skip
         "shard-length": lambda: ringattn.shard(
             torch.zeros(1, 6), group=ring, ulysses_group=u_group, layout="contiguous"
@@ -321,7 +325,7 @@ def test_bad_grids_and_inputs_raise_on_every_rank():
 def _grid_of_one_rank(rank, world_size):
     own = [dist.new_group([r]) for r in range(world_size)][rank]  # every process creates every group
     q, k, v, _ = make_qkv(1, 8, 8, 4, 2, 16, torch.float32, "cpu", seed=rank)  # each rank its own sequence
-    out = ringattn.ulysses_ring_attn_func(q, k, v, causal=True, ulysses_group=own)
+    out = ringattn.ulysses_ring_attn_func(q, k, v, causal=True, ulysses_group=own, layout="zigzag")
     assert torch.equal(out, ringattn.flash_attn_func(q, k, v, causal=True))
     return True
 

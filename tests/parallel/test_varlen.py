@@ -160,18 +160,20 @@ def test_varlen_batch_of_packed_rows_matches_reference(backend, dtype, world_siz
 def _bad_cu_seqlens_raise(rank, world_size):
     q = torch.zeros(8, 2, 32)
     with pytest.raises(ValueError, match="must end at the global length 16"):
-        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0, 5, 12], dtype=torch.int32))
+        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0, 5, 12], dtype=torch.int32), layout="zigzag")
     with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64, got torch.float32"):
-        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0.0, 5.0, 16.0]))
+        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0.0, 5.0, 16.0]), layout="zigzag")
     with pytest.raises(TypeError, match="causal must be a bool, got 'no'"):
-        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0, 5, 16]), causal="no")
+        ringattn.ring_attn_varlen_func(q, q, q, torch.tensor([0, 5, 16]), causal="no", layout="zigzag")
     with pytest.raises(ValueError, match=r"q, k and v must all be 3-D .* or all 4-D .*; got q shape \(1, 8, 2, 32\)"):
-        ringattn.ring_attn_varlen_func(q[None], q, q, torch.tensor([0, 16], dtype=torch.int32))
+        ringattn.ring_attn_varlen_func(q[None], q, q, torch.tensor([0, 16], dtype=torch.int32), layout="zigzag")
     rows = q.expand(2, 8, 2, 32)  # 2 rows of 16 global tokens: every row start (16) a boundary
     with pytest.raises(ValueError, match=r"must end at the global length 32 \(2 rows of 16 tokens\), got 16"):
-        ringattn.ring_attn_varlen_func(rows, rows, rows, torch.tensor([0, 16], dtype=torch.int32))
+        ringattn.ring_attn_varlen_func(rows, rows, rows, torch.tensor([0, 16], dtype=torch.int32), layout="zigzag")
     with pytest.raises(ValueError, match=r"every row start .* missing \[16\]"):
-        ringattn.ring_attn_varlen_func(rows, rows, rows, torch.tensor([0, 10, 20, 32], dtype=torch.int32))
+        ringattn.ring_attn_varlen_func(
+            rows, rows, rows, torch.tensor([0, 10, 20, 32], dtype=torch.int32), layout="zigzag"
+        )
     return True
 
 
@@ -183,7 +185,7 @@ def _ranks_disagree_on_cu_seqlens(rank, world_size):
     q = torch.zeros(8, 2, 32)
     cu = torch.tensor([0, 5 + rank, 16], dtype=torch.int32)  # each rank its own boundaries
     with pytest.raises(ValueError, match=r"^ring_attn_varlen_func: the ranks of the group disagree on cu_seqlens"):
-        ringattn.ring_attn_varlen_func(q, q, q, cu)
+        ringattn.ring_attn_varlen_func(q, q, q, cu, layout="zigzag")
     return True
 
 
