@@ -191,7 +191,7 @@ def flash_attn_varlen_func(
     Args:
         q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); as flash_attn_func's otherwise.
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 or int64 sequence boundaries: 0 first, total_q (total_k)
-            last, strictly increasing, the same number of sequences.
+            last, nondecreasing (a sequence may be empty, as in flash-attn), the same number of sequences.
         max_seqlen_q, max_seqlen_k: the longest sequence of each (ints; checked against the boundaries).
         causal, window_size: per sequence, as flash_attn_func's; they need cu_seqlens_q equal to cu_seqlens_k
             (each sequence's queries and keys the same tokens, as in training).
@@ -257,7 +257,7 @@ def varlen_doc_ids_op(
     total_k: int,
     same_bounds: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_attn_varlen_func's checks of the boundaries' values (each from 0 to its total, strictly increasing,
+    """flash_attn_varlen_func's checks of the boundaries' values (each from 0 to its total, nondecreasing,
     no sequence longer than its max_seqlen; the same with same_bounds), then the (total_q,), (total_k,) int32
     sequence id of every row, on the boundaries' device."""
     bounds = []
@@ -265,7 +265,7 @@ def varlen_doc_ids_op(
         ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, total_q),
         ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, total_k),
     ):
-        check_cu_seqlens(cu, total, name=name)
+        check_cu_seqlens(cu, total, name=name, empty_ok=True)  # flash-attn's: a sequence may be empty
         bounds.append(cu.cpu().to(torch.int64))
         longest = int((bounds[-1][1:] - bounds[-1][:-1]).max())
         if max_len < longest:

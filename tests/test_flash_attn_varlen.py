@@ -27,6 +27,9 @@ VARLEN_CASES = {  # (query lengths, key lengths, causal, window_size, softcap)
     "same-window": ([37, 64, 9], None, True, (6, 0), 0.0),
     "same-softcap": ([20, 51], None, False, (-1, -1), 4.0),
     "cross-lengths": ([7, 30, 12], [19, 4, 45], False, (-1, -1), 0.0),
+    # empty sequences (a boundary repeated, as static-shape packing makes them): flash-attn takes them
+    "same-empty": ([5, 0, 40, 0, 0, 9], None, True, (-1, -1), 0.0),
+    "cross-empty": ([7, 0, 12, 0], [19, 4, 6, 0], False, (-1, -1), 0.0),
 }
 
 
@@ -67,10 +70,11 @@ def _packed():
         (dict(max_seqlen_k=6.0), TypeError, "max_seqlen_k must be an int"),
         (dict(cu_seqlens_q=[0, 4, 9]), ValueError, "cu_seqlens_q must end at the global length 10"),
         (dict(cu_seqlens_k=[0, 2, 5, 10]), ValueError, "the same number of sequences, got 2 and 3"),
+        (dict(cu_seqlens_q=[0, 6, 4, 10], cu_seqlens_k=[0, 2, 5, 10]), ValueError, "cu_seqlens_q must be nondecreas"),
         (dict(q=torch.zeros(1, 10, 2, 32)), ValueError, r"q must be a 3-D tensor \(total_tokens, nheads, headdim\)"),
         (dict(dropout_p=0.5), ValueError, "dropout_p must be 0.0"),
     ],
-    ids=["causal-cross", "window-cross", "max-short", "max-float", "cu-end", "cu-count", "q-4d", "dropout"],
+    ids=["causal-cross", "window-cross", "max-short", "max-float", "cu-end", "cu-count", "cu-down", "q-4d", "dropout"],
 )
 def test_varlen_bad_arguments_raise(change, error, match):
     q, cu = _packed()

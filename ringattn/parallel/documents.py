@@ -37,21 +37,26 @@ def check_cu_seqlens_tensor(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") 
     check_readable(cu_seqlens, name)
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens", row: int | None = None) -> None:
+def check_cu_seqlens(
+    cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens", row: int | None = None, empty_ok: bool = False
+) -> None:
     """Raise unless `cu_seqlens` is a 1-D int32 or int64 tensor of document boundaries of a `total`-token sequence;
-    with `row`, of total / row packed rows of `row` tokens each, flattened: every row start a boundary.
+    with `row`, of total / row packed rows of `row` tokens each, flattened: every row start a boundary. With
+    `empty_ok`, documents of length 0 (a boundary repeated) are boundaries too.
 
     Raises:
         TypeError: not a tensor, or not int32 or int64.
         ValueError: not 1-D with at least 2 entries, on the meta device (no values to read), not starting at 0,
-            not strictly increasing (an empty document), or not ending at `total`; a row start that is not a
-            boundary (a document crossing rows).
+            not strictly increasing (an empty document; with empty_ok, decreasing), or not ending at `total`; a row
+            start that is not a boundary (a document crossing rows).
     """
     check_cu_seqlens_tensor(cu_seqlens, name)
     bounds = cu_seqlens.cpu()
     if bounds[0].item() != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0].item()}")
-    if not bool((bounds[1:] > bounds[:-1]).all()):
+    if empty_ok and not bool((bounds[1:] >= bounds[:-1]).all()):
+        raise ValueError(f"{name} must be nondecreasing (sequences of length >= 0), got {bounds.tolist()}")
+    if not empty_ok and not bool((bounds[1:] > bounds[:-1]).all()):
         raise ValueError(f"{name} must be strictly increasing (documents of length >= 1), got {bounds.tolist()}")
     if bounds[-1].item() != total:
         rows = "" if row is None or row == total else f" ({total // row} rows of {row} tokens)"
