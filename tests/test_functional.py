@@ -180,7 +180,7 @@ def test_positional_varlen_call_cannot_set_softmax_scale():
     position 5, took 44 as the softmax scale; every argument after cu_seqlens is keyword-only."""
     q = torch.zeros(8, 2, 32, device=DEVICE, dtype=DTYPE)
     cu_seqlens = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(TypeError, match="takes 4 positional arguments but 5 were given"):
+    with pytest.raises(TypeError, match="takes 4 positional arguments but 5 positional arguments"):
         ringattn.ring_attn_varlen_func(q, q, q, cu_seqlens, 44, layout="zigzag")
 
 
