@@ -15,13 +15,19 @@ even single form needs no such care). On gloo (CPU tensors) the wait is bounded 
 
 Both directions are torch.library custom ops with fake implementations and each other as their backward
 (ringattn::ulysses_seq_to_heads, ringattn::ulysses_heads_to_seq), so torch.compile sees one call and no collective.
+The output's exchange (heads_to_seq) is numbered, and its backward agrees on the number before its all-to-all: the
+first exchange of a call's backward, so that ranks running the backwards of two calls in another order raise the
+same error instead of trading one call's gradients for the other's (or aborting gloo on other sizes).
 """
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from .agreement import RingBackwardSignature, check_agreement, count_ring_call
 from .comm import p2p_timeout_s, wait_all
+
+_EXCHANGES = "ulysses:"  # heads_to_seq's numbers are counted apart from the ring calls on the same group
 
 
 def heads_per_rank(heads: int, ulysses_size: int) -> int:
@@ -106,17 +112,20 @@ def _seq_to_heads_fake(x, group_name):
 
 
 @torch.library.custom_op("ringattn::ulysses_heads_to_seq", mutates_args=())
-def heads_to_seq_op(y: torch.Tensor, group_name: str, heads: int) -> torch.Tensor:
+def heads_to_seq_op(y: torch.Tensor, group_name: str, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, U * L, h, D) -> (B, L, heads, D) over the Ulysses group named `group_name`, summing the copies of a head
-    held by several ranks (module docstring); differentiable (the backward is ringattn::ulysses_seq_to_heads)."""
-    return _heads_to_seq(y, _resolve_process_group(group_name), heads)
+    held by several ranks (module docstring), and the exchange's number on the group (count_ring_call: a 0-dim
+    int64 CPU tensor); differentiable: the backward (ringattn::ulysses_seq_to_heads) first agrees on that number,
+    so that a rank running the backward of another call raises on every rank."""
+    number = torch.tensor(count_ring_call(_EXCHANGES + group_name))
+    return _heads_to_seq(y, _resolve_process_group(group_name), heads), number
 
 
 @heads_to_seq_op.register_fake
 def _heads_to_seq_fake(y, group_name, heads):
     size = dist.get_world_size(_resolve_process_group(group_name))
     batch, total, _, dim = y.shape
-    return y.new_empty(batch, total // size, heads, dim)
+    return y.new_empty(batch, total // size, heads, dim), torch.empty((), dtype=torch.int64, device="cpu")
 
 
 def _seq_to_heads_setup(ctx, inputs, output) -> None:
@@ -125,14 +134,18 @@ def _seq_to_heads_setup(ctx, inputs, output) -> None:
 
 
 def _seq_to_heads_backward(ctx, grad):
-    return heads_to_seq_op(grad.contiguous(), ctx.group_name, ctx.heads), None
+    return heads_to_seq_op(grad.contiguous(), ctx.group_name, ctx.heads)[0], None
 
 
 def _heads_to_seq_setup(ctx, inputs, output) -> None:
     ctx.group_name = inputs[1]
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
 
 
-def _heads_to_seq_backward(ctx, grad):
+def _heads_to_seq_backward(ctx, grad, _dnumber):
+    (number,) = ctx.saved_tensors
+    check_agreement("Ulysses backward", RingBackwardSignature(int(number)), _resolve_process_group(ctx.group_name))
     return seq_to_heads_op(grad.contiguous(), ctx.group_name), None, None
 
 
@@ -148,4 +161,4 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, heads: int) -> torch.Tensor:
     """The inverse exchange: (B, U * L, h, D) -> (B, L, heads, D). A collective on `group`; differentiable."""
-    return heads_to_seq_op(y.contiguous(), group.group_name, heads)
+    return heads_to_seq_op(y.contiguous(), group.group_name, heads)[0]

@@ -334,3 +334,32 @@ def test_a_ulysses_group_of_one_rank_without_a_ring_is_a_grid_of_one():
     """Regression: ulysses_ring_attn_func with a Ulysses group of one rank and no ring_group (a 1 x 1 grid) ran the
     world's ring, attending across the ranks' sequences; now it attends over this rank's sequence alone."""
     assert run_ranks(_grid_of_one_rank, 2) == [True, True]
+
+
+def _backwards_in_another_order(rank, world_size, lengths, ring_size):
+    """Two Ulysses calls agreed forward (pure Ulysses over the world, or U = 2 x R = 2); the second half of the ranks
+    (one rank of each Ulysses group; in the grid, a whole ring) runs their backwards in the other order."""
+    grid = dict(mesh=_mesh(2, 2)) if ring_size == 2 else dict(ulysses_group=dist.group.WORLD, ring_group=None)
+    losses = []
+    for seqlen in lengths:
+        q, k, v, _ = make_qkv(1, seqlen, seqlen, 4, 2, 16, torch.float32, "cpu", seed=seqlen)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        losses.append(ringattn.ulysses_ring_attn_func(q, k, v, causal=True, layout="zigzag", **grid).sum())
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        for loss in losses if rank < world_size // 2 else losses[::-1]:
+            loss.backward()
+    return str(err.value), time.monotonic() - start
+
+
+@pytest.mark.parametrize("lengths", [(8, 8), (8, 16)], ids=["same-shapes", "other-shapes"])
+@pytest.mark.parametrize("ring_size", [1, 2], ids=["pure-ulysses", "grid"])
+def test_backwards_in_another_order_on_some_ranks_raise_on_every_rank(lengths, ring_size):
+    """Regression: the backward's first all-to-all (the output's) exchanged no header, so ranks differentiating two
+    calls in another order traded one call's gradients for the other's (equal shapes) or aborted gloo. Now it agrees
+    on the number of the exchange it differentiates: the same ValueError on every rank, within a second."""
+    world_size = 2 * ring_size
+    results = run_ranks(_backwards_in_another_order, world_size, lengths, ring_size)
+    assert len({message for message, _ in results}) == 1, results
+    assert "Ulysses backward: the ranks of the group disagree on the ring forward call whose backward" in results[0][0]
+    assert all(elapsed < 1.0 for _, elapsed in results)
