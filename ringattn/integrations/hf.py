@@ -72,12 +72,12 @@ the attention sinks `s_aux` (gpt-oss: one learned logit per head, its gradient a
 other, summed over the ranks by SequenceParallel.sync_gradients).
 
 Refused with ValueError: models whose attention is not transformers' AttentionInterface (by prepare), dropout > 0,
-chunked attention, position biases (ALiBi too), attention masks other than none/all-ones in the model call (a
-padding mask, naming shard_batch's attention_mask; custom 4-D masks), a KV cache holding earlier tokens or an empty
-one passed in (generation), output_attentions, position_ids that are not this rank's positions in the registered
-layout (e.g. sharded in another layout, rows that differ, packed documents without their boundaries, or fewer rows
-than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different from it, and boundaries of a batch whose
-row starts are not among them.
+chunked attention, sparse attention (selected key indices), position biases (ALiBi too), attention masks other than
+none/all-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks), a KV cache
+holding earlier tokens or an empty one passed in (generation), output_attentions, position_ids that are not this
+rank's positions in the registered layout (e.g. sharded in another layout, rows that differ, packed documents
+without their boundaries, or fewer rows than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different
+from it, and boundaries of a batch whose row starts are not among them.
 """
 
 import functools
@@ -119,6 +119,8 @@ _PADDING_HOWTO = (
 _UNSUPPORTED_KWARGS = {
     "attention_chunk_size": "chunked attention",
     "position_bias": "position biases",
+    "indices": "sparse attention (the keys an indexer selected: DeepSeek-V3.2, GLM's DSA)",
+    "block_indices": "block-sparse attention (the key blocks selected: MiniMax-M3)",
 }
 
 

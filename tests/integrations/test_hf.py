@@ -310,6 +310,11 @@ def _refusals(model, batch, name, rank):
     with pytest.raises(ValueError, match="chunked attention"):
         model(input_ids=ids, position_ids=pos, use_cache=False)
     del model.model.layers[0].self_attn.attention_chunk_size
+    for arg, feature in (("indices", "sparse attention"), ("block_indices", "block-sparse attention")):
+        setattr(model.model.layers[0].self_attn, arg, torch.zeros(1, dtype=torch.int64))  # as a sparse model passes
+        with pytest.raises(ValueError, match=rf"does not support {feature} .*\({arg} is set\)"):
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+        delattr(model.model.layers[0].self_attn, arg)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"W{w}" for w in WORLD_SIZES])
