@@ -69,7 +69,8 @@ are not), `sliding_window` as flash-attn's window_size = (sliding_window - 1, sl
 positions, cut by causal (transformers' own mapping: Mistral, Qwen2 with use_sliding_window, Gemma 2 and 3,
 gpt-oss, ModernBERT's local layers, each layer with its own), `softcap` (Gemma 2's attn_logit_softcapping) and
 the attention sinks `s_aux` (gpt-oss: one learned logit per head, its gradient a parameter gradient like any
-other, summed over the ranks by SequenceParallel.sync_gradients).
+other, summed over the ranks by SequenceParallel.sync_gradients), and `deterministic` (ModernBERT's
+deterministic_flash_attn: gradients with the same bits in every run).
 
 Refused with ValueError: models whose attention is not transformers' AttentionInterface (by prepare), dropout > 0,
 chunked attention, sparse attention (selected key indices), position biases (ALiBi too), attention masks other than
@@ -184,7 +185,7 @@ class RingAttentionForTransformers:
         ring = dict(
             softmax_scale=scaling, causal=bool(is_causal), window_size=self._window(kwargs.get("sliding_window")),
             softcap=kwargs.get("softcap") or 0.0, learnable_sink=sink if sink is not None else kwargs.get("sinks"),
-            layout=self.layout,
+            deterministic=bool(kwargs.get("deterministic")), layout=self.layout,  # ModernBERT passes deterministic
         )  # fmt: skip
         if self.grid is not None:  # Ulysses x ring
             ring.update(ulysses_group=self.ulysses_group, ring_group=self.group)

@@ -392,6 +392,24 @@ def test_attn_implementation_selected_by_name(tmp_path):
         hf.prepare(transformers.FalconForCausalLM(falcon_config))
 
 
+def test_what_the_layer_passes_reaches_the_ring(monkeypatch):
+    """The layer's scaling, causality, window, soft-cap, sinks and deterministic (ModernBERT's
+    deterministic_flash_attn, ignored before) reach ring_attn_func as its arguments."""
+    from ringattn.integrations import hf
+
+    calls = []
+    monkeypatch.setattr(hf, "ring_attn_func", lambda q, k, v, **kwargs: calls.append(kwargs) or (q, None))
+    fn = hf.RingAttentionForTransformers(None, "zigzag", "ringattn-args")
+    module = torch.nn.Module()
+    setattr(module, hf.PREPARED, True)
+    query = torch.zeros(1, 4, 8, 16)  # (B, H, S, D)
+    sink = torch.zeros(4)
+    fn(module, query, query[:, :2], query[:, :2], None, scaling=0.5, is_causal=False, sliding_window=8, softcap=30.0,
+       s_aux=sink, deterministic=True)  # fmt: skip
+    assert calls == [dict(softmax_scale=0.5, causal=False, window_size=(7, 7), softcap=30.0, learnable_sink=sink,
+                          deterministic=True, layout="zigzag", group=None)]  # fmt: skip
+
+
 def _calls_that_were_silently_wrong_raise(rank, world_size):
     import ringattn
     from ringattn.integrations import hf
