@@ -166,7 +166,7 @@ def parse_args(world_size: int, on_gpu: bool, argv: list[str] | None = None) -> 
         description="Train a small GPT with ring attention (zigzag) on a copy task.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--seqlen", type=int, default=(8192 if on_gpu else 32) * world_size, help="tokens per sample")
+    p.add_argument("--seqlen", type=int, default=None, help="tokens per sample; default 8192 x W (GPU), 32 x W (CPU)")
     p.add_argument("--batch", type=int, default=1 if on_gpu else 2)
     p.add_argument("--vocab", type=int, default=64 if on_gpu else 16)
     p.add_argument("--dim", type=int, default=512 if on_gpu else 64)
@@ -185,6 +185,8 @@ def parse_args(world_size: int, on_gpu: bool, argv: list[str] | None = None) -> 
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 3 if args.check else (200 if on_gpu else 70)
+    if args.seqlen is None:  # here, not as the default: --help runs in one process, where W is 1
+        args.seqlen = (8192 if on_gpu else 32) * world_size
     multiple = 2 * world_size
     problems = [
         f"--{name.replace('_', '-')} {getattr(args, name)} must be positive"

@@ -47,7 +47,7 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
         description="Train a Llama with transformers.Trainer and ring attention (RingTrainer) on a copy task.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--cp", type=int, default=world_size, help="ranks per ring (sequence parallel); W / cp rings")
+    p.add_argument("--cp", type=int, default=None, help="ranks per ring (sequence parallel); W / cp rings; default W")
     p.add_argument("--seqlen", type=int, default=None, help="tokens per sample; default 8192 x cp (GPU), 32 x cp (CPU)")
     p.add_argument("--batch", type=int, default=1 if on_gpu else 2, help="samples per ring and step")
     p.add_argument("--samples", type=int, default=2048, help="samples in the dataset")
@@ -62,6 +62,8 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/train_hf_trainer"), help="Trainer's output_dir")
     args = p.parse_args()
+    if args.cp is None:  # here, not as the default: --help runs in one process, where W is 1
+        args.cp = world_size
     if args.seqlen is None:
         args.seqlen = (8192 if on_gpu else 32) * args.cp
     problems = []

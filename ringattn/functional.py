@@ -634,7 +634,7 @@ def ring_attn_varlen_func(
             ringattn.pad_cu_seqlens pads the total length; SequenceParallel.shard_batch builds it for a batch
             (ShardedBatch.cu_seqlens), padding masks included.
         causal: causal inside each document (default True).
-        window_size: a sliding window inside each document, as ring_attn_func's (layout "contiguous").
+        window_size: a sliding window inside each document, as ring_attn_func's.
         dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs, group, learnable_sink:
             as in ring_attn_func.
         layout: as in ring_attn_func (required).

@@ -495,20 +495,25 @@ class SequenceParallel:
                 shape, with values other than 0 and 1, or with padding between a row's real tokens.
             TypeError: position_ids, cu_seqlens or attention_mask of the wrong type (as above).
         """
-        batch, unpadded = input_ids.shape[0], input_ids.shape[1]
 
         def checks():
+            if not isinstance(input_ids, torch.Tensor) or input_ids.dim() < 2:
+                got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+                raise ValueError(f"input_ids must be a tensor (batch, seqlen, ...), got {got}: for one sequence, pass "
+                                 "input_ids[None]")  # fmt: skip
             if labels is not None and labels.shape[:2] != input_ids.shape[:2]:
                 raise ValueError(
                     f"labels must have input_ids' (batch, seqlen) {tuple(input_ids.shape[:2])}, "
                     f"got {tuple(labels.shape)}"
                 )
+            batch, unpadded = input_ids.shape[:2]
             padding = _padding(attention_mask, batch, unpadded)  # (B, S) bool on the host, or None
             return padding, self._documents(batch, unpadded, position_ids, cu_seqlens, padding)  # rows' boundaries
 
         options = ShardBatchSignature(bool(shift), ignore_index, pad_id)
         # any rank's refusal, raised by all
         padding, rows = self._agreed("SequenceParallel.shard_batch", checks, options, GridShardBatchSignature)
+        batch, unpadded = input_ids.shape[:2]
         self._check_same_batch(input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu_seqlens,
                                attention_mask=attention_mask)  # fmt: skip
         input_ids, _ = pad_to_multiple(input_ids, dim=1, multiple=self.multiple, value=pad_id)

@@ -399,6 +399,7 @@ def _toolkit_refusals_on_one_rank(rank, world_size):
     params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3 if rank == 1 else 2)]
     cases = {
         "shard_batch-labels": lambda: sp.shard_batch(input_ids, input_ids[:, : 11 if rank == 1 else 12]),
+        "shard_batch-1d": lambda: sp.shard_batch(input_ids[0] if rank == 1 else input_ids),
         "attention-dims": lambda: sp.attention(q, q, q, cu_seqlens, causal=True),
         "cross_entropy-labels": lambda: sp.cross_entropy(logits, labels[:, : 5 if rank == 1 else 6]),
         "cross_entropy-vocab": lambda: cross_entropy(logits, out_of_vocab),
@@ -420,6 +421,8 @@ def test_a_refusal_of_the_toolkit_on_one_rank_is_raised_by_every_rank():
     expected = {
         "shard_batch-labels": "SequenceParallel.shard_batch refused on group rank 1 of 2: labels must have "
         "input_ids' (batch, seqlen) (2, 12), got (2, 11)",
+        "shard_batch-1d": "SequenceParallel.shard_batch refused on group rank 1 of 2: input_ids must be a tensor "
+        "(batch, seqlen, ...), got (12,): for one sequence, pass input_ids[None]",
         "attention-dims": "SequenceParallel.attention refused on group rank 1 of 2: attention needs q of shape "
         "(batch, S_local, heads, headdim), got (4, 2, 8)",
         "cross_entropy-labels": "SequenceParallel.cross_entropy refused on group rank 1 of 2: labels must have "

@@ -140,12 +140,13 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tenso
     padding out of the loss). Returns (padded cu_seqlens, number of padding tokens).
 
     Raises:
-        TypeError, ValueError: cu_seqlens not 1-D int32 or int64 boundaries (check_cu_seqlens_tensor); multiple
-            not an int >= 1.
+        TypeError, ValueError: cu_seqlens not 1-D int32 or int64 boundaries from 0, strictly increasing
+            (check_cu_seqlens); multiple not an int >= 1.
     """
     check_cu_seqlens_tensor(cu_seqlens)
     multiple = check_multiple(multiple)
     total = int(cu_seqlens[-1].item())
+    check_cu_seqlens(cu_seqlens, total)
     pad = (-total) % multiple
     if pad == 0:
         return cu_seqlens, 0

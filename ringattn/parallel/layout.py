@@ -172,8 +172,7 @@ def shard(x: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zig
     A collective: every rank holds the same full tensor x and calls it (the ranks compare x's shape
     and dtype, dim and layout first). The result is a new contiguous tensor holding the tokens
     shard_indices(x.shape[dim], rank, W, layout) of x, in that order. Differentiable (gradients
-    flow back to x). Note that ring_attn_func's default layout is "contiguous": pass the same
-    `layout` to both.
+    flow back to x). Pass the attention (ring_attn_func, RingAttention) the same `layout`.
 
     Args:
         x: any shape (up to 16 dims); x.shape[dim] is the global length S, divisible by W ("contiguous") or 2W

@@ -62,6 +62,11 @@ def test_padding_is_a_document_of_its_own():
             pad_cu_seqlens(_cu(0, 5, 11), multiple)
     with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
         pad_cu_seqlens(torch.tensor([0.0, 5.0]), 8)
+    # regression: boundaries that are not documents came back padded ([0, 5, 3] -> [0, 5, 3, 8]), refused far away
+    with pytest.raises(ValueError, match=r"cu_seqlens must be strictly increasing .*\[0, 5, 3\]"):
+        pad_cu_seqlens(_cu(0, 5, 3), 8)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0, got 2"):
+        pad_cu_seqlens(_cu(2, 5), 8)
 
 
 @pytest.mark.parametrize(
