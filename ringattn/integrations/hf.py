@@ -70,7 +70,8 @@ positions, cut by causal (transformers' own mapping: Mistral, Qwen2 with use_sli
 gpt-oss, ModernBERT's local layers, each layer with its own), `softcap` (Gemma 2's attn_logit_softcapping) and
 the attention sinks `s_aux` (gpt-oss: one learned logit per head, its gradient a parameter gradient like any
 other, summed over the ranks by SequenceParallel.sync_gradients), and `deterministic` (ModernBERT's
-deterministic_flash_attn: gradients with the same bits in every run).
+deterministic_flash_attn: gradients with the same bits in every run). Under autocast q, k and v go to the ring in
+autocast's dtype, as SDPA takes them (RoPE leaves q and k in fp32 beside a bf16 v).
 
 Refused with ValueError: models whose attention is not transformers' AttentionInterface (by prepare), dropout > 0,
 chunked attention, sparse attention (selected key indices), position biases (ALiBi too), attention masks other than
@@ -180,7 +181,7 @@ class RingAttentionForTransformers:
                 f"(this rank's tokens), got shape {tuple(position_ids.shape)}"
             )
         # (B, H, S, D) -> (B, S, H, D): strided views, no copy
-        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        q, k, v = (_autocast(t).transpose(1, 2) for t in (query, key, value))
         sink = kwargs.get("s_aux")
         ring = dict(
             softmax_scale=scaling, causal=bool(is_causal), window_size=self._window(kwargs.get("sliding_window")),
@@ -399,6 +400,13 @@ def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask,
         "(a document of its own), need their boundaries as well: model(..., cu_seq_lens_q=batch.cu_seqlens, "
         "cu_seq_lens_k=batch.cu_seqlens)"
     )
+
+
+def _autocast(t: torch.Tensor) -> torch.Tensor:
+    """t in autocast's dtype where autocast is on for its device (as SDPA and transformers' flash-attn path take
+    it: under bf16 autocast RoPE leaves q and k in fp32 beside a bf16 v), else t."""
+    device = t.device.type
+    return t.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else t
 
 
 def _preview(t: torch.Tensor, n: int = 8) -> str:

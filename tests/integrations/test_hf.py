@@ -408,6 +408,15 @@ def test_what_the_layer_passes_reaches_the_ring(monkeypatch):
        s_aux=sink, deterministic=True)  # fmt: skip
     assert calls == [dict(softmax_scale=0.5, causal=False, window_size=(7, 7), softcap=30.0, learnable_sink=sink,
                           deterministic=True, layout="zigzag", group=None)]  # fmt: skip
+    # under autocast, q, k, v in its dtype (regression: bf16 training refused q, k in fp32 beside a bf16 v, as RoPE
+    # leaves them); outside it, as given
+    seen = []
+    monkeypatch.setattr(hf, "ring_attn_func", lambda q, k, v, **kwargs: seen.append((q.dtype, k.dtype, v.dtype)) or
+                        (q, None))  # fmt: skip
+    with torch.autocast("cpu", dtype=torch.float16):
+        fn(module, query, query[:, :2], query[:, :2].half(), None, is_causal=True)
+    fn(module, query, query[:, :2], query[:, :2], None, is_causal=True)
+    assert seen == [(torch.float16,) * 3, (torch.float32,) * 3]
 
 
 def _calls_that_were_silently_wrong_raise(rank, world_size):
