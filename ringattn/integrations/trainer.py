@@ -141,6 +141,15 @@ class RingTrainerMixin:
                 f"{type(self).__name__} averages the loss over every counted token of the global batch: "
                 "average_tokens_across_devices must be True (the default), got False"
             )
+        evaluating = {"eval_strategy": self.args.eval_strategy != "no", "eval_on_start": self.args.eval_on_start,
+                      "load_best_model_at_end": self.args.load_best_model_at_end}  # fmt: skip
+        if any(evaluating.values()):
+            shown = {k: getattr(self.args, k) for k, on in evaluating.items() if on}
+            given = ", ".join(f"{k}={getattr(v, 'value', v)!r}" for k, v in shown.items())  # a strategy by its value
+            raise ValueError(
+                f"{NO_EVALUATION.format(type(self).__name__)}; so eval_strategy must be 'no', eval_on_start and "
+                f"load_best_model_at_end False (it would stop at the first evaluation), got {given}"
+            )
         name = self.model.config._attn_implementation
         fn = transformers.AttentionInterface().get(name)
         prepared = isinstance(fn, hf.RingAttentionForTransformers) and getattr(self.model, hf.PREPARED, False)
@@ -181,6 +190,8 @@ class RingTrainerMixin:
                 'TrainingArguments(accelerator_config={"dispatch_batches": False})'
             )
         shard.num_processes, shard.process_index = self.rings, self.ring
+        if self.rings == 1 and isinstance(shard, BatchSamplerShard):
+            shard.even_batches = False  # one ring: the batches of one process, the last one short (not topped up)
         return loader
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):

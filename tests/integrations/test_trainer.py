@@ -220,6 +220,12 @@ def _refusals(rank, world_size, out_dir):
     model = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout))
     with pytest.raises(ValueError, match="average_tokens_across_devices must be True"):
         RingTrainer(model=model, args=_args(out_dir, 1, average_tokens_across_devices=False), sp=sp)
+    # regression: evaluation during training was accepted here and raised at its first evaluation, steps later
+    for given, shown in ((dict(eval_strategy="steps", eval_steps=2), "eval_strategy='steps'"),
+                         (dict(eval_on_start=True), "eval_on_start=True")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"trains only: .*eval_strategy must be 'no'.*got {shown}"):
+            RingTrainer(model=model, args=_args(out_dir, 1, **given), train_dataset=dataset, eval_dataset=dataset,
+                        sp=sp)  # fmt: skip
     trainer = RingTrainer(model=model, args=args, train_dataset=dataset, sp=sp)
     with pytest.raises(NotImplementedError, match="trains only"):
         trainer.evaluate()
@@ -238,6 +244,21 @@ def _refusals(rank, world_size, out_dir):
     right_padded = trainer.shard({"input_ids": ids, "labels": labels.flip(1), "attention_mask": left_padded.flip(1)})
     assert torch.equal(right_padded.input_ids[:, :SEQLEN], ids)  # a ring of one: every token; the mask dropped
     return True
+
+
+def _one_ring_batches(rank, world_size, out_dir):
+    _launched_by_torchrun(rank, world_size)
+    sp = ringattn.SequenceParallel()
+    model = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout))
+    trainer = RingTrainer(model=model, args=_args(out_dir, 2), train_dataset=_dataset(5), sp=sp)
+    return list(trainer.get_train_dataloader().batch_sampler)
+
+
+def test_one_ring_takes_the_batches_of_one_process(tmp_path):
+    """Regression: with one ring, accelerate's even_batches topped the epoch's short last batch up from its first
+    samples ([4] became [4, 0]): the last step trained on other samples than single-process training. Sequential
+    sampling, 5 samples, batches of 2, one ring of 2 ranks: [0, 1], [2, 3], [4] on both."""
+    assert run_ranks(_one_ring_batches, 2, str(tmp_path)) == [[[0, 1], [2, 3], [4]]] * 2
 
 
 def test_ring_trainer_refuses_what_it_would_train_wrongly(tmp_path):
