@@ -22,7 +22,7 @@ matplotlib is missing).
 
 --check: runs the first `--steps` (default 3) training steps (AdamW, clipping) three ways on the same
 data from the same initial weights: ring-sharded over the ranks, single-device with plain PyTorch attention in the same
-dtype, and single-device in float64; each step's ring loss must obey the tolerance rule of
+dtype, and single-device in float64; each step's ring loss and gradient norm must obey the tolerance rule of
 ringattn.testing (error vs float64 at most 2x the plain single-device error, plus a floor). Exits with
 status 1 if not.
 
@@ -232,8 +232,9 @@ def lr_at(step: int, args) -> float:
     return args.lr * min(1.0, (step + 1) / max(args.warmup, 1))
 
 
-def train_step(model, optimizer, step, args, tokens, pos, labels, loss_fn, after_backward=None) -> torch.Tensor:
-    """One optimizer step; returns the loss and logits (B, S', vocab), detached. tokens, labels (B, S'), pos (B, S').
+def train_step(model, optimizer, step, args, tokens, pos, labels, loss_fn, after_backward=None) -> tuple:
+    """One optimizer step; returns the loss, logits (B, S', vocab) and the gradients' norm before clipping, detached.
+    tokens, labels (B, S'), pos (B, S').
 
     loss_fn(logits, labels) gives the loss; after_backward(model) runs before clipping (the gradient sync)."""
     for group in optimizer.param_groups:
@@ -245,26 +246,26 @@ def train_step(model, optimizer, step, args, tokens, pos, labels, loss_fn, after
     loss.backward()
     if after_backward is not None:
         after_backward(model)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), logits.detach()
+    return loss.detach(), logits.detach(), grad_norm.detach()
 
 
 def ring_step(model, optimizer, step, args, sp, tokens, labels):
     """train_step on this rank's shard (in sp's layout) of tokens, labels (B, S) (labels unshifted, on any
     device): the sharded loss, gradients summed over the ranks. Returns the loss, this rank's logits
-    (B, S / W, vocab) and the ShardedBatch."""
+    (B, S / W, vocab), the gradients' norm before clipping and the ShardedBatch."""
     device = next(model.parameters()).device
     b = sp.shard_batch(tokens.to(device), labels.to(device))
-    loss, logits = train_step(model, optimizer, step, args, b.input_ids, b.position_ids, b.labels,
-                              sp.cross_entropy, sp.sync_gradients)  # fmt: skip
-    return loss, logits, b
+    loss, logits, grad_norm = train_step(model, optimizer, step, args, b.input_ids, b.position_ids, b.labels,
+                                         sp.cross_entropy, sp.sync_gradients)  # fmt: skip
+    return loss, logits, grad_norm, b
 
 
 def single_device_step(model, optimizer, step, args, tokens, labels):
     """train_step on the whole sequence on one device: tokens, labels (B, S) (labels unshifted).
-    Returns the loss and logits (B, S, vocab)."""
+    Returns the loss, logits (B, S, vocab) and the gradients' norm before clipping."""
     device = next(model.parameters()).device
     pos = torch.arange(tokens.shape[1], device=device)
     targets = shift_labels(labels).to(device)
@@ -297,14 +298,18 @@ def run_check(args, env, sp, model, ring_model, optimizer) -> bool:
     rows = []
     for step in range(args.steps):
         tokens, labels = copy_task_batch(args.batch, args.seqlen, args.vocab, args.seed + step)
-        ring_loss, _, _ = ring_step(ring_model, optimizer, step, args, sp, tokens, labels)
+        ring_loss, _, ring_norm, _ = ring_step(ring_model, optimizer, step, args, sp, tokens, labels)
         if env.is_main:
-            losses = {
-                name: single_device_step(m, opt, step, args, tokens, labels)[0] for name, (m, opt) in singles.items()
+            results = {
+                name: single_device_step(m, opt, step, args, tokens, labels) for name, (m, opt) in singles.items()
             }
+            losses = {name: r[0] for name, r in results.items()}
             row = {"step": step, "ring": ring_loss.item(), **{k: v.item() for k, v in losses.items()}}
             try:
                 check_close(f"step {step} loss", ring_loss, losses["plain"], losses["float64"])
+                # the gradients' scale too, which AdamW and clipping all but hide from the losses (a sum over the
+                # ranks off by a factor W would pass on the losses alone)
+                check_close(f"step {step} gradient norm", ring_norm, results["plain"][2], results["float64"][2])
                 row["ok"] = True
             except AssertionError as e:
                 row["ok"], row["error"] = False, str(e)
@@ -380,7 +385,7 @@ def main() -> int:
     for step in range(args.steps):
         t0 = time.perf_counter()
         tokens, labels = copy_task_batch(args.batch, args.seqlen, args.vocab, args.seed + step)
-        loss, logits, b = ring_step(ring_model, optimizer, step, args, sp, tokens, labels)
+        loss, logits, _, b = ring_step(ring_model, optimizer, step, args, sp, tokens, labels)
         counted = b.labels != IGNORE_INDEX
         stats = torch.stack([((logits.argmax(-1) == b.labels) & counted).sum(), counted.sum()]).double()
         dist.all_reduce(stats)  # copy accuracy over the whole batch

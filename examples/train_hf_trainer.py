@@ -112,6 +112,7 @@ def main() -> None:
     trainer = RingTrainer(model=model, args=training, train_dataset=dataset, sp=sp)
     metrics = trainer.train().metrics
     log(f"final: loss {metrics['train_loss']:.4f}, {metrics['train_samples_per_second']:.2f} samples/s")
+    del trainer, model  # Trainer's DDP model holds the process group: released before it is destroyed (destroy())
     destroy()
 
 

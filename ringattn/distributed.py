@@ -16,6 +16,7 @@ RINGATTN_TIMEOUT seconds (default 300): a hang becomes an error instead of a sil
 """
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -157,8 +158,12 @@ def destroy() -> None:
 
     All ranks meet at a barrier first: a gloo rank that tears its connections down while a peer is
     still using them can abort ("terminate called without an active exception"), failing a job
-    whose work all succeeded.
+    whose work all succeeded. Release what holds the group before (a DistributedDataParallel model,
+    a Trainer, which wraps the model in one: `del trainer, model`): destroyed after the group, on
+    gloo, it can hang the process at exit or abort it (the gloo thread it joins waits for the GIL it holds).
+    Unreachable objects are collected here first.
     """
+    gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
