@@ -11,6 +11,7 @@ from the global cu_seqlens, so ids never travel the ring.
 """
 
 import hashlib
+import struct
 from typing import NamedTuple
 
 import torch
@@ -73,7 +74,8 @@ def check_cu_seqlens(
 
 def fingerprint(cu_seqlens: torch.Tensor) -> int:
     """A nonzero int64 fingerprint of the boundaries, for the cross-rank agreement check."""
-    digest = hashlib.blake2b(cu_seqlens.cpu().to(torch.int64).numpy().tobytes(), digest_size=8).digest()
+    bounds = cu_seqlens.cpu().to(torch.int64).tolist()  # no numpy: it is not a dependency
+    digest = hashlib.blake2b(struct.pack(f"<{len(bounds)}q", *bounds), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True) | 1
 
 

@@ -19,6 +19,7 @@ compares its call with the others' (parallel/agreement.py), so ranks that pass d
 shapes, or call another collective, all raise the same ValueError before any data moves.
 """
 
+import numbers
 import operator
 
 import torch
@@ -74,7 +75,10 @@ def check_dim(dim: int, ndim: int, name: str = "dim") -> int:
 
 
 def check_rank(rank: int, world_size: int, name: str = "rank") -> None:
-    """Raise ValueError unless world_size >= 1 and 0 <= rank < world_size."""
+    """Raise ValueError unless rank and world_size are integers (not bools), world_size >= 1 and 0 <= rank <
+    world_size."""
+    if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in (rank, world_size)):
+        raise ValueError(f"{name} and world_size must be ints, got {rank!r} and {world_size!r}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"{name} must be in [0, world_size) with world_size >= 1, got {rank}, world_size {world_size}")
 
@@ -154,7 +158,8 @@ def grid_shard_indices(
     grid (pure; no communication). With U = 1 it is shard_indices(seqlen, ring_rank, R, layout). Raises ValueError as
     grid_shard_ranges."""
     ranges = grid_shard_ranges(seqlen, ulysses_rank, ulysses_size, ring_rank, ring_size, layout)
-    return torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64, device=device) for r in ranges])
+    return torch.cat([torch.arange(r.start, r.stop, dtype=torch.int64, device=device) for r in ranges] or
+                     [torch.empty(0, dtype=torch.int64, device=device)])  # fmt: skip
 
 
 def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

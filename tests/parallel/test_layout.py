@@ -49,6 +49,11 @@ def test_index_maps_reject_bad_lengths_layouts_and_ranks():
         ringattn.shard_indices(8, 0, 2, "striped")
     with pytest.raises(ValueError, match="rank must be in"):
         ringattn.shard_indices(8, 2, 2, "zigzag")
+    with pytest.raises(ValueError, match="rank and world_size must be ints, got True and 2"):  # was read as rank 1
+        ringattn.shard_indices(8, True, 2, "zigzag")
+    # a sequence of 0 tokens holds no token on any rank (regression: the grid's raised torch.cat's error)
+    assert ringattn.grid_shard_indices(0, 1, 2, 1, 2, "zigzag").tolist() == []
+    assert ringattn.shard_indices(0, 1, 2, "zigzag").tolist() == []
 
 
 def test_pad_to_multiple():
