@@ -258,17 +258,20 @@ def _cross_entropy(logits, labels, groups: list, ignore_index: int, grad_reducti
 def sync_gradients(parameters, group: Group = None) -> None:
     """Sum each parameter's .grad over the group, in place.
 
-    Each rank's gradients cover its own tokens; their sum is the unsharded gradient (pair it with
-    cross_entropy(..., grad_reduction="sum")). A parameter without a gradient on some ranks only (a layer no token
-    of their shards reached, an MoE expert no token was routed to) counts as zeros there, and gets the sum as its
-    .grad on every rank; one without a gradient on every rank is left without. Two small exchanges on the group's
-    CPU channel (parameters and which have gradients), then one all-reduce per dtype and device.
+    Each rank's gradients cover its own tokens; their sum is the unsharded gradient (pair it with cross_entropy(...,
+    grad_reduction="sum")). Call it once per optimizer step, after the last backward: with gradient accumulation,
+    not after each micro-batch's (a second call sums the gradients already summed, unlike DDP's averaging, which
+    leaves equal gradients as they are). A parameter without a gradient on some ranks only (a layer no token of
+    their shards reached, an MoE expert no token was routed to) counts as zeros there, and gets the sum as its .grad
+    on every rank; one without a gradient on every rank is left without. Two small exchanges on the group's CPU
+    channel (parameters and which have gradients), then one all-reduce per dtype and device.
 
     Args:
         parameters: an nn.Module or an iterable of parameters, the same on every rank, in the same order.
         group: the sequence-parallel group (default: the world), or a 1-D DeviceMesh.
     Raises:
         ValueError: the ranks passed different parameters (their number, shapes or dtypes), on every rank.
+        TypeError: a sparse gradient on some rank, on every rank.
         RuntimeError: a rank did not take part within the P2P timeout.
     """
     _sync_gradients(parameters, [ring_group(group)])
@@ -280,14 +283,21 @@ def _gradients_present(params: list, groups: list) -> list[bool]:
     mismatch was seen) travel the groups, then the Ulysses group again for a grid, so that a mismatch seen by any
     ring reaches every rank."""
     layout = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
-    header = torch.tensor([len(params), zlib.crc32(layout), 0], dtype=torch.int64)
+    sparse = any(p.grad is not None and p.grad.layout != torch.strided for p in params)
+    header = torch.tensor([len(params), zlib.crc32(layout), 0, int(sparse)], dtype=torch.int64)
     for group in groups + groups[:-1]:
         rows = gather_on_cpu(header, group, "sync_gradients' check of the parameters")
         header[2] = int(bool(rows[:, 2].any()) or not bool((rows[:, :2] == header[:2]).all()))
+        header[3] = int(bool(rows[:, 3].any()))
     if header[2]:
         raise ValueError(
             "sync_gradients needs the same parameters on every rank, in the same order: their number, shapes or "
             "dtypes differ between ranks"
+        )
+    if header[3]:
+        raise TypeError(
+            "sync_gradients sums dense gradients: a parameter has a sparse .grad on some rank (nn.Embedding("
+            "sparse=True)); use dense gradients"
         )
     if not params:
         return []
@@ -596,7 +606,8 @@ class SequenceParallel:
                 f"shard_batch needs the same full batch on every rank of the {which}: {', '.join(names)} of {which} "
                 f"ranks {ranks}{order} differ from {which} rank 0's. A data pipeline that gives each rank its own "
                 "samples (e.g. a sampler sharding the data over every rank, not only over the sequence-parallel "
-                "replicas) would mix different samples in one sequence"
+                "replicas) would mix different samples in one sequence; so would ranks out of step (one rank making "
+                "a shard_batch call the others do not, e.g. an evaluation batch on rank 0 only)"
             )
 
     @staticmethod

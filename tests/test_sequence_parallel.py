@@ -408,6 +408,9 @@ def _toolkit_refusals_on_one_rank(rank, world_size):
     results = raised_errors(cases)
     float_labels = labels.double() if rank == 1 else labels
     results.update(raised_errors({"cross_entropy-dtype": lambda: cross_entropy(logits, float_labels)}, TypeError))
+    embedding = torch.nn.Embedding(4, 2, sparse=rank == 1)
+    embedding(torch.tensor([1])).sum().backward()
+    results.update(raised_errors({"sync_gradients-sparse": lambda: sp.sync_gradients(embedding)}, TypeError))
     return results
 
 
@@ -432,6 +435,8 @@ def test_a_refusal_of_the_toolkit_on_one_rank_is_raised_by_every_rank():
         "sync_gradients-parameters": "sync_gradients needs the same parameters on every rank, in the same order",
         "cross_entropy-dtype": "cross_entropy refused on group rank 1 of 2: labels must be an integer tensor, got "
         "torch.float64 of shape (2, 6)",
+        # regression: "reshape is not implemented for sparse tensors"
+        "sync_gradients-sparse": "sync_gradients sums dense gradients: a parameter has a sparse .grad on some rank",
     }
     for name, text in expected.items():
         assert results[0][name][0] == results[1][name][0] and text in results[0][name][0], results

@@ -91,6 +91,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..functional import ring_attn_func, ring_attn_varlen_func
+from ..nn.attention import in_autocast_dtype
 from ..parallel.agreement import shared_refusals
 from ..parallel.documents import check_cu_seqlens, check_cu_seqlens_tensor
 from ..parallel.grid import Grid, GridSignature, agree_across_grid, grid_arguments, shared_grid_refusals
@@ -181,7 +182,7 @@ class RingAttentionForTransformers:
                 f"(this rank's tokens), got shape {tuple(position_ids.shape)}"
             )
         # (B, H, S, D) -> (B, S, H, D): strided views, no copy
-        q, k, v = (_autocast(t).transpose(1, 2) for t in (query, key, value))
+        q, k, v = (in_autocast_dtype(t).transpose(1, 2) for t in (query, key, value))
         sink = kwargs.get("s_aux")
         ring = dict(
             softmax_scale=scaling, causal=bool(is_causal), window_size=self._window(kwargs.get("sliding_window")),
@@ -400,13 +401,6 @@ def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask,
         "(a document of its own), need their boundaries as well: model(..., cu_seq_lens_q=batch.cu_seqlens, "
         "cu_seq_lens_k=batch.cu_seqlens)"
     )
-
-
-def _autocast(t: torch.Tensor) -> torch.Tensor:
-    """t in autocast's dtype where autocast is on for its device (as SDPA and transformers' flash-attn path take
-    it: under bf16 autocast RoPE leaves q and k in fp32 beside a bf16 v), else t."""
-    device = t.device.type
-    return t.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else t
 
 
 def _preview(t: torch.Tensor, n: int = 8) -> str:

@@ -1,6 +1,8 @@
 """`RingAttention`: ring_attn_func (or, over a Ulysses x ring grid, ulysses_ring_attn_func) as a module, for models
 that hold their attention as a layer."""
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -12,6 +14,13 @@ from ..parallel.grid import grid_arguments
 from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout
 from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
+
+
+def in_autocast_dtype(t: torch.Tensor) -> torch.Tensor:
+    """t in autocast's dtype where autocast is on for its device, else t: q, k and v as SDPA takes them under
+    autocast (where RoPE in fp32 leaves q and k in fp32 beside a 16-bit v)."""
+    device = t.device.type
+    return t.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else t
 
 
 class RingAttention(nn.Module):
@@ -84,6 +93,7 @@ class RingAttention(nn.Module):
         lse (batch, nheads, S_local) fp32, natural log. Raises as ring_attn_func and ring_attn_varlen_func
         (ulysses_ring_attn_func, ulysses_ring_attn_varlen_func).
         """
+        q, k, v = (in_autocast_dtype(t) for t in (q, k, v))
         options = dict(softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window_size,
                        softcap=self.softcap, layout=self.layout, return_lse=return_lse)  # fmt: skip
         if self.ulysses_group is None:
@@ -94,6 +104,16 @@ class RingAttention(nn.Module):
         if cu_seqlens is None:
             return ulysses_ring_attn_func(q, k, v, **groups, **options)
         return ulysses_ring_attn_varlen_func(q, k, v, cu_seqlens, **groups, **options)
+
+    def __deepcopy__(self, memo: dict) -> "RingAttention":
+        """A copy sharing the process groups (which cannot be copied), as an EMA or reference model's copy needs."""
+        for g in (self.group, self.ulysses_group):
+            if g is not None:
+                memo[id(g)] = g
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def extra_repr(self) -> str:
         if self.group is None:

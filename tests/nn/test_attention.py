@@ -37,6 +37,22 @@ def _layer_matches_reference(rank, world_size, backend, dtype):
     return True
 
 
+def test_under_autocast_q_k_v_reach_the_ring_in_its_dtype(monkeypatch):
+    """Regression: under fp16/bf16 autocast a RoPE kept in fp32 leaves q and k in fp32 beside a 16-bit v, which SDPA
+    takes (in autocast's dtype) and the layer refused; now they reach the ring in autocast's dtype. Outside autocast
+    they are passed as given."""
+    import ringattn.nn.attention as attention
+
+    seen = []
+    monkeypatch.setattr(attention, "ring_attn_func", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)))
+    layer = ringattn.nn.RingAttention(causal=True, layout="zigzag")
+    q = torch.zeros(1, 8, 2, 16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        layer(q, q, q.half())
+    layer(q, q, q)
+    assert seen == [(torch.float16,) * 3, (torch.float32,) * 3]
+
+
 @pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
 def test_layer_matches_reference_on_2_ranks(backend, dtype):
     """Zigzag, causal, GQA (4 q heads, 2 kv heads), head dim 24, an explicit softmax_scale."""

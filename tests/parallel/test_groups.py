@@ -2,6 +2,8 @@
 subgroups and by one dimension of a 2 x 2 DeviceMesh (data parallel x context parallel).
 Point-to-point peers are global ranks, so a ring never talks outside its group."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -78,6 +80,8 @@ def _mesh_dimension_as_the_group(rank, world_size):
     assert torch.equal(out, ringattn.ring_attn_func(*shards, causal=True, group=group, layout="zigzag"))
     layer = ringattn.nn.RingAttention(causal=True, layout="zigzag", group=cp)
     assert torch.equal(layer(*shards), out)
+    twin = copy.deepcopy(layer)  # regression: a sub-group could not be copied (EMA or reference models)
+    assert twin.group is layer.group and torch.equal(twin(*shards), out)
     sp = ringattn.SequenceParallel(group=cp)
     assert (sp.rank, sp.world_size) == (rank % 2, 2) and torch.equal(sp.gather(out), ringattn.unshard(out, group=cp))
     assert torch.equal(ringattn.position_ids(32, group=cp), ringattn.position_ids(32, group=group))
