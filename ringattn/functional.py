@@ -30,10 +30,10 @@ from .ops.validation import (
 )
 from .parallel import RingComm, check_layout, check_local_seqlen, ring_attn_backward, ring_attn_forward
 from .parallel.agreement import (
-    RingBackwardSignature,
     agreement_mode,
     check_agreement,
-    count_ring_call,
+    check_backward,
+    number_call,
     ring_signature,
     shared_refusals,
 )
@@ -393,7 +393,7 @@ def ring_attn_fwd_op(
     Returns:
         out (B, S_local, Hq, D) in q's dtype, contiguous; lse (B, Hq, S_local) float64 (with sinks, counting them);
         the fp32 out with the sinks merged in, for their gradient, where it is not out itself (_keeps_state),
-        else an empty tensor; and the call's number on the group (count_ring_call), a 0-dim int64 CPU tensor, which
+        else an empty tensor; and the call's number on the group (number_call), a 0-dim int64 CPU tensor, which
         the backward's ranks agree on.
     Raises:
         ValueError, TypeError, RuntimeError: as ring_attn_func, on every rank alike.
@@ -410,7 +410,7 @@ def ring_attn_fwd_op(
     signature = ring_signature(q, k, v, softmax_scale, causal, layout, grads, documents, window, softcap,
                                learnable_sink is not None)  # fmt: skip
     check_agreement(call, signature, group)
-    number = torch.tensor(count_ring_call(group_name))
+    number = number_call(group_name)
     ops = capped_ops(KERNEL_OPS, softcap)
     out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout,
                                  _ring_documents(cu_seqlens, q, group, layout), window,
@@ -453,7 +453,7 @@ def ring_attn_bwd_op(
     forward's out (with sinks, merged in), lse and call number (`forward_call`, agreed across the ranks first: a
     rank differentiating another call raises on every rank) and the same arguments."""
     group = _resolve_process_group(group_name)
-    check_agreement("ring attention backward", RingBackwardSignature(int(forward_call)), group)
+    check_backward("ring attention backward", forward_call, group)
     ops = capped_ops(kernel_ops(deterministic=True) if deterministic else KERNEL_OPS, softcap)
     grads = ring_attn_backward(RingComm(group), ops, dout, q, k, v, out, lse, softmax_scale, causal, layout,
                                _ring_documents(cu_seqlens, q, group, layout), (window_left, window_right))  # fmt: skip

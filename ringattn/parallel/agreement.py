@@ -129,30 +129,36 @@ class CrossEntropySignature(NamedTuple):
     expected = "Every rank must pass the same ignore_index and grad_reduction."
 
 
-class RingBackwardSignature(NamedTuple):
-    """What every rank of a ring call's backward must agree on: which forward call it differentiates, numbered in
-    the order the group's ranks made their (agreed) ring forward calls (count_ring_call)."""
+class BackwardSignature(NamedTuple):
+    """What every rank of a backward that communicates must agree on: the forward call it differentiates, numbered in
+    the order the group's ranks made those calls (number_call)."""
 
     forward_call: int
 
     distinct = True  # every call's fields differ: not worth keeping its encoding (_own_header)
-    labels = {"forward_call": "the ring forward call whose backward this is (numbered in call order)"}
+    labels = {"forward_call": "the forward call whose backward this is (numbered in call order)"}
     expected = (
-        "Every rank must run the backward of the same ring call at the same time: backward the same losses in the "
+        "Every rank must run the backwards of the same calls in the same order: backward the same losses in the "
         "same order on every rank."
     )
 
 
-_ring_calls: dict[str, int] = {}  # per group name: the ring forward calls made on it so far
+_calls: dict[str, int] = {}  # per key (a group's name, ...): the calls counted so far
 
 
-def count_ring_call(group_name: str) -> int:
-    """The number of this ring forward call on the group named `group_name` (0, 1, ...): the same on every rank of
-    the group, whose forward calls are agreed one by one in the same order; its backward agrees on it
-    (RingBackwardSignature)."""
-    number = _ring_calls.get(group_name, 0)
-    _ring_calls[group_name] = number + 1
-    return number
+def number_call(key: str) -> torch.Tensor:
+    """This call's number among those counted under `key` (0, 1, ...), a 0-dim int64 CPU tensor: the same on every
+    rank of a group whose calls are agreed one by one in the same order. Its backward agrees on it (check_backward).
+    """
+    number = _calls.get(key, 0)
+    _calls[key] = number + 1
+    return torch.tensor(number)
+
+
+def check_backward(call: str, number: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Raise the same ValueError on every rank of `group` unless every rank is differentiating the forward call
+    numbered `number` (number_call); a collective, as check_agreement."""
+    check_agreement(call, BackwardSignature(int(number)), group)
 
 
 def ring_signature(

@@ -55,10 +55,12 @@ def check_cu_seqlens(
     bounds = cu_seqlens.cpu()
     if bounds[0].item() != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0].item()}")
-    if empty_ok and not bool((bounds[1:] >= bounds[:-1]).all()):
-        raise ValueError(f"{name} must be nondecreasing (sequences of length >= 0), got {bounds.tolist()}")
-    if not empty_ok and not bool((bounds[1:] > bounds[:-1]).all()):
-        raise ValueError(f"{name} must be strictly increasing (documents of length >= 1), got {bounds.tolist()}")
+    ordered = bounds[1:] >= bounds[:-1] if empty_ok else bounds[1:] > bounds[:-1]
+    if not bool(ordered.all()):
+        order = (
+            "nondecreasing (sequences of length >= 0)" if empty_ok else "strictly increasing (documents of length >= 1)"
+        )
+        raise ValueError(f"{name} must be {order}, got {bounds.tolist()}")
     if bounds[-1].item() != total:
         rows = "" if row is None or row == total else f" ({total // row} rows of {row} tokens)"
         raise ValueError(f"{name} must end at the global length {total}{rows}, got {bounds[-1].item()}")

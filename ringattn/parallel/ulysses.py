@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from .agreement import RingBackwardSignature, check_agreement, count_ring_call
+from .agreement import check_backward, number_call
 from .comm import p2p_timeout_s, wait_all
 
 _EXCHANGES = "ulysses:"  # heads_to_seq's numbers are counted apart from the ring calls on the same group
@@ -114,10 +114,10 @@ def _seq_to_heads_fake(x, group_name):
 @torch.library.custom_op("ringattn::ulysses_heads_to_seq", mutates_args=())
 def heads_to_seq_op(y: torch.Tensor, group_name: str, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, U * L, h, D) -> (B, L, heads, D) over the Ulysses group named `group_name`, summing the copies of a head
-    held by several ranks (module docstring), and the exchange's number on the group (count_ring_call: a 0-dim
+    held by several ranks (module docstring), and the exchange's number on the group (number_call: a 0-dim
     int64 CPU tensor); differentiable: the backward (ringattn::ulysses_seq_to_heads) first agrees on that number,
     so that a rank running the backward of another call raises on every rank."""
-    number = torch.tensor(count_ring_call(_EXCHANGES + group_name))
+    number = number_call(_EXCHANGES + group_name)
     return _heads_to_seq(y, _resolve_process_group(group_name), heads), number
 
 
@@ -145,7 +145,7 @@ def _heads_to_seq_setup(ctx, inputs, output) -> None:
 
 def _heads_to_seq_backward(ctx, grad, _dnumber):
     (number,) = ctx.saved_tensors
-    check_agreement("Ulysses backward", RingBackwardSignature(int(number)), _resolve_process_group(ctx.group_name))
+    check_backward("Ulysses backward", number, _resolve_process_group(ctx.group_name))
     return seq_to_heads_op(grad.contiguous(), ctx.group_name), None, None
 
 
