@@ -265,7 +265,7 @@ def varlen_doc_ids_op(
         ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, total_q),
         ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, total_k),
     ):
-        check_cu_seqlens(cu, total, name=name, empty_ok=True)  # flash-attn's: a sequence may be empty
+        check_cu_seqlens(cu, total, name=name)
         bounds.append(cu.cpu().to(torch.int64))
         longest = int((bounds[-1][1:] - bounds[-1][:-1]).max())
         if max_len < longest:
@@ -629,7 +629,8 @@ def ring_attn_varlen_func(
             packed queries.
         k, v: (S_local, nheads_k, headdim), or (B, S_local, nheads_k, headdim); nheads % nheads_k == 0.
         cu_seqlens: (n_docs + 1,) int32 or int64 global document boundaries: 0, ..., B * S_local * world_size
-            (B = 1 for 3-D inputs), strictly increasing, every multiple of S_local * world_size among them; the
+            (B = 1 for 3-D inputs), nondecreasing (a repeated boundary is an empty document, as flash-attn's),
+            every multiple of S_local * world_size among them; the
             same on every rank. ringattn.cu_seqlens_from_position_ids builds it from packed position ids;
             ringattn.pad_cu_seqlens pads the total length; SequenceParallel.shard_batch builds it for a batch
             (ShardedBatch.cu_seqlens), padding masks included.

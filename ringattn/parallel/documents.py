@@ -2,8 +2,9 @@
 (query rows, key rows) blocks can meet at all (docs/design.md, "Packed documents").
 
 A packed sequence of S tokens holds documents back to back; `cu_seqlens` (int32 or int64, n_docs + 1
-entries, 0 first, S last, strictly increasing) gives their boundaries. Token t belongs to
-document d when cu_seqlens[d] <= t < cu_seqlens[d + 1]. A query sees only keys of its own
+entries, 0 first, S last, nondecreasing) gives their boundaries. Token t belongs to
+document d when cu_seqlens[d] <= t < cu_seqlens[d + 1]; a repeated boundary is an empty document (static-shape
+packing pads the boundaries so), which holds no token and changes nothing. A query sees only keys of its own
 document. A batch of B packed rows of S tokens each follows flash-attn's convention: `cu_seqlens` gives the
 boundaries of the flattened B * S tokens (row b's token t is token b * S + t), and every row start b * S is
 a boundary, so no document crosses rows. Every rank can compute the document ids of every other rank's shard
@@ -38,29 +39,23 @@ def check_cu_seqlens_tensor(cu_seqlens: torch.Tensor, name: str = "cu_seqlens") 
     check_readable(cu_seqlens, name)
 
 
-def check_cu_seqlens(
-    cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens", row: int | None = None, empty_ok: bool = False
-) -> None:
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens", row: int | None = None) -> None:
     """Raise unless `cu_seqlens` is a 1-D int32 or int64 tensor of document boundaries of a `total`-token sequence;
-    with `row`, of total / row packed rows of `row` tokens each, flattened: every row start a boundary. With
-    `empty_ok`, documents of length 0 (a boundary repeated) are boundaries too.
+    with `row`, of total / row packed rows of `row` tokens each, flattened: every row start a boundary. Documents
+    may be empty (a boundary repeated), as flash-attn's.
 
     Raises:
         TypeError: not a tensor, or not int32 or int64.
         ValueError: not 1-D with at least 2 entries, on the meta device (no values to read), not starting at 0,
-            not strictly increasing (an empty document; with empty_ok, decreasing), or not ending at `total`; a row
+            decreasing, or not ending at `total`; a row
             start that is not a boundary (a document crossing rows).
     """
     check_cu_seqlens_tensor(cu_seqlens, name)
     bounds = cu_seqlens.cpu()
     if bounds[0].item() != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0].item()}")
-    ordered = bounds[1:] >= bounds[:-1] if empty_ok else bounds[1:] > bounds[:-1]
-    if not bool(ordered.all()):
-        order = (
-            "nondecreasing (sequences of length >= 0)" if empty_ok else "strictly increasing (documents of length >= 1)"
-        )
-        raise ValueError(f"{name} must be {order}, got {bounds.tolist()}")
+    if not bool((bounds[1:] >= bounds[:-1]).all()):
+        raise ValueError(f"{name} must be nondecreasing (documents of length >= 0), got {bounds.tolist()}")
     if bounds[-1].item() != total:
         rows = "" if row is None or row == total else f" ({total // row} rows of {row} tokens)"
         raise ValueError(f"{name} must end at the global length {total}{rows}, got {bounds[-1].item()}")
@@ -144,7 +139,7 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tenso
     padding out of the loss). Returns (padded cu_seqlens, number of padding tokens).
 
     Raises:
-        TypeError, ValueError: cu_seqlens not 1-D int32 or int64 boundaries from 0, strictly increasing
+        TypeError, ValueError: cu_seqlens not 1-D int32 or int64 boundaries from 0, nondecreasing
             (check_cu_seqlens); multiple not an int >= 1.
     """
     check_cu_seqlens_tensor(cu_seqlens)

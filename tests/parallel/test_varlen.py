@@ -11,10 +11,11 @@ from ringattn.testing import check_close, magnitude
 from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
 from tests.utils import make_qkv, reference_attention
 
-# documents of length 1, documents shorter than W, documents crossing rank and chunk boundaries
+# documents of length 1, documents shorter than W, documents crossing rank and chunk boundaries; at W = 2 empty
+# documents (a repeated boundary, as static-shape packing pads the boundaries: first, inside and last)
 CASES = {
     1: [5, 1, 12],
-    2: [1, 7, 3, 1, 20, 4],
+    2: [0, 1, 7, 3, 0, 1, 20, 4, 0, 0],
     3: [2, 1, 1, 30, 5, 1, 2],
     4: [13, 1, 1, 1, 20, 12],
 }
@@ -98,9 +99,9 @@ def test_varlen_padding_gets_no_gradient(backend, dtype, world_size):
 
 
 # a batch of packed rows, each its own documents (global row length S = 24 at W = 2, 40 at W = 4): documents of
-# length 1, shorter than W, crossing rank and chunk boundaries, a row of one document
+# length 1, shorter than W, crossing rank and chunk boundaries, a row of one document; empty documents at W = 2
 ROWS = {
-    2: [[5, 1, 12, 6], [1, 7, 3, 1, 12], [24]],
+    2: [[5, 1, 12, 6], [1, 7, 0, 3, 1, 12, 0], [24]],
     4: [[13, 1, 1, 1, 20, 4], [2, 30, 5, 1, 2], [40]],
 }
 
