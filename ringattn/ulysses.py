@@ -95,10 +95,11 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
         out_h, lse_h = flash_attn_func(q_h, k_h, v_h, **inner)
     elif grid.ring is not None:  # every row in one ring
         out_h, lse_h = ring_attn_varlen_func(q_h, k_h, v_h, cu_seqlens, group=grid.ring, layout=layout, **inner)
-    else:  # a ring of one: the rows, flattened, are the packed sequence cu_seqlens describes
+    else:  # a ring of one: the rows, flattened, are the packed sequence cu_seqlens (any device) describes
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        out_h, lse_h = flash_attn_varlen_func(q_h.flatten(0, 1), k_h.flatten(0, 1), v_h.flatten(0, 1), cu_seqlens,
-                                              cu_seqlens, longest, longest, **inner)  # fmt: skip
+        bounds = cu_seqlens.to(q_h.device)  # flash_attn_varlen_func's boundaries are on q's device
+        out_h, lse_h = flash_attn_varlen_func(q_h.flatten(0, 1), k_h.flatten(0, 1), v_h.flatten(0, 1), bounds, bounds,
+                                              longest, longest, **inner)  # fmt: skip
         out_h = out_h.view(q_h.shape)  # (B, S / R, h, D)
         lse_h = lse_h.reshape(lse_h.shape[0], batch, -1).transpose(0, 1)  # (h, B S / R) -> (B, h, S / R)
     out = heads_to_seq(out_h, grid.ulysses, heads_q)  # (B, L, Hq, D)
@@ -208,8 +209,8 @@ def ulysses_ring_attn_varlen_func(
     Args:
         q: (S_local, nheads, headdim), this rank's shard (2-D layout) of the packed queries.
         k, v: (S_local, nheads_k, headdim).
-        cu_seqlens: (n_docs + 1,) int32 or int64 global document boundaries: 0, ..., S_local x U x R, strictly
-            increasing; the same on every rank.
+        cu_seqlens: (n_docs + 1,) int32 or int64 global document boundaries, any device: 0, ..., S_local x U x R,
+            nondecreasing (a repeated boundary is an empty document); the same on every rank.
         causal: causal inside each document (default True).
         the rest: as ulysses_ring_attn_func's.
     Returns:

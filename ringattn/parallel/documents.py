@@ -95,7 +95,12 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
         ValueError: not one sequence of S > 0 positions, or on the meta device; a first position other than 0, or
             a later one that is neither 0 nor its predecessor's + 1 (named: its token, its position, the one before).
     """
-    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex():
+    if (
+        not isinstance(position_ids, torch.Tensor)
+        or position_ids.dtype == torch.bool
+        or position_ids.is_floating_point()
+        or position_ids.is_complex()
+    ):
         raise TypeError(f"position_ids must be an integer tensor, got {getattr(position_ids, 'dtype', position_ids)}")
     pos = position_ids.reshape(-1) if position_ids.dim() == 2 and position_ids.shape[0] == 1 else position_ids
     if pos.dim() != 1 or pos.numel() == 0:

@@ -42,8 +42,9 @@ COUNTING = "position_ids must count 0, 1, 2, ... inside each document and restar
         ([1, 2, 0], ValueError, "position_ids must start at 0 (the first document's first token), got 1"),
         ([[0, 1], [0, 1]], ValueError, "position_ids must be (S,) or (1, S) with S > 0, got shape (2, 2)"),
         ([0.0, 1.0], TypeError, "position_ids must be an integer tensor, got torch.float32"),
+        ([False, True, False], TypeError, "position_ids must be an integer tensor, got torch.bool"),  # was 0, 1, 0
     ],
-    ids=["gap", "negative", "decrease", "restart-at-3", "first-not-0", "two-rows", "float"],
+    ids=["gap", "negative", "decrease", "restart-at-3", "first-not-0", "two-rows", "float", "bool"],
 )
 def test_position_ids_that_do_not_count_each_document_from_0_raise(pos, error, message):
     """Regression: cu_seqlens_from_position_ids looked only at the zeros, so gaps, negatives and decreases without

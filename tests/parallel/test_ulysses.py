@@ -171,10 +171,10 @@ def _varlen_grid_matches_reference(rank, world_size, ulysses_size, ring_size, le
     return True
 
 
-# documents crossing Ulysses pieces and ring shards, documents of one token, shorter than a piece
+# documents crossing Ulysses pieces and ring shards, documents of one token, shorter than a piece, empty ones
 VARLEN_CASES = {
-    (2, 2): ([5, 1, 9, 3, 6], 4, 2, "zigzag"),  # S = 24, pieces of 6
-    (4, 1): ([7, 1, 1, 11, 4], 4, 1, "zigzag"),  # pure Ulysses: the fused varlen kernel on the whole sequence
+    (2, 2): ([5, 1, 0, 9, 3, 6, 0], 4, 2, "zigzag"),  # S = 24, pieces of 6
+    (4, 1): ([0, 7, 1, 1, 0, 11, 4], 4, 1, "zigzag"),  # pure Ulysses: the fused varlen kernel on the whole sequence
     (1, 4): ([3, 10, 1, 10], 4, 2, "zigzag"),  # ring_attn_varlen_func
     (3, 2): ([2, 13, 1, 5, 3], 6, 1, "contiguous"),  # S = 24, pieces of 4; MQA, Hkv < U
 }
