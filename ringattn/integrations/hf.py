@@ -65,17 +65,21 @@ ring's custom ops hold every one), so torch.compile(model), with fullgraph=True 
 
 What the model's attention layers pass on is computed as its eager attention computes it: the layer's
 `scaling` (Gemma's query_pre_attn_scalar), causal or not (the module's is_causal: encoders such as ModernBERT
-are not), `sliding_window` as flash-attn's window_size = (sliding_window - 1, sliding_window - 1) over global
-positions, cut by causal (transformers' own mapping: Mistral, Qwen2 with use_sliding_window, Gemma 2 and 3,
-gpt-oss, ModernBERT's local layers, each layer with its own), `softcap` (Gemma 2's attn_logit_softcapping) and
+are not), a sliding window as the layer's mask applies it in eager attention (read back from the mask function
+transformers builds for it, hf_masks.mask_band: Mistral, Qwen2 and Qwen2-MoE with use_sliding_window, Gemma 2 and
+3, gpt-oss, ModernBERT's and T5Gemma's local layers, each layer with its own), over global positions; where the mask
+is plain causal or bidirectional, the layer's `sliding_window` as flash-attn's window_size = (sliding_window - 1,
+sliding_window - 1), cut by causal (transformers' own mapping), `softcap` (Gemma 2's attn_logit_softcapping) and
 the attention sinks `s_aux` (gpt-oss: one learned logit per head, its gradient a parameter gradient like any
 other, summed over the ranks by SequenceParallel.sync_gradients), and `deterministic` (ModernBERT's
 deterministic_flash_attn: gradients with the same bits in every run). Under autocast q, k and v go to the ring in
 autocast's dtype, as SDPA takes them (RoPE leaves q and k in fp32 beside a bf16 v).
 
 Refused with ValueError: models whose attention is not transformers' AttentionInterface (by prepare), dropout > 0,
-chunked attention, sparse attention (selected key indices), position biases (ALiBi too), attention masks other than
-none/all-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks), a KV cache
+chunked attention (Llama 4), sparse attention (selected key indices), position biases (ALiBi too), attention masks
+other than none/all-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks) or
+built by the model from its pad tokens (T5Gemma without an attention_mask), mask patterns added on top (image or
+token-type blocks), a KV cache
 holding earlier tokens or an empty one passed in (generation), output_attentions, position_ids that are not this
 rank's positions in the registered layout (e.g. sharded in another layout, rows that differ, packed documents
 without their boundaries, or fewer rows than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different
@@ -99,6 +103,7 @@ from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout, check_local_seqlen, grid_shard_indices, shard_indices
 from ..sequence_parallel import document_positions
 from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
+from .hf_masks import CAUSAL, FULL, Band, check_no_padding, creator_band, mask_band
 
 try:
     from transformers import AttentionInterface, PreTrainedModel
@@ -171,9 +176,15 @@ class RingAttentionForTransformers:
                 "(model), on every rank: it checks that each call gives the ranks' position_ids, and no labels= "
                 "whose loss would be this rank's shard's alone"
             )
-        self._refuse_unsupported(module, query, key, attention_mask, dropout, kwargs)
-        is_causal = kwargs.get("is_causal")
-        is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        band = attention_mask if isinstance(attention_mask, Band) else None  # no_mask's: the model's sliding window
+        self._refuse_unsupported(module, query, key, None if band else attention_mask, dropout, kwargs)
+        if band is None:
+            is_causal = kwargs.get("is_causal")
+            is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+            window = self._window(kwargs.get("sliding_window"))
+        else:  # eager's mask: key j visible from query i when i - left <= j <= i + right
+            is_causal = band.right == 0
+            window = (-1 if band.left is None else band.left, -1 if band.right is None or is_causal else band.right)
         cu_seqlens = self._given_documents(kwargs)
         position_ids = kwargs.get("position_ids")
         if position_ids is not None and position_ids.shape[-1] != query.shape[2]:
@@ -185,7 +196,7 @@ class RingAttentionForTransformers:
         q, k, v = (in_autocast_dtype(t).transpose(1, 2) for t in (query, key, value))
         sink = kwargs.get("s_aux")
         ring = dict(
-            softmax_scale=scaling, causal=bool(is_causal), window_size=self._window(kwargs.get("sliding_window")),
+            softmax_scale=scaling, causal=is_causal, window_size=window,
             softcap=kwargs.get("softcap") or 0.0, learnable_sink=sink if sink is not None else kwargs.get("sinks"),
             deterministic=bool(kwargs.get("deterministic")), layout=self.layout,  # ModernBERT passes deterministic
         )  # fmt: skip
@@ -412,30 +423,46 @@ def _preview(t: torch.Tensor, n: int = 8) -> str:
 def no_mask(
     *args,
     attention_mask: torch.Tensor | None = None,
+    mask_function=None,
     use_vmap: bool = False,
     group: dist.ProcessGroup | None = None,
     grid: Grid | None = None,
     **kwargs,
-) -> None:
+) -> Band | None:
     """The mask function registered in AttentionMaskInterface, bound to the registered group (or grid): build no
-    mask.
+    mask, but say which band of keys the model's mask lets each query see (hf_masks.mask_band), as its eager
+    attention applies it.
 
-    Returns None: the ring applies the causal mask (and the document boundaries) over global positions itself, and
-    prepare's check of each call has refused a padding mask with zeros (ringattn::hf_checked_position_ids). Raises
-    ValueError when the model adds its own mask pattern on top of the causal one (transformers then asks for a
-    vmap-built mask), which the ring could not apply; a refusal shared by every rank (agreement.shared_refusals, or
-    over a grid grid.shared_grid_refusals).
+    Returns None for the plain causal or bidirectional pattern (the layer's is_causal and sliding_window then
+    decide, as in transformers' flash-attention path), else the Band (a sliding window), which the layer hands the
+    attention function as its attention_mask and the ring applies whatever else the layer passes. The ring applies
+    it and the document boundaries over global positions itself; prepare's check of each call has refused a padding
+    mask with zeros (ringattn::hf_checked_position_ids). Raises ValueError for a padding mask the model made from
+    its inputs, a pattern the ring cannot apply (chunks, or_masks) or one the model adds on top (transformers then
+    asks for a vmap-built mask); a refusal shared by every rank (agreement.shared_refusals, or over a grid
+    grid.shared_grid_refusals). Under torch.compile the band comes from the creator's arguments
+    (hf_masks.creator_band), and a padding mask the model built and the patterns its creator's arguments do not show
+    (or_masks) are refused in eager calls only.
     """
     refusals = (
         shared_refusals("hf attention mask", group) if grid is None else shared_grid_refusals("hf attention mask", grid)
     )
+    where = "ring attention (the model's attention mask)"
+    band = CAUSAL
     with refusals:
         if use_vmap:
             raise ValueError(
                 "ring attention computes causal (or full) attention with the layer's sliding window: this model adds "
                 "its own mask pattern on top of it, which is not supported"
             )
-    return None
+        if torch.compiler.is_compiling():  # Dynamo reads no closure: the creator's arguments say the band
+            band = creator_band(kwargs.get("local_size"), "allow_is_bidirectional_skip" in kwargs, kwargs.get("config"),
+                                where)  # fmt: skip
+        else:
+            check_no_padding(attention_mask, where)
+            if mask_function is not None:
+                band = mask_band(mask_function, where)
+    return None if band in (CAUSAL, FULL) else band
 
 
 def _ring(implementation) -> RingAttentionForTransformers | None:

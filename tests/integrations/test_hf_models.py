@@ -51,6 +51,24 @@ def _config(family: str, seqlen: int):
                                                    num_local_experts=4, num_experts_per_tok=2, rope_parameters=rope,
                                                    experts_implementation="eager",  # grouped_mm: no float64
                                                    max_position_embeddings=seqlen)  # fmt: skip
+    if family == "qwen2_moe":  # the window is in its mask alone: its layers pass the attention function none
+        return t.Qwen2MoeForCausalLM, t.Qwen2MoeConfig(**SMALL, use_sliding_window=True, sliding_window=9,
+                                                       max_window_layers=1, moe_intermediate_size=16,
+                                                       shared_expert_intermediate_size=16, num_experts=4,
+                                                       num_experts_per_tok=2, experts_implementation="eager",
+                                                       max_position_embeddings=seqlen)  # fmt: skip
+    if family == "t5gemma":  # an encoder whose mask's window (|i - j| <= 5) is one wider than what its layers pass
+        encoder = dict(**SMALL, head_dim=16, sliding_window=5, layer_types=LAYERS, query_pre_attn_scalar=16,
+                       attn_logit_softcapping=2.0, max_position_embeddings=seqlen)  # fmt: skip
+        config = t.T5GemmaConfig(encoder=encoder, decoder=encoder, vocab_size=VOCAB, attention_dropout=0.0,
+                                 dropout_rate=0.0, is_encoder_decoder=False, num_labels=VOCAB)  # fmt: skip
+        return t.T5GemmaForTokenClassification, config
+    if family == "llama4":  # chunked attention, in its mask alone
+        return t.Llama4ForCausalLM, t.Llama4TextConfig(**SMALL, head_dim=16, attention_chunk_size=8,
+                                                       intermediate_size_mlp=96, num_local_experts=2,
+                                                       num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                                       no_rope_layers=[1, 0],
+                                                       max_position_embeddings=seqlen)  # fmt: skip
     assert family == "modernbert", family
     return t.ModernBertForMaskedLM, t.ModernBertConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
@@ -163,10 +181,12 @@ def _packed_family_matches_per_document(rank, world_size, family, layout):
 
 
 # W = 2: every family in both layouts, packed documents for three, a padded sequence for a decoder and the encoder;
+# the families whose window is in their mask alone (Qwen2-MoE), or wider there than what their layers pass (T5Gemma);
 # W = 4: a mixed sliding / full family with soft-capping in zigzag, the family with sinks in the contiguous layout
 # (rank counts cost the most CPU time)
 CASES = {
     "W2": (2, FAMILIES, ["zigzag", "contiguous"], ["mistral", "gpt_oss", "modernbert"], ["mistral", "modernbert"]),
+    "W2-mask-windows": (2, ["qwen2_moe", "t5gemma"], ["zigzag"], []),
     "W4-zigzag": (4, ["gemma2"], ["zigzag"], []),
     "W4-contiguous": (4, ["gpt_oss"], ["contiguous"], ["gpt_oss"]),
 }
@@ -177,3 +197,33 @@ def test_families_with_windows_softcap_sinks_and_encoders_match_eager(case):
     world_size, families, layouts, packed, *padded = CASES[case]
     ranks = run_ranks(_family_matches_eager, world_size, families, layouts, packed, *padded, timeout=600)
     assert ranks == [True] * world_size
+
+
+def _mask_patterns_the_ring_cannot_apply_are_refused(rank, world_size):
+    import ringattn
+    from ringattn.integrations import hf
+
+    seqlen = 32 * world_size
+    name = hf.register("ringattn-zigzag", layout="zigzag")
+    sp = ringattn.SequenceParallel(layout="zigzag")
+    input_ids, labels = _batch(seqlen, "cpu")
+    batch = sp.shard_batch(input_ids, labels)
+    call = dict(input_ids=batch.input_ids, position_ids=batch.position_ids)
+    with pytest.raises(ValueError, match="chunked attention"):  # was full causal attention, logits off by 0.7
+        hf.prepare(_model("llama4", 0, seqlen), name)(**call, use_cache=False)
+    # T5Gemma masks the pad tokens (id 0) it finds when no attention_mask is passed: refused on every rank, though
+    # only rank 0 holds one (the ring had attended to it: logits off by 2e-2); with a mask of ones the model runs
+    padded = batch.input_ids.clone()
+    if rank == 0:
+        padded[0, 3] = 0
+    model = hf.prepare(_model("t5gemma", 0, seqlen), name)
+    with pytest.raises(ValueError, match="pad_token_id in input_ids"):
+        model(input_ids=padded, position_ids=batch.position_ids)
+    model(input_ids=padded, position_ids=batch.position_ids, attention_mask=torch.ones_like(padded))
+    return True
+
+
+def test_mask_patterns_the_ring_cannot_apply_are_refused_on_every_rank():
+    """Chunked attention (Llama 4) and a padding mask the model builds from its pad tokens (T5Gemma) live in the mask
+    transformers builds, not in what the layers pass: read from it and refused by every rank."""
+    assert run_ranks(_mask_patterns_the_ring_cannot_apply_are_refused, 2, timeout=300) == [True, True]

@@ -1,0 +1,109 @@
+"""Which keys a transformers mask function lets each query see, as the band ring attention applies.
+
+transformers builds a layer's mask from a mask function (masking_utils: the causal or bidirectional pattern, a
+sliding window overlay, chunks, packed documents, padding), and its eager attention computes what that mask allows,
+whatever the layer passes to the attention function. `mask_band` reads the function's parts back (their closures)
+and gives the band, so that the ring applies what eager applies; a part the ring cannot apply is refused. Under
+torch.compile, where Dynamo cannot read closures, `creator_band` gives the band from what the mask's creator passes
+beside the function (its local_size, bidirectional or not, the config's chunk size).
+"""
+
+import inspect
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from transformers import masking_utils as mu
+
+
+class Band(NamedTuple):
+    """Key j is visible from query i when i - left <= j <= i + right, None: no limit on that side."""
+
+    left: int | None
+    right: int | None
+
+    def narrowed(self, other: "Band") -> "Band":
+        """The pairs both bands allow."""
+        return Band(_least(self.left, other.left), _least(self.right, other.right))
+
+
+def _least(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+CAUSAL = Band(None, 0)
+FULL = Band(None, None)
+
+
+def _factory(fn: Callable) -> str:
+    """The name of the masking_utils function that made the closure fn ("" for a plain function)."""
+    qualname = getattr(fn, "__qualname__", "")
+    return qualname.split(".<locals>.")[0] if ".<locals>." in qualname else ""
+
+
+def _closure(fn: Callable) -> dict:
+    return inspect.getclosurevars(fn).nonlocals
+
+
+def mask_band(mask_function: Callable, where: str) -> Band:
+    """The band of keys mask_function lets each query see, with packed documents and padding left out (the ring
+    takes documents from their boundaries; padding is checked by the caller). Raises ValueError, naming `where`,
+    for a part ring attention cannot apply: chunked attention, a union of patterns (or_masks: bidirectional blocks
+    of images, token types), or any mask function masking_utils did not make."""
+    if mask_function is mu.causal_mask_function:
+        return CAUSAL
+    if mask_function is mu.bidirectional_mask_function:
+        return FULL
+    factory = _factory(mask_function)
+    if factory == "and_masks":
+        band = FULL
+        for part in _closure(mask_function)["mask_functions"]:
+            band = band.narrowed(mask_band(part, where))
+        return band
+    if factory == "sliding_window_overlay":  # kv > q - sliding_window
+        return Band(_closure(mask_function)["sliding_window"] - 1, None)
+    if factory == "sliding_window_bidirectional_overlay":  # |q - kv| <= sliding_window
+        window = _closure(mask_function)["sliding_window"]
+        return Band(window, window)
+    if factory in ("remap_positions_for_packed_sequence", "add_offsets_to_mask_function"):
+        return mask_band(_closure(mask_function)["mask_function"], where)  # positions inside a document, offsets
+    if factory == "padding_mask_function" and not bool(_closure(mask_function)["padding_mask"].all()):
+        raise ValueError(f"{where}: {MODEL_PADDING}")
+    if factory in ("packed_sequence_mask_function", "padding_mask_function"):
+        return FULL
+    if factory == "chunked_overlay":
+        feature = "chunked attention (a query sees the keys of its own chunk)"
+    elif factory == "or_masks":
+        feature = "a union of mask patterns (bidirectional blocks, token types)"
+    else:
+        feature = f"the mask function {getattr(mask_function, '__qualname__', mask_function)!r}"
+    raise ValueError(f"{where}: this model's attention mask holds {feature}, which ring attention does not apply")
+
+
+def creator_band(local_size: int | None, bidirectional: bool, config, where: str) -> Band:
+    """The band of transformers' mask creators from their arguments (create_sliding_window_causal_mask and
+    create_bidirectional_sliding_window_mask pass the window as local_size, create_chunked_causal_mask the chunk
+    size): a causal window of local_size keys up to the query, a bidirectional one of local_size keys each side.
+    Raises ValueError, naming `where`, for chunked attention."""
+    if local_size is None:
+        return FULL if bidirectional else CAUSAL
+    if not bidirectional and getattr(config, "attention_chunk_size", None) == local_size:
+        raise ValueError(f"{where}: this model's attention mask holds chunked attention, which ring attention does not "
+                         "apply")  # fmt: skip
+    return Band(local_size, local_size) if bidirectional else Band(local_size - 1, 0)
+
+
+# a padding mask the model made itself (T5Gemma's from the pad tokens in input_ids), which the call's check never saw
+MODEL_PADDING = (
+    "this model masks the padding it finds in its inputs (pad_token_id in input_ids, when no attention_mask is "
+    "passed), which ring attention does not apply; shard the batch with SequenceParallel.shard_batch(input_ids, "
+    "labels, attention_mask=mask), which makes each row's padding documents of their own, and call the model with "
+    "the batch's position_ids and cu_seqlens and an attention_mask of ones"
+)
+
+
+def check_no_padding(attention_mask: torch.Tensor | None, where: str) -> None:
+    """Raise ValueError, naming `where`, when the 2-D mask transformers hands the mask interface marks some key as
+    padding (a zero)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError(f"{where}: {MODEL_PADDING}")

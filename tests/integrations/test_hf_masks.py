@@ -1,0 +1,92 @@
+"""hf_masks.mask_band: the band read back from transformers' mask functions is the pattern they compute, and the
+parts ring attention cannot apply are refused."""
+
+import inspect
+
+import pytest
+import torch
+
+mu = pytest.importorskip("transformers.masking_utils", reason="transformers is not installed (extra 'hf')")
+
+from ringattn.integrations.hf_masks import CAUSAL, FULL, Band, check_no_padding, creator_band, mask_band  # noqa: E402
+
+N = 24
+ONE_ROW = torch.zeros(1, N, dtype=torch.long)  # packed-sequence ids / positions of a row of one document
+
+MASKS = {
+    "causal": (mu.causal_mask_function, CAUSAL),
+    "bidirectional": (mu.bidirectional_mask_function, FULL),
+    "sliding causal 5": (mu.sliding_window_causal_mask_function(5), Band(4, 0)),  # Mistral, Gemma, gpt-oss
+    "sliding causal 1": (mu.sliding_window_causal_mask_function(1), Band(0, 0)),
+    "sliding bidirectional 3": (mu.sliding_window_bidirectional_mask_function(3), Band(3, 3)),  # T5Gemma, ModernBERT
+    "packed sliding": (
+        mu.and_masks(
+            mu.remap_positions_for_packed_sequence(mu.sliding_window_causal_mask_function(6), torch.arange(N)[None]),
+            mu.packed_sequence_mask_function(ONE_ROW),
+        ),
+        Band(5, 0),
+    ),
+    "offsets": (mu.add_offsets_to_mask_function(mu.sliding_window_causal_mask_function(3), 0, 0), Band(2, 0)),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_the_band_is_what_the_mask_function_computes(name):
+    fn, band = MASKS[name]
+    assert mask_band(fn, "test") == band
+    q, kv = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    computed = fn(torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long), q, kv)
+    left, right = (N if side is None else side for side in band)
+    assert torch.equal(computed.expand(N, N), (kv >= q - left) & (kv <= q + right))
+
+
+@pytest.mark.parametrize(
+    "fn,feature",
+    [
+        (mu.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)), "chunked attention"),  # Llama 4
+        (mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ONE_ROW)), "a union of mask patterns"),
+        (mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv >= 0), "the mask function '<lambda>'"),
+        (mu.padding_mask_function(torch.tensor([[1, 1, 0]], dtype=torch.bool)), "masks the padding it finds"),
+    ],
+    ids=["chunked", "or_masks", "unknown", "padding"],
+)
+def test_what_the_ring_cannot_apply_is_refused(fn, feature):
+    with pytest.raises(ValueError, match=f"^where: .*{feature}"):
+        mask_band(fn, "where")
+
+
+def test_a_padding_mask_the_model_made_is_refused():
+    check_no_padding(None, "where")
+    check_no_padding(torch.ones(2, 5, dtype=torch.bool), "where")
+    with pytest.raises(ValueError, match="pad_token_id in input_ids"):
+        check_no_padding(torch.tensor([[1, 1, 0, 1]]), "where")
+
+
+CREATORS = ["create_causal_mask", "create_bidirectional_mask", "create_sliding_window_causal_mask",
+            "create_bidirectional_sliding_window_mask"]  # fmt: skip
+
+
+@pytest.mark.parametrize("creator", CREATORS)
+def test_what_the_creators_pass_beside_the_function_says_its_band(creator):
+    """creator_band (under torch.compile, where Dynamo reads no closure) from the arguments transformers' creators
+    hand the mask interface gives what mask_band reads from their mask functions."""
+    from transformers import MistralConfig
+    from transformers.masking_utils import AttentionMaskInterface
+
+    seen = {}
+
+    def capture(*args, mask_function=None, **kwargs):
+        seen.update(kwargs, mask_function=mask_function)
+
+    AttentionMaskInterface.register("ringattn-test-capture", capture)
+    config = MistralConfig(sliding_window=5, attention_chunk_size=None)
+    config._attn_implementation = "ringattn-test-capture"
+    embeds = torch.zeros(1, N, 8)
+    create = getattr(mu, creator)
+    cache = {name: None for name in ("cache", "past_key_values") if name in inspect.signature(create).parameters}
+    create(config, embeds, attention_mask=None, position_ids=torch.arange(N)[None], **cache)
+    bidirectional = "allow_is_bidirectional_skip" in seen
+    band = creator_band(seen.get("local_size"), bidirectional, config, "where")
+    assert band == mask_band(seen["mask_function"], "where") and bidirectional == ("bidirectional" in creator)
+    with pytest.raises(ValueError, match="chunked attention"):
+        creator_band(8, False, MistralConfig(attention_chunk_size=8), "where")
