@@ -70,10 +70,10 @@ def ring_attn_forward(
         return ops.fwd(q, k, v, softmax_scale, task.mode is BlockMode.CAUSAL, out_dtype, **kwargs)
     streams = ring_streams(layout, world_size, causal, q.shape[1], window)
     steps = max((s.steps for s in streams), default=0)
-    if keep_state:
+    plan = None if keep_state else finishing_plan(layout, rank, world_size, causal, q.shape[1], docs, window)
+    if plan is None:  # the fp32 state is kept, or rounded after the last step
         plan, finished = [None] * (steps + 1), None
     else:
-        plan = finishing_plan(layout, rank, world_size, causal, q.shape[1], docs, window)
         finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # out, each row written once, rounded
     k, v = k.contiguous(), v.contiguous()
     held = [(pack_rows(k, s.rows), pack_rows(v, s.rows)) for s in streams]  # the K/V each stream passes on
@@ -94,7 +94,9 @@ def ring_attn_forward(
         if sending:
             comm.wait()
             held = [h if n is None else n for n, h in zip(nxt, held, strict=True)]
-    return (out if keep_state else finished), lse
+    if keep_state:
+        return out, lse
+    return (out.to(q.dtype) if finished is None else finished), lse
 
 
 def ring_attn_backward(
@@ -136,12 +138,15 @@ def ring_attn_backward(
     plan = finishing_plan(layout, rank, world_size, causal, q.shape[1], docs, window)
     streams = ring_streams(layout, world_size, causal, q.shape[1], window)
     steps = max((s.steps for s in streams), default=0)
-    dq_finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # each row written once, rounded
+    if plan is None:  # dq rounded after the last step
+        plan, dq_finished = [None] * (steps + 1), None
+    else:
+        dq_finished = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # each row written once, rounded
     k, v = k.contiguous(), v.contiguous()
     if steps == 0:  # a window inside each rank's own block: nothing travels
         dq, dk, dv = own_block_backward(ops, layout, rank, world_size, causal, softmax_scale, dout, q, k, v, out,
                                         lse, stats, docs, dq_finished, plan[0], window)  # fmt: skip
-        return dq_finished, dk.to(k.dtype), dv.to(v.dtype)
+        return (dq.to(q.dtype) if dq_finished is None else dq_finished), dk.to(k.dtype), dv.to(v.dtype)
     round_early = chains_round_early(streams)
     # this rank's share of a later step's block, per stream
     shares = [tuple(k.new_empty((k.shape[0], sum(map(len, s.rows)), *k.shape[2:]), dtype=state_dtype(q))
@@ -187,4 +192,4 @@ def ring_attn_backward(
                               comm.send_recv(held[i][1], shift=s.direction))  # fmt: skip
         comm.commit(f"backward step {step + 1} (dK/dV and K/V)")
     comm.wait()
-    return (dq_finished, *home_gradients(dk, dv, chains, streams, k.dtype))
+    return (dq.to(q.dtype) if dq_finished is None else dq_finished), *home_gradients(dk, dv, chains, streams, k.dtype)

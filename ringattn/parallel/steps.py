@@ -117,14 +117,13 @@ def finishing_plan(
     seqlen_local: int,
     docs: ShardDocuments | None = None,
     window: tuple[int | None, int | None] = (None, None),
-) -> list[list[range]]:
+) -> list[list[range]] | None:
     """plan[step][i]: the rows of `rank`'s shard that the i-th task `rank` computes at `step` (in the order the step
     runs them, block after block) finishes: the task's query rows that no later task touches. There the task writes
     out and dQ rounded to their final dtype. Every row is finished by exactly one task, as step 0 computes the whole
-    shard. One entry per step of the ring (ring_streams).
-
-    Raises:
-        RuntimeError: a task whose finished rows are not one range (no layout's schedule has one).
+    shard. One entry per step of the ring (ring_streams). None where some task's finished rows are not one range (a
+    kernel finishes one): zigzag over 3 ranks or more, packed documents and a window of very unequal sides, not
+    causal; the ring then rounds its fp32 results after the last step.
     """
     streams = ring_streams(layout, world_size, causal, seqlen_local, window)
     steps = max((s.steps for s in streams), default=0)
@@ -138,7 +137,10 @@ def finishing_plan(
     for step_rows in reversed(touched):
         finished = []
         for rows in reversed(step_rows):
-            finished.append(_uncovered(rows, later))
+            pieces = _outside(rows, later)
+            if len(pieces) > 1:
+                return None
+            finished.append(pieces[0] if pieces else range(rows.start, rows.start))
             later.append(rows)
         plan.append(finished[::-1])
     return plan[::-1]
@@ -154,14 +156,6 @@ def _outside(rows: range, covered: list[range]) -> list[range]:
             if len(p)
         ]  # fmt: skip
     return pieces
-
-
-def _uncovered(rows: range, covered: list[range]) -> range:
-    """The rows of `rows` outside every range of `covered`, as one range (empty, at rows.start, if none)."""
-    pieces = _outside(rows, covered)
-    if len(pieces) > 1:
-        raise RuntimeError(f"the rows of {rows} no later task touches are not one range: {pieces}")
-    return pieces[0] if pieces else range(rows.start, rows.start)
 
 
 def _task_final_rows(

@@ -7,7 +7,7 @@ import torch
 from ringattn.ops import KERNEL_OPS, REFERENCE_OPS
 from ringattn.parallel import LAYOUTS, BlockMode, BlockTask, ring_streams, steps
 from ringattn.parallel.documents import ShardDocuments
-from ringattn.parallel.steps import HeldBlock, _held_rows, _step_tasks, _uncovered, finishing_plan
+from ringattn.parallel.steps import HeldBlock, _held_rows, _step_tasks, finishing_plan
 from tests.utils import make_qkv
 
 
@@ -158,6 +158,10 @@ def test_finishing_plan_of_zigzag_finishes_the_first_chunk_at_the_last_step_that
     assert plan == [[range(0, 0)], [range(0, 0)], [range(0, 4)], [range(4, 8)]]
 
 
-def test_finishing_rows_that_are_not_one_range_raise():
-    with pytest.raises(RuntimeError, match="not one range"):
-        _uncovered(range(0, 10), [range(3, 5)])
+def test_no_finishing_plan_where_a_task_would_finish_rows_of_two_ranges():
+    """Zigzag over 3 ranks, documents [3, 1, 8], not causal, window (1, unlimited): rank 1's first task leaves rows 0,
+    1 and 3 to no later task, two ranges (a kernel finishes one), so there is no plan (the ring rounds after its
+    last step; this raised on one rank, and its peers waited for it); with the window (1, 1) there is one."""
+    docs = ShardDocuments(torch.tensor([0, 3, 4, 12], dtype=torch.int32), 4, 3, "zigzag", "cpu")
+    assert finishing_plan("zigzag", 1, 3, False, 4, docs, (1, None)) is None
+    _check_finishing_plan("zigzag", 3, False, 4, docs, (1, 1))

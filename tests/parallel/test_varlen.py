@@ -91,6 +91,15 @@ def test_varlen_window_matches_reference(backend, dtype, layout):
     _run_varlen(backend, dtype, 4, CASES[4], 4, 2, True, layout, 1, (4, 0))
 
 
+@pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
+def test_varlen_window_of_unequal_sides_without_a_finishing_plan_matches_reference(backend, dtype):
+    """Zigzag over 3 ranks, not causal, a window of 1 key back and none forward, documents [3, 1, 8]: a task would
+    finish rows of two ranges (steps.finishing_plan gives None), so the ring rounds out and dq after its last step.
+    Regression: one rank raised "not one range" and its peers waited for it."""
+    _run_varlen(backend, dtype, 3, [3, 1, 8], 4, 2, False, "zigzag", 1, (1, -1))
+    _run_varlen(backend, dtype, 3, [3, 1, 20, 5, 1], 4, 2, False, "zigzag", 1, (-1, 4))
+
+
 @pytest.mark.parametrize("world_size", [2, 4], ids=["W2", "W4"])
 @pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
 def test_varlen_padding_gets_no_gradient(backend, dtype, world_size):
