@@ -2,6 +2,7 @@
 
 import math
 import os
+import sys
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -228,7 +229,8 @@ def check_flash_attn_options(
             raise TypeError(f"window_size must be a (left, right) pair of ints (-1: no limit), got {window_size!r}")
         if side < -1:
             raise ValueError(f"window_size's sides must be >= 0, or -1 for no limit, got {tuple(window_size)}")
-    window = tuple(None if side == -1 else side for side in window_size)
+    # a side no sequence reaches is no limit (past 2**63 - 1 it would not fit the kernels' int64 arguments)
+    window = tuple(None if side == -1 or side >= sys.maxsize else side for side in window_size)
     return check_flag(causal, "causal"), window, check_softcap(softcap), check_flag(deterministic, "deterministic")
 
 

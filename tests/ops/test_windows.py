@@ -112,11 +112,13 @@ def _fwd_bwd(q, k, v, dout, causal, window_size):
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(16, 16), (24, 8), (8, 24)], ids=str)
 def test_windows_of_any_size_give_the_unlimited_sides_bits(seqlen_q, seqlen_k):
     """Regression: a side near 2**63 (sys.maxsize as "no limit") overflowed the kernels' band arithmetic (a wrong
-    out silently, or an OverflowError naming no argument); a side at least as long as the sequences is no limit."""
+    out silently, or an OverflowError naming no argument), and one past it failed the op schema's int64 check (on
+    one rank of a ring); a side at least as long as the sequences is no limit."""
     q, k, v, dout = make_qkv(1, seqlen_q, seqlen_k, 2, 1, 32, DTYPES[0], seed=seqlen_q)
     huge = sys.maxsize
     for window, same_as in [((-1, huge), (-1, -1)), ((huge, -1), (-1, -1)), ((huge, huge), (-1, -1)),
-                            ((4, huge), (4, -1)), ((huge, 3), (-1, 3)), ((2**40, 2**40), (-1, -1))]:  # fmt: skip
+                            ((4, huge), (4, -1)), ((huge, 3), (-1, 3)), ((2**40, 2**40), (-1, -1)),
+                            ((2**64, 2), (-1, 2))]:  # fmt: skip
         for causal in (False, True):
             ours, want = (_fwd_bwd(q, k, v, dout, causal, w) for w in (window, same_as))
             for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, want, strict=True):
