@@ -58,8 +58,9 @@ def ring_attn_forward(
             reaches (schedule.ring_streams).
         keep_state: return out unrounded, in state_dtype(q) (for a merge after the ring: attention sinks).
     Returns:
-        out (B, S_local, Hq, D) in q's dtype (each row rounded from the fp32 state by the step that finishes it;
-        with W = 1 one fused call), or with keep_state the fp32 state, and lse (B, Hq, S_local) float64.
+        out (B, S_local, Hq, D) in q's dtype (each row rounded from the fp32 state by the step that finishes it,
+        or after the last step where there is no finishing plan; with W = 1 one fused call), or with keep_state the
+        fp32 state, and lse (B, Hq, S_local) float64.
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
@@ -125,8 +126,9 @@ def ring_attn_backward(
             no kernel.
     Returns:
         dq, dk, dv shaped like q, k, v, in the inputs' dtype: each dq row rounded from its fp32 sum by the step
-        that finishes it; dk and dv rounded with their last share, before the last hop, which then carries half
-        the bytes of fp32 (the same rounding as after it; chains_round_early). With W = 1 from one fused call.
+        that finishes it (after the last step where there is no finishing plan); dk and dv rounded with their last
+        share, before the last hop, which then carries half the bytes of fp32 (the same rounding as after it;
+        chains_round_early). With W = 1 from one fused call.
     Raises:
         RuntimeError: a peer failed or did not arrive within comm's timeout (RingComm.wait).
     """
