@@ -78,8 +78,9 @@ autocast's dtype, as SDPA takes them (RoPE leaves q and k in fp32 beside a bf16 
 Refused with ValueError: models whose attention is not transformers' AttentionInterface (by prepare), dropout > 0,
 chunked attention (Llama 4), sparse attention (selected key indices), position biases (ALiBi too), attention masks
 other than none/all-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks) or
-built by the model from its pad tokens (T5Gemma without an attention_mask), mask patterns added on top (image or
-token-type blocks), a KV cache
+built by the model from its pad tokens (T5Gemma without an attention_mask; not seen under torch.compile: pass an
+attention_mask of ones), mask patterns added on top (image or token-type blocks), layers that attend bidirectionally
+over a causal eager mask (use_bidirectional_attention in Gemma 2 and PaliGemma's text models), a KV cache
 holding earlier tokens or an empty one passed in (generation), output_attentions, position_ids that are not this
 rank's positions in the registered layout (e.g. sharded in another layout, rows that differ, packed documents
 without their boundaries, or fewer rows than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different
@@ -103,7 +104,16 @@ from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout, check_local_seqlen, grid_shard_indices, shard_indices
 from ..sequence_parallel import document_positions
 from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
-from .hf_masks import CAUSAL, FULL, Band, check_no_padding, creator_band, mask_band
+from .hf_masks import (
+    CAUSAL,
+    FULL,
+    Band,
+    check_causal_agrees,
+    check_no_padding,
+    creator_band,
+    mask_band,
+    top_level_union,
+)
 
 try:
     from transformers import AttentionInterface, PreTrainedModel
@@ -441,8 +451,8 @@ def no_mask(
     its inputs, a pattern the ring cannot apply (chunks, or_masks) or one the model adds on top (transformers then
     asks for a vmap-built mask); a refusal shared by every rank (agreement.shared_refusals, or over a grid
     grid.shared_grid_refusals). Under torch.compile the band comes from the creator's arguments
-    (hf_masks.creator_band), and a padding mask the model built and the patterns its creator's arguments do not show
-    (or_masks) are refused in eager calls only.
+    (hf_masks.creator_band) and a union of patterns is seen only at the top of the mask function: a padding mask the
+    model built from its pad tokens, and image blocks under packed documents, are refused in eager calls only.
     """
     refusals = (
         shared_refusals("hf attention mask", group) if grid is None else shared_grid_refusals("hf attention mask", grid)
@@ -458,10 +468,13 @@ def no_mask(
         if torch.compiler.is_compiling():  # Dynamo reads no closure: the creator's arguments say the band
             band = creator_band(kwargs.get("local_size"), "allow_is_bidirectional_skip" in kwargs, kwargs.get("config"),
                                 where)  # fmt: skip
+            if mask_function is not None:
+                top_level_union(mask_function, where)
         else:
             check_no_padding(attention_mask, where)
             if mask_function is not None:
                 band = mask_band(mask_function, where)
+        check_causal_agrees(band, kwargs.get("config"), where)
     return None if band in (CAUSAL, FULL) else band
 
 

@@ -26,6 +26,13 @@ class Band(NamedTuple):
         """The pairs both bands allow."""
         return Band(_least(self.left, other.left), _least(self.right, other.right))
 
+    def __getattr__(self, name: str):
+        # a model that reads its mask before the attention function (its dtype, flips it) gets this, not a mask
+        raise AttributeError(
+            f"ring attention hands this model's layers the band of keys their mask allows, not a mask tensor: the "
+            f"model reads its attention mask itself (.{name}), which ring attention does not support"
+        )
+
 
 def _least(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else min(a, b)
@@ -78,6 +85,23 @@ def mask_band(mask_function: Callable, where: str) -> Band:
     else:
         feature = f"the mask function {getattr(mask_function, '__qualname__', mask_function)!r}"
     raise ValueError(f"{where}: this model's attention mask holds {feature}, which ring attention does not apply")
+
+
+def top_level_union(mask_function: Callable, where: str) -> None:
+    """Raise ValueError, naming `where`, when mask_function is a union of patterns (or_masks: bidirectional blocks of
+    images), the part of mask_band that Dynamo can trace (a function's name, not its closure)."""
+    if _factory(mask_function) == "or_masks":
+        raise ValueError(f"{where}: this model's attention mask holds a union of mask patterns (bidirectional blocks, "
+                         "token types), which ring attention does not apply")  # fmt: skip
+
+
+def check_causal_agrees(band: Band, config, where: str) -> None:
+    """Raise ValueError, naming `where`, for a model whose layers attend bidirectionally (use_bidirectional_attention)
+    while the mask transformers builds for its eager attention is causal (Gemma 2, PaliGemma's text models): its
+    attention paths disagree, and ring attention does not pick one."""
+    if band == CAUSAL and getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{where}: this model's layers attend bidirectionally (use_bidirectional_attention) but its "
+                         "mask for eager attention is causal; ring attention does not pick one of the two")  # fmt: skip
 
 
 def creator_band(local_size: int | None, bidirectional: bool, config, where: str) -> Band:

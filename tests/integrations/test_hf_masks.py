@@ -8,7 +8,16 @@ import torch
 
 mu = pytest.importorskip("transformers.masking_utils", reason="transformers is not installed (extra 'hf')")
 
-from ringattn.integrations.hf_masks import CAUSAL, FULL, Band, check_no_padding, creator_band, mask_band  # noqa: E402
+from ringattn.integrations.hf_masks import (  # noqa: E402
+    CAUSAL,
+    FULL,
+    Band,
+    check_causal_agrees,
+    check_no_padding,
+    creator_band,
+    mask_band,
+    top_level_union,
+)
 
 N = 24
 ONE_ROW = torch.zeros(1, N, dtype=torch.long)  # packed-sequence ids / positions of a row of one document
@@ -90,3 +99,25 @@ def test_what_the_creators_pass_beside_the_function_says_its_band(creator):
     assert band == mask_band(seen["mask_function"], "where") and bidirectional == ("bidirectional" in creator)
     with pytest.raises(ValueError, match="chunked attention"):
         creator_band(8, False, MistralConfig(attention_chunk_size=8), "where")
+
+
+def test_a_model_that_reads_its_mask_gets_a_clear_error():
+    """Models that read the mask before the attention function (Doge: its dtype) get the band: a clear error, not
+    'Band' object has no attribute 'dtype'."""
+    with pytest.raises(AttributeError, match=r"reads its attention mask itself \(\.dtype\)"):
+        Band(4, 0).dtype  # noqa: B018
+
+
+def test_what_dynamo_can_check_is_checked():
+    """Under torch.compile: a union of patterns at the top of the mask function (PaliGemma's image prefix), and layers
+    that attend bidirectionally over a causal eager mask (Gemma 2 with use_bidirectional_attention)."""
+    from transformers import Gemma2Config
+
+    union = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ONE_ROW))
+    with pytest.raises(ValueError, match="a union of mask patterns"):
+        top_level_union(union, "where")
+    top_level_union(mu.sliding_window_causal_mask_function(4), "where")
+    with pytest.raises(ValueError, match="attend bidirectionally .use_bidirectional_attention."):
+        check_causal_agrees(CAUSAL, Gemma2Config(use_bidirectional_attention=True), "where")
+    check_causal_agrees(FULL, Gemma2Config(use_bidirectional_attention=True), "where")
+    check_causal_agrees(CAUSAL, Gemma2Config(), "where")

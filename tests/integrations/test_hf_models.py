@@ -220,10 +220,19 @@ def _mask_patterns_the_ring_cannot_apply_are_refused(rank, world_size):
     with pytest.raises(ValueError, match="pad_token_id in input_ids"):
         model(input_ids=padded, position_ids=batch.position_ids)
     model(input_ids=padded, position_ids=batch.position_ids, attention_mask=torch.ones_like(padded))
+    # Gemma 2 with use_bidirectional_attention (PaliGemma's text models): its layers say bidirectional, its eager
+    # mask is causal (the ring had attended bidirectionally: logits off by 0.85)
+    gemma = _model("gemma2", 0, seqlen)
+    gemma.config.use_bidirectional_attention = True
+    for layer in gemma.model.layers:
+        layer.self_attn.is_causal = False
+    with pytest.raises(ValueError, match="attend bidirectionally"):
+        hf.prepare(gemma, name)(**call, use_cache=False)
     return True
 
 
 def test_mask_patterns_the_ring_cannot_apply_are_refused_on_every_rank():
-    """Chunked attention (Llama 4) and a padding mask the model builds from its pad tokens (T5Gemma) live in the mask
-    transformers builds, not in what the layers pass: read from it and refused by every rank."""
+    """Chunked attention (Llama 4), a padding mask the model builds from its pad tokens (T5Gemma) and a causal eager
+    mask under bidirectional layers (Gemma 2 with use_bidirectional_attention) live in the mask transformers builds,
+    not in what the layers pass: read from it and refused by every rank."""
     assert run_ranks(_mask_patterns_the_ring_cannot_apply_are_refused, 2, timeout=300) == [True, True]
