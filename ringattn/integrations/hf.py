@@ -104,7 +104,16 @@ from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout, check_local_seqlen, grid_shard_indices, shard_indices
 from ..sequence_parallel import document_positions
 from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
-from .hf_masks import (
+
+try:
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "ringattn.integrations.hf needs transformers: pip install 'ringattn[hf]' (or pip install transformers)"
+    ) from e
+
+from .hf_masks import (  # after the check that transformers is there
     CAUSAL,
     FULL,
     Band,
@@ -114,14 +123,6 @@ from .hf_masks import (
     mask_band,
     top_level_union,
 )
-
-try:
-    from transformers import AttentionInterface, PreTrainedModel
-    from transformers.masking_utils import AttentionMaskInterface
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "ringattn.integrations.hf needs transformers: pip install 'ringattn[hf]' (or pip install transformers)"
-    ) from e
 
 NAME = "ringattn"
 PREPARED = "_ringattn_prepared"  # set by prepare() on every module of a model
