@@ -52,6 +52,17 @@ def _closure(fn: Callable) -> dict:
     return inspect.getclosurevars(fn).nonlocals
 
 
+# the parts of a mask the ring refuses, by the masking_utils function that makes them
+REFUSED = {
+    "chunked_overlay": "chunked attention (a query sees the keys of its own chunk)",
+    "or_masks": "a union of mask patterns (bidirectional blocks, token types)",
+}
+
+
+def _refuse(feature: str, where: str):
+    raise ValueError(f"{where}: this model's attention mask holds {feature}, which ring attention does not apply")
+
+
 def mask_band(mask_function: Callable, where: str) -> Band:
     """The band of keys mask_function lets each query see, with packed documents and padding left out (the ring
     takes documents from their boundaries; padding is checked by the caller). Raises ValueError, naming `where`,
@@ -78,21 +89,15 @@ def mask_band(mask_function: Callable, where: str) -> Band:
         raise ValueError(f"{where}: {MODEL_PADDING}")
     if factory in ("packed_sequence_mask_function", "padding_mask_function"):
         return FULL
-    if factory == "chunked_overlay":
-        feature = "chunked attention (a query sees the keys of its own chunk)"
-    elif factory == "or_masks":
-        feature = "a union of mask patterns (bidirectional blocks, token types)"
-    else:
-        feature = f"the mask function {getattr(mask_function, '__qualname__', mask_function)!r}"
-    raise ValueError(f"{where}: this model's attention mask holds {feature}, which ring attention does not apply")
+    _refuse(REFUSED.get(factory) or f"the mask function {getattr(mask_function, '__qualname__', mask_function)!r}",
+            where)  # fmt: skip
 
 
 def top_level_union(mask_function: Callable, where: str) -> None:
     """Raise ValueError, naming `where`, when mask_function is a union of patterns (or_masks: bidirectional blocks of
     images), the part of mask_band that Dynamo can trace (a function's name, not its closure)."""
     if _factory(mask_function) == "or_masks":
-        raise ValueError(f"{where}: this model's attention mask holds a union of mask patterns (bidirectional blocks, "
-                         "token types), which ring attention does not apply")  # fmt: skip
+        _refuse(REFUSED["or_masks"], where)
 
 
 def check_causal_agrees(band: Band, config, where: str) -> None:
@@ -112,8 +117,7 @@ def creator_band(local_size: int | None, bidirectional: bool, config, where: str
     if local_size is None:
         return FULL if bidirectional else CAUSAL
     if not bidirectional and getattr(config, "attention_chunk_size", None) == local_size:
-        raise ValueError(f"{where}: this model's attention mask holds chunked attention, which ring attention does not "
-                         "apply")  # fmt: skip
+        _refuse(REFUSED["chunked_overlay"], where)
     return Band(local_size, local_size) if bidirectional else Band(local_size - 1, 0)
 
 

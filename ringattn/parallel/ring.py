@@ -95,9 +95,13 @@ def ring_attn_forward(
         if sending:
             comm.wait()
             held = [h if n is None else n for n, h in zip(nxt, held, strict=True)]
-    if keep_state:
-        return out, lse
-    return (out.to(q.dtype) if finished is None else finished), lse
+    return (out if keep_state else _rounded(out, finished, q.dtype)), lse
+
+
+def _rounded(state: torch.Tensor, finished: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The result in its final dtype: `finished`, whose rows the finishing steps wrote, or, where there was no
+    finishing plan (finished None), the fp32 state rounded now."""
+    return state.to(dtype) if finished is None else finished
 
 
 def ring_attn_backward(
@@ -148,7 +152,7 @@ def ring_attn_backward(
     if steps == 0:  # a window inside each rank's own block: nothing travels
         dq, dk, dv = own_block_backward(ops, layout, rank, world_size, causal, softmax_scale, dout, q, k, v, out,
                                         lse, stats, docs, dq_finished, plan[0], window)  # fmt: skip
-        return (dq.to(q.dtype) if dq_finished is None else dq_finished), dk.to(k.dtype), dv.to(v.dtype)
+        return _rounded(dq, dq_finished, q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     round_early = chains_round_early(streams)
     # this rank's share of a later step's block, per stream
     shares = [tuple(k.new_empty((k.shape[0], sum(map(len, s.rows)), *k.shape[2:]), dtype=state_dtype(q))
@@ -194,4 +198,4 @@ def ring_attn_backward(
                               comm.send_recv(held[i][1], shift=s.direction))  # fmt: skip
         comm.commit(f"backward step {step + 1} (dK/dV and K/V)")
     comm.wait()
-    return (dq.to(q.dtype) if dq_finished is None else dq_finished), *home_gradients(dk, dv, chains, streams, k.dtype)
+    return _rounded(dq, dq_finished, q.dtype), *home_gradients(dk, dv, chains, streams, k.dtype)

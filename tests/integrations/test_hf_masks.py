@@ -8,41 +8,35 @@ import torch
 
 mu = pytest.importorskip("transformers.masking_utils", reason="transformers is not installed (extra 'hf')")
 
-from ringattn.integrations.hf_masks import (  # noqa: E402
-    CAUSAL,
-    FULL,
-    Band,
-    check_causal_agrees,
-    check_no_padding,
-    creator_band,
-    mask_band,
-    top_level_union,
-)
+from ringattn.integrations import hf_masks  # noqa: E402
 
 N = 24
 ONE_ROW = torch.zeros(1, N, dtype=torch.long)  # packed-sequence ids / positions of a row of one document
 
 MASKS = {
-    "causal": (mu.causal_mask_function, CAUSAL),
-    "bidirectional": (mu.bidirectional_mask_function, FULL),
-    "sliding causal 5": (mu.sliding_window_causal_mask_function(5), Band(4, 0)),  # Mistral, Gemma, gpt-oss
-    "sliding causal 1": (mu.sliding_window_causal_mask_function(1), Band(0, 0)),
-    "sliding bidirectional 3": (mu.sliding_window_bidirectional_mask_function(3), Band(3, 3)),  # T5Gemma, ModernBERT
+    "causal": (mu.causal_mask_function, hf_masks.CAUSAL),
+    "bidirectional": (mu.bidirectional_mask_function, hf_masks.FULL),
+    "sliding causal 5": (mu.sliding_window_causal_mask_function(5), hf_masks.Band(4, 0)),  # Mistral, Gemma, gpt-oss
+    "sliding causal 1": (mu.sliding_window_causal_mask_function(1), hf_masks.Band(0, 0)),
+    "sliding bidirectional 3": (
+        mu.sliding_window_bidirectional_mask_function(3),
+        hf_masks.Band(3, 3),
+    ),  # T5Gemma, ModernBERT
     "packed sliding": (
         mu.and_masks(
             mu.remap_positions_for_packed_sequence(mu.sliding_window_causal_mask_function(6), torch.arange(N)[None]),
             mu.packed_sequence_mask_function(ONE_ROW),
         ),
-        Band(5, 0),
+        hf_masks.Band(5, 0),
     ),
-    "offsets": (mu.add_offsets_to_mask_function(mu.sliding_window_causal_mask_function(3), 0, 0), Band(2, 0)),
+    "offsets": (mu.add_offsets_to_mask_function(mu.sliding_window_causal_mask_function(3), 0, 0), hf_masks.Band(2, 0)),
 }
 
 
 @pytest.mark.parametrize("name", list(MASKS))
 def test_the_band_is_what_the_mask_function_computes(name):
     fn, band = MASKS[name]
-    assert mask_band(fn, "test") == band
+    assert hf_masks.mask_band(fn, "test") == band
     q, kv = torch.arange(N)[:, None], torch.arange(N)[None, :]
     computed = fn(torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long), q, kv)
     left, right = (N if side is None else side for side in band)
@@ -61,14 +55,14 @@ def test_the_band_is_what_the_mask_function_computes(name):
 )
 def test_what_the_ring_cannot_apply_is_refused(fn, feature):
     with pytest.raises(ValueError, match=f"^where: .*{feature}"):
-        mask_band(fn, "where")
+        hf_masks.mask_band(fn, "where")
 
 
 def test_a_padding_mask_the_model_made_is_refused():
-    check_no_padding(None, "where")
-    check_no_padding(torch.ones(2, 5, dtype=torch.bool), "where")
+    hf_masks.check_no_padding(None, "where")
+    hf_masks.check_no_padding(torch.ones(2, 5, dtype=torch.bool), "where")
     with pytest.raises(ValueError, match="pad_token_id in input_ids"):
-        check_no_padding(torch.tensor([[1, 1, 0, 1]]), "where")
+        hf_masks.check_no_padding(torch.tensor([[1, 1, 0, 1]]), "where")
 
 
 CREATORS = ["create_causal_mask", "create_bidirectional_mask", "create_sliding_window_causal_mask",
@@ -95,17 +89,17 @@ def test_what_the_creators_pass_beside_the_function_says_its_band(creator):
     cache = {name: None for name in ("cache", "past_key_values") if name in inspect.signature(create).parameters}
     create(config, embeds, attention_mask=None, position_ids=torch.arange(N)[None], **cache)
     bidirectional = "allow_is_bidirectional_skip" in seen
-    band = creator_band(seen.get("local_size"), bidirectional, config, "where")
-    assert band == mask_band(seen["mask_function"], "where") and bidirectional == ("bidirectional" in creator)
+    band = hf_masks.creator_band(seen.get("local_size"), bidirectional, config, "where")
+    assert band == hf_masks.mask_band(seen["mask_function"], "where") and bidirectional == ("bidirectional" in creator)
     with pytest.raises(ValueError, match="chunked attention"):
-        creator_band(8, False, MistralConfig(attention_chunk_size=8), "where")
+        hf_masks.creator_band(8, False, MistralConfig(attention_chunk_size=8), "where")
 
 
 def test_a_model_that_reads_its_mask_gets_a_clear_error():
     """Models that read the mask before the attention function (Doge: its dtype) get the band: a clear error, not
     'Band' object has no attribute 'dtype'."""
     with pytest.raises(AttributeError, match=r"reads its attention mask itself \(\.dtype\)"):
-        Band(4, 0).dtype  # noqa: B018
+        hf_masks.Band(4, 0).dtype  # noqa: B018
 
 
 def test_what_dynamo_can_check_is_checked():
@@ -115,9 +109,9 @@ def test_what_dynamo_can_check_is_checked():
 
     union = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ONE_ROW))
     with pytest.raises(ValueError, match="a union of mask patterns"):
-        top_level_union(union, "where")
-    top_level_union(mu.sliding_window_causal_mask_function(4), "where")
+        hf_masks.top_level_union(union, "where")
+    hf_masks.top_level_union(mu.sliding_window_causal_mask_function(4), "where")
     with pytest.raises(ValueError, match="attend bidirectionally .use_bidirectional_attention."):
-        check_causal_agrees(CAUSAL, Gemma2Config(use_bidirectional_attention=True), "where")
-    check_causal_agrees(FULL, Gemma2Config(use_bidirectional_attention=True), "where")
-    check_causal_agrees(CAUSAL, Gemma2Config(), "where")
+        hf_masks.check_causal_agrees(hf_masks.CAUSAL, Gemma2Config(use_bidirectional_attention=True), "where")
+    hf_masks.check_causal_agrees(hf_masks.FULL, Gemma2Config(use_bidirectional_attention=True), "where")
+    hf_masks.check_causal_agrees(hf_masks.CAUSAL, Gemma2Config(), "where")
