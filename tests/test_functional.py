@@ -65,6 +65,8 @@ CASES = [
          "k and v must have q's batch size 1, got 2"),
     Case("dim-mismatch", dict(q_shape=(1, 8, 4, 64)), ValueError, "k and v must have q's head dim 64, got 32"),
     Case("kv-heads-mismatch", dict(v_shape=(1, 8, 1, 32)), ValueError, "k and v must have the same shape"),
+    Case("v-head-dim", dict(v_shape=(1, 8, 2, 16)), ValueError,
+         r"v must have k's head dim 32, got 16 \(a value head dim other than the query and key head dim is not"),
     Case("empty-q", dict(q_shape=(1, 0, 4, 32)), ValueError, "sequence lengths must be positive, got q 0"),
     Case("empty-kv", dict(k_shape=(1, 0, 2, 32), v_shape=(1, 0, 2, 32)), ValueError,
          "sequence lengths must be positive, got q 8, k/v 0"),

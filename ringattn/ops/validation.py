@@ -38,6 +38,11 @@ def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     batch, seqlen_q, heads_q, head_dim = q.shape
+    if k.shape[:3] == v.shape[:3] and k.shape[3] != v.shape[3]:
+        raise ValueError(
+            f"v must have k's head dim {k.shape[3]}, got {v.shape[3]} (a value head dim other than the query and key "
+            "head dim is not supported)"
+        )
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape[0] != batch:
