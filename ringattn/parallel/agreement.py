@@ -357,19 +357,26 @@ def describe_disagreement(headers: list[Header], cls: type | None) -> str | None
     return f"{calls[0]}: the ranks of the group disagree on " + "; ".join(parts) + ". " + cls.expected
 
 
+_ON_EVERY_RANK = " (raised on every rank of the group)"
+
+
 def describe_refusals(headers: list[Header], messages: list[str]) -> tuple[type[Exception], str]:
     """The error every rank raises when some refused (headers and messages in group-rank order): the type the
-    first refusing rank raised, and each refusal's call, group ranks and message."""
+    first refusing rank raised, and each refusal's call, group ranks and message. A message that is already such a
+    description (a refusal shared on another group first, as grid.shared_grid_refusals does) is kept as it is."""
     by_refusal: dict[tuple[str, str], list[int]] = {}
     for rank, (header, message) in enumerate(zip(headers, messages, strict=True)):
         if header.refusal is not None:
             by_refusal.setdefault((header.call, message), []).append(rank)
     parts = []
     for (call, message), ranks in by_refusal.items():
+        if message.startswith(f"{call} refused on group ") and message.endswith(_ON_EVERY_RANK):
+            parts.append(message.removesuffix(_ON_EVERY_RANK))
+            continue
         which = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
         parts.append(f"{call} refused on group {which} of {len(headers)}: {message}")
     kind = next(h.refusal for h in headers if h.refusal is not None)
-    return kind, "; ".join(parts) + " (raised on every rank of the group)"
+    return kind, "; ".join(parts) + _ON_EVERY_RANK
 
 
 def agreement_mode() -> str:

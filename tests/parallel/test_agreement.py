@@ -140,6 +140,16 @@ def test_refusals_name_each_refusing_rank_with_the_first_ones_type():
     )
 
 
+def test_a_refusal_shared_on_another_group_first_keeps_its_description():
+    """A grid shares a refusal on its Ulysses group, then on its ring: the ring's description is not nested."""
+    shared = describe_refusals([_header("hf attention mask"), _header("hf attention mask", None, ValueError("w"))],
+                               ["", "w"])[1]  # fmt: skip
+    headers = [_header("hf attention mask", None, ValueError(shared))] * 2
+    kind, message = describe_refusals(headers, [shared] * 2)
+    assert kind is ValueError
+    assert message == shared == "hf attention mask refused on group rank 1 of 2: w (raised on every rank of the group)"
+
+
 def test_agreement_mode_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv(AGREEMENT_ENV, raising=False)
     assert agreement_mode() == "always"
