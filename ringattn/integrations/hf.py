@@ -80,9 +80,10 @@ Refused with ValueError: models whose attention is not transformers' AttentionIn
 chunked attention (Llama 4), sparse attention (selected key indices), position biases (ALiBi too), attention masks
 other than none/all-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks) or
 built by the model from its pad tokens (T5Gemma without an attention_mask; not seen under torch.compile: pass an
-attention_mask of ones), mask patterns added on top (image or token-type blocks), layers that attend bidirectionally
-over a causal eager mask (use_bidirectional_attention in Gemma 2 and PaliGemma's text models), a KV cache
-holding earlier tokens or an empty one passed in (generation), output_attentions, position_ids that are not this
+attention_mask of ones), mask patterns added on top (image or token-type blocks that hold some token: an image-text
+model runs on text alone, under torch.compile without token_type_ids), layers that attend bidirectionally over a
+causal eager mask (use_bidirectional_attention in Gemma 2 and PaliGemma's text models), a KV cache holding earlier
+tokens or an empty one passed in (generation), output_attentions, position_ids that are not this
 rank's positions in the registered layout (e.g. sharded in another layout, rows that differ, packed documents
 without their boundaries, or fewer rows than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different
 from it, and boundaries of a batch whose row starts are not among them.
@@ -450,11 +451,12 @@ def no_mask(
     attention function as its attention_mask and the ring applies whatever else the layer passes. The ring applies
     it and the document boundaries over global positions itself; prepare's check of each call has refused a padding
     mask with zeros (ringattn::hf_checked_position_ids). Raises ValueError for a padding mask the model made from
-    its inputs, a pattern the ring cannot apply (chunks, or_masks) or one the model adds on top (transformers then
-    asks for a vmap-built mask); a refusal shared by every rank (agreement.shared_refusals, or over a grid
-    grid.shared_grid_refusals). Under torch.compile the band comes from the creator's arguments
-    (hf_masks.creator_band) and a union of patterns is seen only at the top of the mask function: a padding mask the
-    model built from its pad tokens, and image blocks under packed documents, are refused in eager calls only.
+    its inputs or a pattern the ring cannot apply (chunks, or_masks that add pairs, a mask function of the model's
+    own); a refusal shared by every rank (agreement.shared_refusals, or over a grid grid.shared_grid_refusals).
+    Under torch.compile the band comes from the creator's arguments (hf_masks.creator_band), a pattern the model
+    adds on top (transformers then asks for a vmap-built mask) is refused, and a union of patterns is seen only at
+    the top of the mask function: a padding mask the model built from its pad tokens, and image blocks under packed
+    documents, are refused in eager calls only.
     """
     refusals = (
         shared_refusals("hf attention mask", group) if grid is None else shared_grid_refusals("hf attention mask", grid)
@@ -462,12 +464,13 @@ def no_mask(
     where = "ring attention (the model's attention mask)"
     band = CAUSAL
     with refusals:
-        if use_vmap:
-            raise ValueError(
-                "ring attention computes causal (or full) attention with the layer's sliding window: this model adds "
-                "its own mask pattern on top of it, which is not supported"
-            )
         if torch.compiler.is_compiling():  # Dynamo reads no closure: the creator's arguments say the band
+            if use_vmap:  # a pattern of the model's own, which only the closures say
+                raise ValueError(
+                    "ring attention computes causal (or full) attention with the layer's sliding window: under "
+                    "torch.compile, a mask pattern the model adds on top of it (the mask's or_mask_function, "
+                    "and_mask_function) is not supported"
+                )
             band = creator_band(kwargs.get("local_size"), "allow_is_bidirectional_skip" in kwargs, kwargs.get("config"),
                                 where)  # fmt: skip
             if mask_function is not None:

@@ -67,7 +67,8 @@ def mask_band(mask_function: Callable, where: str) -> Band:
     """The band of keys mask_function lets each query see, with packed documents and padding left out (the ring
     takes documents from their boundaries; padding is checked by the caller). Raises ValueError, naming `where`,
     for a part ring attention cannot apply: chunked attention, a union of patterns (or_masks: bidirectional blocks
-    of images, token types), or any mask function masking_utils did not make."""
+    of images, token types; image blocks over text alone add nothing and are left out), or any mask function
+    masking_utils did not make."""
     if mask_function is mu.causal_mask_function:
         return CAUSAL
     if mask_function is mu.bidirectional_mask_function:
@@ -89,8 +90,20 @@ def mask_band(mask_function: Callable, where: str) -> Band:
         raise ValueError(f"{where}: {MODEL_PADDING}")
     if factory in ("packed_sequence_mask_function", "padding_mask_function"):
         return FULL
+    if factory == "or_masks":  # a union: of one pattern and overlays that add no pair, that pattern
+        parts = [part for part in _closure(mask_function)["mask_functions"] if not _adds_nothing(part)]
+        if len(parts) == 1:
+            return mask_band(parts[0], where)
     _refuse(REFUSED.get(factory) or f"the mask function {getattr(mask_function, '__qualname__', mask_function)!r}",
             where)  # fmt: skip
+
+
+def _adds_nothing(mask_function: Callable) -> bool:
+    """Whether mask_function is an overlay of image blocks (blockwise_overlay, from token_type_ids) over tokens
+    of which none is in a block: text alone, as a multimodal model's text-only batch."""
+    return _factory(mask_function) == "blockwise_overlay" and not bool(
+        (_closure(mask_function)["block_sequence_ids"] >= 0).any()
+    )
 
 
 def top_level_union(mask_function: Callable, where: str) -> None:

@@ -12,6 +12,7 @@ from ringattn.integrations import hf_masks  # noqa: E402
 
 N = 24
 ONE_ROW = torch.zeros(1, N, dtype=torch.long)  # packed-sequence ids / positions of a row of one document
+TEXT = torch.full((1, N), -1)  # the block ids of a row without image tokens
 
 MASKS = {
     "causal": (mu.causal_mask_function, hf_masks.CAUSAL),
@@ -30,6 +31,12 @@ MASKS = {
         hf_masks.Band(5, 0),
     ),
     "offsets": (mu.add_offsets_to_mask_function(mu.sliding_window_causal_mask_function(3), 0, 0), hf_masks.Band(2, 0)),
+    # an image-text model (Gemma 3) on text alone: image blocks (block ids >= 0) that hold no token
+    "image blocks on text": (mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(TEXT)), hf_masks.CAUSAL),
+    "image blocks on text, sliding": (
+        mu.and_masks(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(TEXT)), mu.sliding_window_overlay(5)),
+        hf_masks.Band(4, 0),
+    ),
 }
 
 

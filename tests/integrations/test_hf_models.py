@@ -45,6 +45,14 @@ def _config(family: str, seqlen: int):
         return t.Gemma3ForCausalLM, t.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=13, layer_types=LAYERS,
                                                        query_pre_attn_scalar=16,
                                                        max_position_embeddings=seqlen)  # fmt: skip
+    if family == "gemma3_multimodal":  # Gemma 3's image-text model (its released checkpoints), called on text
+        vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                      patch_size=8)  # fmt: skip
+        _, text = _config("gemma3", seqlen)
+        return t.Gemma3ForConditionalGeneration, t.Gemma3Config(
+            text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+            boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3,
+        )  # fmt: skip
     if family == "gpt_oss":
         rope = dict(rope_type="default", rope_theta=10000.0)  # not the YaRN of the released checkpoints
         return t.GptOssForCausalLM, t.GptOssConfig(**SMALL, head_dim=16, sliding_window=7, layer_types=LAYERS,
@@ -229,6 +237,39 @@ def _mask_patterns_the_ring_cannot_apply_are_refused(rank, world_size):
     with pytest.raises(ValueError, match="attend bidirectionally"):
         hf.prepare(gemma, name)(**call, use_cache=False)
     return True
+
+
+def _text_of_a_multimodal_model_matches_eager(rank, world_size):
+    import ringattn
+    from ringattn.integrations import hf
+
+    seqlen = 32 * world_size
+    input_ids, labels = _batch(seqlen, "cpu")
+    plain = _unsharded(_model("gemma3_multimodal", 0, seqlen), input_ids, labels, torch.float32)
+    ref = _unsharded(_model("gemma3_multimodal", 0, seqlen), input_ids, labels, torch.float64)
+    name = hf.register("ringattn-zigzag", layout="zigzag")
+    sp = ringattn.SequenceParallel(layout="zigzag")
+    model = hf.prepare(_model("gemma3_multimodal", 0, seqlen), name)
+    batch = sp.shard_batch(input_ids, labels)
+    token_types = torch.zeros_like(batch.input_ids)  # text alone, as the model's processor marks it
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, token_type_ids=token_types,
+                use_cache=False)  # fmt: skip
+    loss = sp.cross_entropy(out.logits, batch.labels)
+    loss.backward()
+    sp.sync_gradients(model)
+    check_step(f"gemma3 text rank {rank}", out.logits, loss, model, plain, ref, batch.position_ids[0])
+    if rank == 0:  # an image token on one rank: its block attends bidirectionally, which the ring does not apply
+        token_types[0, 4] = 1
+    with pytest.raises(ValueError, match="a union of mask patterns"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, token_type_ids=token_types,
+              use_cache=False)  # fmt: skip
+    return True
+
+
+def test_text_of_a_multimodal_model_matches_eager():
+    """Gemma 3's image-text model on text alone (token_type_ids all 0: its mask's image-block overlay adds no pair)
+    runs as its text model; with an image token on some rank it is refused on every rank."""
+    assert run_ranks(_text_of_a_multimodal_model_matches_eager, 2, timeout=300) == [True, True]
 
 
 def test_mask_patterns_the_ring_cannot_apply_are_refused_on_every_rank():
