@@ -13,15 +13,18 @@ The products are asynchronous: the exponentials run while dPᵀ is computed, dV 
 dK while dQ goes to the writer; each step waits for its own last product before the next step's first (a product
 issued in one step and retired in the next made ptxas serialise every product of the kernel, its note C7514, which
 cost the backward an eighth of its speed: docs/performance.md, decisions). For dQ the two consumers put their halves
-of dSᵀ into shared memory and meet at a barrier; each then multiplies the whole dS by half of K's columns and hands
-its fp32 half tile to the writer through shared memory, which adds it into DQ by TMA's reduce-add while the consumers
-go on. A program visits only the query tiles whose band reaches its keys (row i sees keys j with i + lower <= j <= i +
-upper: causal and sliding windows), and only the steps on the band's edges compare positions. SOFTCAP recomputes the
-capped scores t = tanh(q k^T * cap_scale) as the forward (kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's
-derivative 1 - t^2. The rows' lse is the row stats' lse2_hi alone (lse * log2(e) rounded to fp32): the rest,
-lse2_lo, moves P by at most 2^-24 |lse| relative, under half an ulp of P in the 16-bit input dtype up to |lse| =
-8192 (fp16) and 65536 (bf16), and would cost an add per score (ops/attn.py's attn_bwd_preprocess). ops/sm90.py says
-when it is taken.
+of dSᵀ into shared memory and meet at a barrier; each then multiplies half of dS by K (at 64 rows a step all rows by
+half of K's columns; at 128, half the rows by all of them, so that each product is 64 wide, not 32) and hands its
+fp32 half tile to the writer through shared memory, which adds it into DQ by TMA's reduce-add while the consumers
+go on. The consumers meet each other and the writer at hardware named barriers (_named_barrier), and each of their
+threads frees a slot by its own arrival: Gluon's mbarrier arrival is one thread's behind a barrier of its
+warpgroup, and a wait on an mbarrier after it costs another (docs/performance.md, decisions). A program visits only
+the query tiles whose band reaches its keys (row i sees keys j with i + lower <= j <= i + upper: causal and sliding
+windows), and only the steps on the band's edges compare positions. SOFTCAP recomputes the capped scores t =
+tanh(q k^T * cap_scale) as the forward (kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's derivative 1 - t^2.
+The rows' lse is the row stats' lse2_hi alone (lse * log2(e) rounded to fp32): the rest, lse2_lo, moves P by at
+most 2^-24 |lse| relative, under half an ulp of P in the 16-bit input dtype up to |lse| = 8192 (fp16) and 65536
+(bf16), and would cost an add per score (ops/attn.py's attn_bwd_preprocess). ops/sm90.py says when it is taken.
 """
 
 from triton.experimental import gluon
@@ -35,6 +38,31 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .attn_fwd import _band_visible, _tanh
+
+# hardware named barriers (16 a CTA; triton's partitions take the lowest ids for barriers of their own warps): both
+# consumers' halves of a step's dS stored (2 x 128 threads); per consumer h, its dQ buffer read by the writer (id
+# DQ_FREE + 2h: its 128 threads wait, the writer's 32 arrive) and its half tile of dQ stored (DQ_FULL + 2h: the
+# other way round)
+DS_STORED = gl.constexpr(8)
+DQ_FREE = gl.constexpr(9)
+DQ_FULL = gl.constexpr(10)
+
+
+@gluon.jit
+def _named_barrier(barrier_id: gl.constexpr, threads: gl.constexpr, ARRIVE: gl.constexpr):
+    """Named barrier barrier_id of `threads` threads (whole warps): wait there (bar.sync), or with ARRIVE arrive
+    and go on (bar.arrive). Shared-memory writes before it are seen by the threads that wait after it."""
+    if ARRIVE:
+        gl.inline_asm("bar.arrive $0, $1;", "r,r", [barrier_id, threads])
+    else:
+        gl.inline_asm("bar.sync $0, $1;", "r,r", [barrier_id, threads])
+
+
+@gluon.jit
+def _arrive(bar):
+    """This thread's arrival at mbarrier bar, behind its own earlier reads and writes of shared memory (bar counts
+    every thread that frees the slot)."""
+    gl.inline_asm("mbarrier.arrive.shared::cta.b64 _, [$0];", "r", [bar])
 
 
 @gluon.jit
@@ -50,8 +78,8 @@ def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.
     it, with the rows' lse2_hi and delta. args: the kernel's descriptors, buffers, barriers and scalars, as
     _attn_bwd_gluon_kernel packs them."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
-    kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
-    hi_desc, delta_desc, hi_bufs, delta_bufs, stats_row = args[19:24]
+    kv_bar, qdo_bars, n0, start_m, num_m, first_hq, num_steps = args[11:18]
+    hi_desc, delta_desc, hi_bufs, delta_bufs, stats_row = args[18:23]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
@@ -75,31 +103,35 @@ def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.
 def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
                HALF: gl.constexpr):  # fmt: skip
     """A consumer: dK and dV of keys [n0 + HALF * BLOCK_N // 2, + BLOCK_N // 2) over every step, and at each step
-    its half of dQ's columns handed to the writer in dq_bufs[HALF]; dK, dV stored (ADD_DKDV: added) at the end (keys
-    past seqlen_k are not)."""
+    its half of dQ (of the columns; of the rows at 128 rows a step) handed to the writer in dq_bufs[HALF]; dK, dV
+    stored (ADD_DKDV: added) at the end (keys past seqlen_k are not)."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
-    kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
-    hi_desc, delta_desc, hi_bufs, delta_bufs, stats_row, dq_bars = args[19:25]
-    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[25:]
+    kv_bar, qdo_bars, n0, start_m, num_m, first_hq, num_steps = args[11:18]
+    hi_desc, delta_desc, hi_bufs, delta_bufs, stats_row = args[18:23]
+    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[23:]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     KEYS: gl.constexpr = BLOCK_N // 2
     FIRST: gl.constexpr = HALF * KEYS
-    COLS: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])  # fmt: skip
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    DQ_ROWS: gl.constexpr = dq_bufs.type.shape[1]  # this consumer's dQ tile: all rows and half the columns, or
+    DQ_COLS: gl.constexpr = dq_bufs.type.shape[2]  # (128 rows a step) half the rows and all the columns
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, COLS, 16])  # fmt: skip
+                                                        instr_shape=[16, DQ_COLS, 16])  # fmt: skip
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     k_rows = k_smem.slice(FIRST, KEYS)
     v_rows = v_smem.slice(FIRST, KEYS)
-    k_cols = k_smem.slice(HALF * COLS, COLS, dim=1)
+    if DQ_ROWS == BLOCK_M:
+        k_cols = k_smem.slice(HALF * DQ_COLS, DQ_COLS, dim=1)
+    else:
+        k_cols = k_smem
     dq_smem = dq_bufs.index(HALF)
     offs_n = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     # a step's query tile [m0, m0 + BLOCK_M) sees every key of this half (no mask) from m0 = full_lo on, up to
@@ -111,7 +143,7 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     if LOWER:
         full_hi = n0 + FIRST - lower - (BLOCK_M - 1)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
-    dq_zero = gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout)
+    dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
@@ -142,30 +174,29 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         delta = delta_bufs.index(slot).load(col_layout)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
         ds16 = (pt * (dpt - delta[None, :])).to(dtype)
-        # this half of dSᵀ into the step's dS buffer; then the whole dS (both halves) times this half of K's columns.
-        # The buffer of two steps ago is free: the other consumer's dQ of that step, which read it, retired before it
-        # stored its half of the last step's dS, whose barrier this consumer passed
-        ds_slot = i % 2
-        ds_phase = i // 2 & 1
-        ds_tile = ds_bufs.index(ds_slot)
+        # this half of dSᵀ into the step's dS buffer; then this consumer's rows of dS (both halves of the keys) times
+        # its columns of K. The buffer of two steps ago is free: the other consumer's dQ of that step, which read it,
+        # retired before it stored its half of the last step's dS, whose barrier this consumer passed
+        ds_tile = ds_bufs.index(i % 2)
         ds_tile.slice(FIRST, KEYS).store(ds16)
         fence_async_shared()
-        gl.barrier()  # every thread's part stored before the arrival
-        mbarrier.arrive(ds_bars.index(ds_slot), count=1)
         dv = warpgroup_mma(pt16, do_tile, dv, is_async=True)
-        mbarrier.wait(ds_bars.index(ds_slot), ds_phase)
-        dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+        _named_barrier(DS_STORED, 256, False)
+        if DQ_ROWS == BLOCK_M:
+            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+        else:
+            ds_rows = ds_tile.slice(HALF * DQ_ROWS, DQ_ROWS, dim=1)
+            dq = warpgroup_mma(ds_rows.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
         dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
         dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))
         # this half of the step's dQ to the writer, once it has read the last one
-        mbarrier.wait(dq_bars.index(2 * HALF + 1), (i & 1) ^ 1)
+        _named_barrier(DQ_FREE + 2 * HALF, 160, False)
         dq_smem.store(dq * sm_scale)
         fence_async_shared()
-        gl.barrier()
-        mbarrier.arrive(dq_bars.index(2 * HALF), count=1)
+        _named_barrier(DQ_FULL + 2 * HALF, 160, True)
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
-        mbarrier.arrive(qdo_bars.index(2 * slot + 1), count=1)
+        _arrive(qdo_bars.index(2 * slot + 1))
 
     rows = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -186,20 +217,24 @@ def _dq_writer_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP
     """The dQ writer, one warp: each step's two halves of dQ, as the consumers hand them over in shared memory, added
     into DQ by TMA's reduce-add; each buffer handed back once the add has read it."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
-    kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, first_hq, num_steps = args[11:19]
-    dq_bars = args[24]
+    n0, start_m, num_m, first_hq, num_steps = args[13:18]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
-    COLS: gl.constexpr = dq_bufs.type.shape[2]
+    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
+    DQ_ROWS: gl.constexpr = dq_bufs.type.shape[1]
+    DQ_COLS: gl.constexpr = dq_bufs.type.shape[2]
     for i in range(num_steps):
         hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
+        for half in gl.static_range(2):  # the last step's adds have read the buffers
+            tma.store_wait(pendings=1 - half)
+            _named_barrier(DQ_FREE + 2 * half, 160, True)
         for half in gl.static_range(2):
-            mbarrier.wait(dq_bars.index(2 * half), i & 1)
+            _named_barrier(DQ_FULL + 2 * half, 160, False)
             # rows past seqlen_q are clipped
-            tma.async_atomic_add(dq_desc, [m0, (2 * hq + half) * COLS], dq_bufs.index(half))
-        tma.store_wait(pendings=1)
-        mbarrier.arrive(dq_bars.index(1), count=1)
-        tma.store_wait(pendings=0)
-        mbarrier.arrive(dq_bars.index(3), count=1)
+            if DQ_ROWS == BLOCK_M:
+                tma.async_atomic_add(dq_desc, [m0, (2 * hq + half) * DQ_COLS], dq_bufs.index(half))
+            else:
+                tma.async_atomic_add(dq_desc, [m0 + half * DQ_ROWS, hq * HEAD_DIM], dq_bufs.index(half))
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -214,18 +249,51 @@ def _grad_partition_1(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: g
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_gluon_kernel(
-    Q, K, V, DOut, Stats, DQ, DK, DV,
-    stride_qb, stride_qs,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos,
-    stride_dqb, stride_dqs,
-    stride_dkb, stride_dks, stride_dkh,
-    stride_dvb, stride_dvs, stride_dvh,
-    stride_stats, stride_statsb, stride_plane, seqlen_q, seqlen_k, num_heads_q, lower, upper, qk_scale, cap_scale,
+    Q,
+    K,
+    V,
+    DOut,
+    Stats,
+    DQ,
+    DK,
+    DV,
+    stride_qb,
+    stride_qs,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_dqb,
+    stride_dqs,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    stride_stats,
+    stride_statsb,
+    stride_plane,
+    seqlen_q,
+    seqlen_k,
+    num_heads_q,
+    lower,
+    upper,
+    qk_scale,
+    cap_scale,
     sm_scale,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
-    LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    GROUP_SIZE: gl.constexpr,
+    LOWER: gl.constexpr,
+    UPPER: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    ADD_DKDV: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) of one BLOCK_N tile of keys of one (batch, kv head), and its share of dQ added
@@ -256,9 +324,12 @@ def _attn_bwd_gluon_kernel(
                                         [BLOCK_M, HEAD_DIM], tile_layout)  # fmt: skip
     do_desc = tma.make_tensor_descriptor(DOut + off_b * stride_dob, [seqlen_q, num_heads_q * HEAD_DIM],
                                          [stride_dos, 1], [BLOCK_M, HEAD_DIM], tile_layout)  # fmt: skip
+    # each consumer's share of a step's dQ: half its columns, or (128 rows a step) half its rows
+    DQ_ROWS: gl.constexpr = BLOCK_M // 2 if BLOCK_M >= 128 else BLOCK_M
+    DQ_COLS: gl.constexpr = HEAD_DIM if BLOCK_M >= 128 else HEAD_DIM // 2
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(DQ + off_b * stride_dqb, [seqlen_q, num_heads_q * HEAD_DIM],
-                                         [stride_dqs, 1], [BLOCK_M, HEAD_DIM // 2], dq_layout)  # fmt: skip
+                                         [stride_dqs, 1], [DQ_ROWS, DQ_COLS], dq_layout)  # fmt: skip
     # each step's rows of lse2_hi and delta, by TMA: a BLOCK_M block never crosses into the next head's
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     stats = Stats + off_b * stride_statsb
@@ -273,24 +344,17 @@ def _attn_bwd_gluon_kernel(
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], tile_layout)
     do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], tile_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_layout)  # one per consumer
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, DQ_COLS], dq_layout)  # one per consumer
     hi_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    # per slot, two barriers: [2 * slot] its tiles landed (Q, dO, the stats), [2 * slot + 1] both consumers are done
-    # with it; per dS buffer, one: both halves stored
+    # per slot, two barriers: [2 * slot] its tiles landed (Q, dO, the stats), [2 * slot + 1] every thread of both
+    # consumers is done with it
     qdo_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # per consumer h, [2 * h] its half of the step's dQ is in dq_bufs[h], [2 * h + 1] the writer has read it
-    dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(qdo_bars.index(2 * i), count=1)
-        mbarrier.init(qdo_bars.index(2 * i + 1), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(ds_bars.index(i), count=2)
-        mbarrier.init(dq_bars.index(2 * i), count=1)
-        mbarrier.init(dq_bars.index(2 * i + 1), count=1)
+        mbarrier.init(qdo_bars.index(2 * i + 1), count=256)
 
     n0 = start_n * BLOCK_N
     # the rows of [start_m, end_m) hold every row that sees some key of the tile (key j: rows j - upper to j - lower)
@@ -306,8 +370,8 @@ def _attn_bwd_gluon_kernel(
     dk_base = DK + off_b * stride_dkb + off_hk.to(gl.int64) * stride_dkh
     dv_base = DV + off_b * stride_dvb + off_hk.to(gl.int64) * stride_dvh
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs,
-            kv_bar, qdo_bars, ds_bars, n0, start_m, num_m, off_hk * GROUP_SIZE, GROUP_SIZE * num_m,
-            hi_desc, delta_desc, hi_bufs, delta_bufs, stride_stats, dq_bars, dk_base, dv_base, stride_dks, stride_dvs,
+            kv_bar, qdo_bars, n0, start_m, num_m, off_hk * GROUP_SIZE, GROUP_SIZE * num_m,
+            hi_desc, delta_desc, hi_bufs, delta_bufs, stride_stats, dk_base, dv_base, stride_dks, stride_dvs,
             seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale)  # fmt: skip
     gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
