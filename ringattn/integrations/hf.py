@@ -478,7 +478,7 @@ def no_mask(
         else:
             check_no_padding(attention_mask, where)
             if mask_function is not None:
-                band = mask_band(mask_function, where)
+                band = mask_band(mask_function, where, added_patterns=use_vmap)
         check_causal_agrees(band, kwargs.get("config"), where)
     return None if band in (CAUSAL, FULL) else band
 

@@ -56,6 +56,10 @@ def _closure(fn: Callable) -> dict:
 REFUSED = {
     "chunked_overlay": "chunked attention (a query sees the keys of its own chunk)",
     "or_masks": "a union of mask patterns (bidirectional blocks, token types)",
+    "packed_sequence_mask_function": (
+        "documents of the model's own beside its added mask patterns (e.g. ESMC's sequence_id; pass packed "
+        "documents as position_ids restarting at 0, or cu_seqlens)"
+    ),
 }
 
 
@@ -63,12 +67,22 @@ def _refuse(feature: str, where: str):
     raise ValueError(f"{where}: this model's attention mask holds {feature}, which ring attention does not apply")
 
 
-def mask_band(mask_function: Callable, where: str) -> Band:
+def mask_band(mask_function: Callable, where: str, added_patterns: bool = False) -> Band:
     """The band of keys mask_function lets each query see, with packed documents and padding left out (the ring
     takes documents from their boundaries; padding is checked by the caller). Raises ValueError, naming `where`,
     for a part ring attention cannot apply: chunked attention, a union of patterns (or_masks: bidirectional blocks
-    of images, token types; image blocks over text alone add nothing and are left out), or any mask function
-    masking_utils did not make."""
+    of images, token types; image blocks over text alone add nothing and are left out), any mask function
+    masking_utils did not make, and with added_patterns (the model added mask functions of its own: transformers'
+    use_vmap) documents of the model's own (ESMC's sequence_id): transformers' marking of the documents in
+    position_ids, which the ring finds there too, comes with their positions remapped around the model's patterns
+    (remap_positions_for_packed_sequence); documents inside those patterns, or without that remapping, are the
+    model's."""
+    own_documents = added_patterns and not _holds(mask_function, "remap_positions_for_packed_sequence")
+    return _band(mask_function, where, added_patterns, own_documents)
+
+
+def _band(mask_function: Callable, where: str, added_patterns: bool, own_documents: bool) -> Band:
+    """mask_band's reading of one part; own_documents: a document mask here is the model's own."""
     if mask_function is mu.causal_mask_function:
         return CAUSAL
     if mask_function is mu.bidirectional_mask_function:
@@ -77,25 +91,38 @@ def mask_band(mask_function: Callable, where: str) -> Band:
     if factory == "and_masks":
         band = FULL
         for part in _closure(mask_function)["mask_functions"]:
-            band = band.narrowed(mask_band(part, where))
+            band = band.narrowed(_band(part, where, added_patterns, own_documents))
         return band
     if factory == "sliding_window_overlay":  # kv > q - sliding_window
         return Band(_closure(mask_function)["sliding_window"] - 1, None)
     if factory == "sliding_window_bidirectional_overlay":  # |q - kv| <= sliding_window
         window = _closure(mask_function)["sliding_window"]
         return Band(window, window)
-    if factory in ("remap_positions_for_packed_sequence", "add_offsets_to_mask_function"):
-        return mask_band(_closure(mask_function)["mask_function"], where)  # positions inside a document, offsets
+    if factory == "remap_positions_for_packed_sequence":  # positions inside a document; the model's patterns inside
+        return _band(_closure(mask_function)["mask_function"], where, added_patterns, added_patterns)
+    if factory == "add_offsets_to_mask_function":
+        return _band(_closure(mask_function)["mask_function"], where, added_patterns, own_documents)
     if factory == "padding_mask_function" and not bool(_closure(mask_function)["padding_mask"].all()):
         raise ValueError(f"{where}: {MODEL_PADDING}")
+    if factory == "packed_sequence_mask_function" and own_documents:
+        _refuse(REFUSED["packed_sequence_mask_function"], where)
     if factory in ("packed_sequence_mask_function", "padding_mask_function"):
         return FULL
     if factory == "or_masks":  # a union: of one pattern and overlays that add no pair, that pattern
         parts = [part for part in _closure(mask_function)["mask_functions"] if not _adds_nothing(part)]
         if len(parts) == 1:
-            return mask_band(parts[0], where)
+            return _band(parts[0], where, added_patterns, own_documents)
     _refuse(REFUSED.get(factory) or f"the mask function {getattr(mask_function, '__qualname__', mask_function)!r}",
             where)  # fmt: skip
+
+
+def _holds(mask_function: Callable, factory: str) -> bool:
+    """Whether mask_function is, or combines, a closure that masking_utils' `factory` made."""
+    if _factory(mask_function) == factory:
+        return True
+    closure = _closure(mask_function) if _factory(mask_function) else {}
+    parts = closure.get("mask_functions", ()) or [closure.get("mask_function")]
+    return any(callable(part) and _holds(part, factory) for part in parts)
 
 
 def _adds_nothing(mask_function: Callable) -> bool:

@@ -65,6 +65,25 @@ def test_what_the_ring_cannot_apply_is_refused(fn, feature):
         hf_masks.mask_band(fn, "where")
 
 
+def test_documents_beside_a_models_own_mask_patterns_are_refused():
+    """transformers marks documents it found in position_ids, which the ring finds there too; a model that adds mask
+    functions of its own may mark documents the ring never sees (ESMC's sequence_id: chains that must not attend to
+    each other)."""
+    chains = mu.and_masks(mu.bidirectional_mask_function, mu.packed_sequence_mask_function(torch.tensor([[0, 0, 1]])))
+    assert hf_masks.mask_band(chains, "where") == hf_masks.FULL
+    # transformers' own documents (found in position_ids: the positions remapped around the model's patterns, the
+    # documents' mask outside) beside the model's chains inside, and beside a pattern that holds no documents
+    positions = torch.tensor([[0, 1, 0]])
+    theirs = mu.packed_sequence_mask_function(torch.tensor([[0, 0, 1]]))
+    both = mu.and_masks(mu.remap_positions_for_packed_sequence(chains, positions), theirs)
+    window = mu.and_masks(mu.bidirectional_mask_function, mu.sliding_window_bidirectional_overlay(2))
+    plain = mu.and_masks(mu.remap_positions_for_packed_sequence(window, positions), theirs)
+    assert hf_masks.mask_band(plain, "where", added_patterns=True) == hf_masks.Band(2, 2)
+    for fn in (chains, both):
+        with pytest.raises(ValueError, match="^where: .*documents of the model's own .*sequence_id"):
+            hf_masks.mask_band(fn, "where", added_patterns=True)
+
+
 def test_a_padding_mask_the_model_made_is_refused():
     hf_masks.check_no_padding(None, "where")
     hf_masks.check_no_padding(torch.ones(2, 5, dtype=torch.bool), "where")

@@ -77,6 +77,9 @@ def _config(family: str, seqlen: int):
                                                        num_experts_per_tok=1, interleave_moe_layer_step=2,
                                                        no_rope_layers=[1, 0],
                                                        max_position_embeddings=seqlen)  # fmt: skip
+    if family == "esmc":  # a protein encoder; its sequence_id marks chains that do not attend to each other
+        return t.EsmcModel, t.EsmcConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=seqlen)  # fmt: skip
     assert family == "modernbert", family
     return t.ModernBertForMaskedLM, t.ModernBertConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
@@ -236,6 +239,10 @@ def _mask_patterns_the_ring_cannot_apply_are_refused(rank, world_size):
         layer.self_attn.is_causal = False
     with pytest.raises(ValueError, match="attend bidirectionally"):
         hf.prepare(gemma, name)(**call, use_cache=False)
+    # ESMC's chains (sequence_id), documents of the model's own that the ring does not see
+    chains = (torch.arange(seqlen) >= seqlen // 2).long().expand(batch.input_ids.shape[0], -1)
+    with pytest.raises(ValueError, match="sequence_id"):
+        hf.prepare(_model("esmc", 0, seqlen), name)(**call, sequence_id=sp.shard(chains))
     return True
 
 
