@@ -143,8 +143,9 @@ def top_level_union(mask_function: Callable, where: str) -> None:
 def check_causal_agrees(band: Band, config, where: str) -> None:
     """Raise ValueError, naming `where`, for a model whose layers attend bidirectionally (use_bidirectional_attention)
     while the mask transformers builds for its eager attention is causal (Gemma 2, PaliGemma's text models): its
-    attention paths disagree, and ring attention does not pick one."""
-    if band == CAUSAL and getattr(config, "use_bidirectional_attention", False):
+    attention paths disagree, and ring attention does not pick one. Gemma 4's "vision" (bidirectional image blocks,
+    causal layers) is not such a model; its "all" is."""
+    if band == CAUSAL and getattr(config, "use_bidirectional_attention", False) in (True, "all"):
         raise ValueError(f"{where}: this model's layers attend bidirectionally (use_bidirectional_attention) but its "
                          "mask for eager attention is causal; ring attention does not pick one of the two")  # fmt: skip
 

@@ -53,6 +53,10 @@ def _config(family: str, seqlen: int):
             text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
             boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3,
         )  # fmt: skip
+    if family == "gemma4_unified":  # its config's default use_bidirectional_attention="vision": causal layers
+        return t.Gemma4UnifiedForCausalLM, t.Gemma4UnifiedTextConfig(**SMALL, head_dim=16, global_head_dim=16,
+                                                                     sliding_window=13, layer_types=LAYERS,
+                                                                     max_position_embeddings=seqlen)  # fmt: skip
     if family == "gpt_oss":
         rope = dict(rope_type="default", rope_theta=10000.0)  # not the YaRN of the released checkpoints
         return t.GptOssForCausalLM, t.GptOssConfig(**SMALL, head_dim=16, sliding_window=7, layer_types=LAYERS,
@@ -102,6 +106,8 @@ def _model(family: str, seed: int, seqlen: int):
         for name, p in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight", "Wqkv.weight")):
                 p.mul_(12.0)
+            elif family.startswith("gemma4") and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(3.0)  # Gemma 4 normalises q and k and does not scale their product
             elif name.endswith("sinks"):
                 p.copy_(torch.randn(p.shape))
     return model
@@ -197,7 +203,7 @@ def _packed_family_matches_per_document(rank, world_size, family, layout):
 # (rank counts cost the most CPU time)
 CASES = {
     "W2": (2, FAMILIES, ["zigzag", "contiguous"], ["mistral", "gpt_oss", "modernbert"], ["mistral", "modernbert"]),
-    "W2-mask-windows": (2, ["qwen2_moe", "t5gemma"], ["zigzag"], []),
+    "W2-mask-windows": (2, ["qwen2_moe", "t5gemma", "gemma4_unified"], ["zigzag"], []),
     "W4-zigzag": (4, ["gemma2"], ["zigzag"], []),
     "W4-contiguous": (4, ["gpt_oss"], ["contiguous"], ["gpt_oss"]),
 }
