@@ -112,8 +112,15 @@ def _band(mask_function: Callable, where: str, added_patterns: bool, own_documen
         parts = [part for part in _closure(mask_function)["mask_functions"] if not _adds_nothing(part)]
         if len(parts) == 1:
             return _band(parts[0], where, added_patterns, own_documents)
-    _refuse(REFUSED.get(factory) or f"the mask function {getattr(mask_function, '__qualname__', mask_function)!r}",
-            where)  # fmt: skip
+        _refuse(f"{REFUSED['or_masks']}: {', '.join(map(_named, parts))}", where)
+    _refuse(REFUSED.get(factory) or f"the mask function {_named(mask_function)}", where)
+
+
+def _named(mask_function: Callable) -> str:
+    """A mask function's name and, when not masking_utils', its module (which says the model)."""
+    name = repr(getattr(mask_function, "__qualname__", mask_function))
+    module = getattr(mask_function, "__module__", None)
+    return name if module in (None, mu.__name__) else f"{name} of {module}"
 
 
 def _holds(mask_function: Callable, factory: str) -> bool:

@@ -54,8 +54,14 @@ def test_the_band_is_what_the_mask_function_computes(name):
     "fn,feature",
     [
         (mu.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)), "chunked attention"),  # Llama 4
-        (mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ONE_ROW)), "a union of mask patterns"),
-        (mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv >= 0), "the mask function '<lambda>'"),
+        (
+            mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ONE_ROW)),
+            r"a union of mask patterns \(.*\): 'causal_mask_function', 'blockwise_overlay",
+        ),  # its parts named
+        (
+            mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv >= 0),
+            "the mask function '<lambda>' of tests.integrations.test_hf_masks",
+        ),  # the module says the model
         (mu.padding_mask_function(torch.tensor([[1, 1, 0]], dtype=torch.bool)), "masks the padding it finds"),
     ],
     ids=["chunked", "or_masks", "unknown", "padding"],
