@@ -77,16 +77,17 @@ deterministic_flash_attn: gradients with the same bits in every run). Under auto
 autocast's dtype, as SDPA takes them (RoPE leaves q and k in fp32 beside a bf16 v).
 
 Refused with ValueError: models whose attention is not transformers' AttentionInterface (by prepare), dropout > 0,
-chunked attention (Llama 4), sparse attention (selected key indices), position biases (ALiBi too), attention masks
-other than none/all-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks) or
-built by the model from its pad tokens (T5Gemma without an attention_mask; not seen under torch.compile: pass an
-attention_mask of ones), mask patterns added on top (image or token-type blocks that hold some token: an image-text
-model runs on text alone, under torch.compile without token_type_ids), layers that attend bidirectionally over a
-causal eager mask (use_bidirectional_attention in Gemma 2 and PaliGemma's text models), a KV cache holding earlier
-tokens or an empty one passed in (generation), output_attentions, position_ids that are not this
-rank's positions in the registered layout (e.g. sharded in another layout, rows that differ, packed documents
-without their boundaries, or fewer rows than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different
-from it, and boundaries of a batch whose row starts are not among them.
+chunked attention (Llama 4), sparse attention (selected key indices), position biases (ALiBi too), attention masks other
+than none/all-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks) or built by
+the model from its pad tokens (T5Gemma without an attention_mask; not seen under torch.compile: pass an attention_mask
+of ones), mask patterns added on top (image or token-type blocks that hold some token: an image-text model runs on text
+alone, under torch.compile without token_type_ids; the bidirectional patterns of Gemma 3 and Step3p7 with
+use_bidirectional_attention, EmbeddingGemma's, are read in eager calls: hf_masks.MODEL_PATTERNS), layers that attend
+bidirectionally over a causal eager mask (use_bidirectional_attention in Gemma 2 and PaliGemma's text models), a KV
+cache holding earlier tokens or an empty one passed in (generation), output_attentions, position_ids that are not this
+rank's positions in the registered layout (e.g. sharded in another layout, rows that differ, packed documents without
+their boundaries, or fewer rows than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different from it, and
+boundaries of a batch whose row starts are not among them.
 """
 
 import functools
@@ -122,6 +123,7 @@ from .hf_masks import (  # after the check that transformers is there
     check_causal_agrees,
     check_no_padding,
     creator_band,
+    holds_model_pattern,
     mask_band,
     top_level_union,
 )
@@ -446,17 +448,18 @@ def no_mask(
     mask, but say which band of keys the model's mask lets each query see (hf_masks.mask_band), as its eager
     attention applies it.
 
-    Returns None for the plain causal or bidirectional pattern (the layer's is_causal and sliding_window then
-    decide, as in transformers' flash-attention path), else the Band (a sliding window), which the layer hands the
-    attention function as its attention_mask and the ring applies whatever else the layer passes. The ring applies
-    it and the document boundaries over global positions itself; prepare's check of each call has refused a padding
-    mask with zeros (ringattn::hf_checked_position_ids). Raises ValueError for a padding mask the model made from
-    its inputs or a pattern the ring cannot apply (chunks, or_masks that add pairs, a mask function of the model's
-    own); a refusal shared by every rank (agreement.shared_refusals, or over a grid grid.shared_grid_refusals).
-    Under torch.compile the band comes from the creator's arguments (hf_masks.creator_band), a pattern the model
-    adds on top (transformers then asks for a vmap-built mask) is refused, and a union of patterns is seen only at
-    the top of the mask function: a padding mask the model built from its pad tokens, and image blocks under packed
-    documents, are refused in eager calls only.
+    Returns None for the plain causal or bidirectional pattern (the layer's is_causal and sliding_window then decide, as
+    in transformers' flash-attention path), else the Band (a sliding window, or any band read from a union with a
+    pattern of the model's own, hf_masks.MODEL_PATTERNS), which the layer hands the attention function as its
+    attention_mask and the ring applies whatever else the layer passes. The ring applies it and the document boundaries
+    over global positions itself; prepare's check of each call has refused a padding mask with zeros
+    (ringattn::hf_checked_position_ids). Raises ValueError for a padding mask the model made from its inputs or a
+    pattern the ring cannot apply (chunks, or_masks that add pairs, a mask function of the model's own not in
+    MODEL_PATTERNS); a refusal shared by every rank (agreement.shared_refusals, or over a grid
+    grid.shared_grid_refusals). Under torch.compile the band comes from the creator's arguments (hf_masks.creator_band),
+    a pattern the model adds on top (transformers then asks for a vmap-built mask) is refused, and a union of patterns
+    is seen only at the top of the mask function: a padding mask the model built from its pad tokens, and image blocks
+    under packed documents, are refused in eager calls only.
     """
     refusals = (
         shared_refusals("hf attention mask", group) if grid is None else shared_grid_refusals("hf attention mask", grid)
@@ -480,7 +483,7 @@ def no_mask(
             if mask_function is not None:
                 band = mask_band(mask_function, where, added_patterns=use_vmap)
         check_causal_agrees(band, kwargs.get("config"), where)
-    return None if band in (CAUSAL, FULL) else band
+    return None if band in (CAUSAL, FULL) and not (mask_function and holds_model_pattern(mask_function)) else band
 
 
 def _ring(implementation) -> RingAttentionForTransformers | None:

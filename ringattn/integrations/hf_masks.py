@@ -8,6 +8,7 @@ torch.compile, where Dynamo cannot read closures, `creator_band` gives the band 
 beside the function (its local_size, bidirectional or not, the config's chunk size).
 """
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import NamedTuple
@@ -26,6 +27,10 @@ class Band(NamedTuple):
         """The pairs both bands allow."""
         return Band(_least(self.left, other.left), _least(self.right, other.right))
 
+    def widened(self, other: "Band") -> "Band":
+        """The pairs either band allows (both hold the diagonal: a band again)."""
+        return Band(_most(self.left, other.left), _most(self.right, other.right))
+
     def __getattr__(self, name: str):
         # a model that reads its mask before the attention function (its dtype, flips it) gets this, not a mask
         raise AttributeError(
@@ -36,6 +41,10 @@ class Band(NamedTuple):
 
 def _least(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else min(a, b)
+
+
+def _most(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else max(a, b)
 
 
 CAUSAL = Band(None, 0)
@@ -71,8 +80,9 @@ def mask_band(mask_function: Callable, where: str, added_patterns: bool = False)
     """The band of keys mask_function lets each query see, with packed documents and padding left out (the ring
     takes documents from their boundaries; padding is checked by the caller). Raises ValueError, naming `where`,
     for a part ring attention cannot apply: chunked attention, a union of patterns (or_masks: bidirectional blocks
-    of images, token types; image blocks over text alone add nothing and are left out), any mask function
-    masking_utils did not make, and with added_patterns (the model added mask functions of its own: transformers'
+    of images, token types; image blocks over text alone add nothing and are left out; a union of bands, each
+    transformers' or a model's of MODEL_PATTERNS, is their widest band), any mask function masking_utils did not
+    make but MODEL_PATTERNS, and with added_patterns (the model added mask functions of its own: transformers'
     use_vmap) documents of the model's own (ESMC's sequence_id): transformers' marking of the documents in
     position_ids, which the ring finds there too, comes with their positions remapped around the model's patterns
     (remap_positions_for_packed_sequence); documents inside those patterns, or without that remapping, are the
@@ -112,8 +122,74 @@ def _band(mask_function: Callable, where: str, added_patterns: bool, own_documen
         parts = [part for part in _closure(mask_function)["mask_functions"] if not _adds_nothing(part)]
         if len(parts) == 1:
             return _band(parts[0], where, added_patterns, own_documents)
-        _refuse(f"{REFUSED['or_masks']}: {', '.join(map(_named, parts))}", where)
+        bands = [_union_part_band(part, where) for part in parts]
+        if None in bands:
+            _refuse(f"{REFUSED['or_masks']}: {', '.join(map(_named, parts))}", where)
+        return functools.reduce(Band.widened, bands)
+    if factory in MODEL_PATTERNS:
+        return _model_pattern_band(mask_function, where)
     _refuse(REFUSED.get(factory) or f"the mask function {_named(mask_function)}", where)
+
+
+# mask functions models define for patterns of their own, which transformers joins to its causal or sliding-window
+# pattern by or_masks, by the function that makes them, and the band each gives from its closure: Gemma 3's and
+# Step3p7's use_bidirectional_attention (EmbeddingGemma), every key for the full layers and |i - j| < sliding_window
+# for the sliding ones
+MODEL_PATTERNS = {
+    "Gemma3TextModel.forward": lambda closure: FULL,
+    "Step3p7TextModel.forward": lambda closure: FULL,
+    "_bidirectional_window_overlay": lambda closure: Band(closure["sliding_window"] - 1, closure["sliding_window"] - 1),
+}
+PROBE_FAR = 1 << 20  # the far query position model patterns are checked at
+PROBE_SPAN = 4096  # keys checked past a band's unlimited side
+
+
+def _union_part_band(part: Callable, where: str) -> Band | None:
+    """The band of one part of a union that holds the diagonal: a pattern of MODEL_PATTERNS, transformers' causal,
+    bidirectional or sliding-window patterns, or an intersection of them; None for any other part (documents,
+    padding, chunks or image blocks inside a union, a band off the diagonal)."""
+    factory = _factory(part)
+    if part in (mu.causal_mask_function, mu.bidirectional_mask_function) or factory in (
+        "sliding_window_overlay",
+        "sliding_window_bidirectional_overlay",
+    ):
+        band = _band(part, where, False, False)
+    elif factory in MODEL_PATTERNS:
+        band = _model_pattern_band(part, where)
+    elif factory == "and_masks":
+        bands = [_union_part_band(inner, where) for inner in _closure(part)["mask_functions"]]
+        band = None if None in bands else functools.reduce(Band.narrowed, bands, FULL)
+    else:
+        return None
+    return band if band is not None and all(side is None or side >= 0 for side in band) else None
+
+
+def _model_pattern_band(pattern: Callable, where: str) -> Band:
+    """The band a MODEL_PATTERNS function gives, checked by calling it on rows of keys around a query near the start
+    and one far out (as transformers calls it, on index tensors): a model whose function of that name means
+    something else is refused."""
+    band = MODEL_PATTERNS[_factory(pattern)](_closure(pattern))
+    for q0 in (0, PROBE_FAR):
+        left = PROBE_SPAN if band.left is None else band.left
+        right = PROBE_SPAN if band.right is None else band.right
+        kv = torch.cat([torch.arange(max(q0 - left - 8, 0), q0 + right + 9), torch.tensor([0, 2 * PROBE_FAR])])
+        q = torch.full_like(kv, q0)
+        try:
+            given = torch.as_tensor(pattern(0, 0, q, kv)).expand(kv.shape)
+        except (RuntimeError, TypeError):  # not a function of index tensors: not the pattern of that name
+            _refuse(f"the mask function {_named(pattern)}", where)
+        visible = torch.ones_like(given) if band.left is None else kv >= q - band.left
+        if band.right is not None:
+            visible = visible & (kv <= q + band.right)
+        if not torch.equal(given, visible):
+            _refuse(f"the mask function {_named(pattern)}", where)
+    return band
+
+
+def holds_model_pattern(mask_function: Callable) -> bool:
+    """Whether mask_function holds a pattern of MODEL_PATTERNS: its band, not the layer's is_causal and sliding
+    window, says what eager attention applies (Step3p7's layers say causal under its bidirectional mask)."""
+    return any(_holds(mask_function, factory) for factory in MODEL_PATTERNS)
 
 
 def _named(mask_function: Callable) -> str:

@@ -71,6 +71,54 @@ def test_what_the_ring_cannot_apply_is_refused(fn, feature):
         hf_masks.mask_band(fn, "where")
 
 
+def _embeddinggemma_mask_functions() -> tuple[dict, int]:
+    """The mask function of each layer type of Gemma 3 with use_bidirectional_attention (EmbeddingGemma), as its
+    forward hands them to the attention mask interface, and its sliding window (the config's 9 made 9 // 2 + 1)."""
+    from transformers import AttentionInterface, Gemma3TextConfig, Gemma3TextModel
+    from transformers.masking_utils import AttentionMaskInterface
+
+    seen = {}
+
+    def capture(*args, mask_function=None, **kwargs):
+        seen["sliding" if kwargs.get("local_size") else "full"] = mask_function
+
+    AttentionMaskInterface.register("ringattn-test-capture", capture)
+    AttentionInterface.register("ringattn-test-capture", lambda module, q, k, v, mask, **kw: (q.transpose(1, 2), None))
+    config = Gemma3TextConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=16, vocab_size=11, sliding_window=9,
+                              layer_types=["sliding_attention", "full_attention"],
+                              use_bidirectional_attention=True)  # fmt: skip
+    config._attn_implementation = "ringattn-test-capture"
+    Gemma3TextModel(config)(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    return seen, config.sliding_window
+
+
+def _bidirectional_window_overlay(sliding_window):  # a pattern named as Gemma 3's, with another meaning
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return abs(q_idx - kv_idx) <= sliding_window
+
+    return inner_mask
+
+
+def test_a_union_with_a_models_own_patterns_is_read():
+    """Gemma 3's and Step3p7's use_bidirectional_attention (EmbeddingGemma) join patterns of the model's own to
+    transformers' (every key; |i - j| < sliding_window) by or_masks: the band is their union, and it, not the
+    layer's is_causal, says what eager applies. A function of such a pattern's name that computes something else
+    is refused."""
+    masks, window = _embeddinggemma_mask_functions()
+    q, kv = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    zero = torch.zeros((), dtype=torch.long)
+    for kind, band in (("full", hf_masks.FULL), ("sliding", hf_masks.Band(window - 1, window - 1))):
+        assert hf_masks.mask_band(masks[kind], "where", added_patterns=True) == band
+        assert hf_masks.holds_model_pattern(masks[kind])
+        left, right = (N if side is None else side for side in band)
+        assert torch.equal(masks[kind](zero, zero, q, kv).expand(N, N), (kv >= q - left) & (kv <= q + right))
+    assert not hf_masks.holds_model_pattern(mu.sliding_window_causal_mask_function(5))
+    other = mu.or_masks(mu.sliding_window_causal_mask_function(5), _bidirectional_window_overlay(5))
+    with pytest.raises(ValueError, match="^where: .*the mask function '_bidirectional_window_overlay.<locals>"):
+        hf_masks.mask_band(other, "where", added_patterns=True)
+
+
 def test_documents_beside_a_models_own_mask_patterns_are_refused():
     """transformers marks documents it found in position_ids, which the ring finds there too; a model that adds mask
     functions of its own may mark documents the ring never sees (ESMC's sequence_id: chains that must not attend to

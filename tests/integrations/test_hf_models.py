@@ -45,6 +45,10 @@ def _config(family: str, seqlen: int):
         return t.Gemma3ForCausalLM, t.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=13, layer_types=LAYERS,
                                                        query_pre_attn_scalar=16,
                                                        max_position_embeddings=seqlen)  # fmt: skip
+    if family == "gemma3_bidirectional":  # EmbeddingGemma's: every key on full layers, |i - j| < 13 on sliding ones
+        cls, config = _config("gemma3", seqlen)
+        config.use_bidirectional_attention = True
+        return cls, config
     if family == "gemma3_multimodal":  # Gemma 3's image-text model (its released checkpoints), called on text
         vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=16,
                       patch_size=8)  # fmt: skip
@@ -110,6 +114,9 @@ def _model(family: str, seed: int, seqlen: int):
                 p.mul_(3.0)  # Gemma 4 normalises q and k and does not scale their product
             elif name.endswith("sinks"):
                 p.copy_(torch.randn(p.shape))
+    if family == "gemma3_bidirectional":  # its layers told they are causal, as Step3p7's are under the same mask:
+        for layer in model.model.layers:  # eager applies the mask, and so must the ring
+            layer.self_attn.is_causal = True
     return model
 
 
@@ -199,11 +206,13 @@ def _packed_family_matches_per_document(rank, world_size, family, layout):
 
 # W = 2: every family in both layouts, packed documents for three, a padded sequence for a decoder and the encoder;
 # the families whose window is in their mask alone (Qwen2-MoE), or wider there than what their layers pass (T5Gemma);
+# a bidirectional model whose mask is a union of transformers' pattern and the model's own (EmbeddingGemma), packed too;
 # W = 4: a mixed sliding / full family with soft-capping in zigzag, the family with sinks in the contiguous layout
 # (rank counts cost the most CPU time)
 CASES = {
     "W2": (2, FAMILIES, ["zigzag", "contiguous"], ["mistral", "gpt_oss", "modernbert"], ["mistral", "modernbert"]),
     "W2-mask-windows": (2, ["qwen2_moe", "t5gemma", "gemma4_unified"], ["zigzag"], []),
+    "W2-bidirectional": (2, ["gemma3_bidirectional"], ["zigzag"], ["gemma3_bidirectional"]),
     "W4-zigzag": (4, ["gemma2"], ["zigzag"], []),
     "W4-contiguous": (4, ["gpt_oss"], ["contiguous"], ["gpt_oss"]),
 }
