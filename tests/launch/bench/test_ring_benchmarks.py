@@ -75,7 +75,7 @@ def test_bench_simulated_ring_ulysses_grids_tiny(tmp_path):
     check against the fused call and are timed in the same rounds as the pure ring, whose ms they carry; U = 4 at
     W = 4 (a ring of one) is left out."""
     argv = ["--world-sizes", "4", "8", "--seqlens-local", "8", "--heads", "4", "--kv-heads", "2", "--ulysses", "2", "4",
-            "--layouts", "zigzag", "--full-cells", "--no-block"]  # fmt: skip
+            "--layouts", "zigzag", "--full-cells", "--no-block", "--rounds", "1"]  # fmt: skip
     proc, records = _run(tmp_path, "bench_simulated_ring.py", *argv)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not [r for r in records if "error" in r]
