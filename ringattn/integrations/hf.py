@@ -82,12 +82,13 @@ than none/all-ones in the model call (a padding mask, naming shard_batch's atten
 the model from its pad tokens (T5Gemma without an attention_mask; not seen under torch.compile: pass an attention_mask
 of ones), mask patterns added on top (image or token-type blocks that hold some token: an image-text model runs on text
 alone, under torch.compile without token_type_ids; the bidirectional patterns of Gemma 3 and Step3p7 with
-use_bidirectional_attention, EmbeddingGemma's, are read in eager calls: hf_masks.MODEL_PATTERNS), layers that attend
-bidirectionally over a causal eager mask (use_bidirectional_attention in Gemma 2 and PaliGemma's text models), a KV
-cache holding earlier tokens or an empty one passed in (generation), output_attentions, position_ids that are not this
-rank's positions in the registered layout (e.g. sharded in another layout, rows that differ, packed documents without
-their boundaries, or fewer rows than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different from it, and
-boundaries of a batch whose row starts are not among them.
+use_bidirectional_attention, EmbeddingGemma's, and Unlimited OCR's reference-sliding layers without a cache are read in
+eager calls: hf_masks.MODEL_PATTERNS), layers that attend bidirectionally over a causal eager mask
+(use_bidirectional_attention in Gemma 2 and PaliGemma's text models), a KV cache holding earlier tokens or an empty one
+passed in (generation), output_attentions, position_ids that are not this rank's positions in the registered layout
+(e.g. sharded in another layout, rows that differ, packed documents without their boundaries, or fewer rows than the
+boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different from it, and boundaries of a batch whose row starts
+are not among them.
 """
 
 import functools

@@ -132,13 +132,17 @@ def _band(mask_function: Callable, where: str, added_patterns: bool, own_documen
 
 
 # mask functions models define for patterns of their own, which transformers joins to its causal or sliding-window
-# pattern by or_masks, by the function that makes them, and the band each gives from its closure: Gemma 3's and
-# Step3p7's use_bidirectional_attention (EmbeddingGemma), every key for the full layers and |i - j| < sliding_window
-# for the sliding ones
+# pattern by or_masks, by the function that makes them, and the band each gives from its closure (None: none here):
+# Gemma 3's and Step3p7's use_bidirectional_attention (EmbeddingGemma), every key for the full layers and
+# |i - j| < sliding_window for the sliding ones; Unlimited OCR's reference-sliding layers, every key of the prefill
+# (all of them without a cache: the layer is then causal)
 MODEL_PATTERNS = {
     "Gemma3TextModel.forward": lambda closure: FULL,
     "Step3p7TextModel.forward": lambda closure: FULL,
     "_bidirectional_window_overlay": lambda closure: Band(closure["sliding_window"] - 1, closure["sliding_window"] - 1),
+    "create_reference_sliding_window_causal_mask": lambda closure: (
+        FULL if closure["prefill_length"] == float("inf") else None
+    ),
 }
 PROBE_FAR = 1 << 20  # the far query position model patterns are checked at
 PROBE_SPAN = 4096  # keys checked past a band's unlimited side
@@ -169,6 +173,8 @@ def _model_pattern_band(pattern: Callable, where: str) -> Band:
     and one far out (as transformers calls it, on index tensors): a model whose function of that name means
     something else is refused."""
     band = MODEL_PATTERNS[_factory(pattern)](_closure(pattern))
+    if band is None:
+        _refuse(f"the mask function {_named(pattern)} (here not a band of keys)", where)
     for q0 in (0, PROBE_FAR):
         left = PROBE_SPAN if band.left is None else band.left
         right = PROBE_SPAN if band.right is None else band.right

@@ -71,10 +71,10 @@ def test_what_the_ring_cannot_apply_is_refused(fn, feature):
         hf_masks.mask_band(fn, "where")
 
 
-def _embeddinggemma_mask_functions() -> tuple[dict, int]:
-    """The mask function of each layer type of Gemma 3 with use_bidirectional_attention (EmbeddingGemma), as its
-    forward hands them to the attention mask interface, and its sliding window (the config's 9 made 9 // 2 + 1)."""
-    from transformers import AttentionInterface, Gemma3TextConfig, Gemma3TextModel
+def _mask_functions(model_cls, config) -> dict:
+    """The mask functions a model's forward hands the attention mask interface, by whether the creator passed a
+    window ("sliding") or not ("full")."""
+    from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     seen = {}
@@ -84,13 +84,13 @@ def _embeddinggemma_mask_functions() -> tuple[dict, int]:
 
     AttentionMaskInterface.register("ringattn-test-capture", capture)
     AttentionInterface.register("ringattn-test-capture", lambda module, q, k, v, mask, **kw: (q.transpose(1, 2), None))
-    config = Gemma3TextConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                              num_key_value_heads=1, head_dim=16, vocab_size=11, sliding_window=9,
-                              layer_types=["sliding_attention", "full_attention"],
-                              use_bidirectional_attention=True)  # fmt: skip
     config._attn_implementation = "ringattn-test-capture"
-    Gemma3TextModel(config)(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
-    return seen, config.sliding_window
+    model_cls(config)(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    return seen
+
+
+TINY_TEXT = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, vocab_size=11)  # fmt: skip
 
 
 def _bidirectional_window_overlay(sliding_window):  # a pattern named as Gemma 3's, with another meaning
@@ -100,23 +100,45 @@ def _bidirectional_window_overlay(sliding_window):  # a pattern named as Gemma 3
     return inner_mask
 
 
+def create_reference_sliding_window_causal_mask(prefill_length):  # Unlimited OCR's pattern, under a cache
+    kv_offset = 0
+
+    def prefill_overlay(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx - kv_offset < prefill_length
+
+    return prefill_overlay
+
+
 def test_a_union_with_a_models_own_patterns_is_read():
     """Gemma 3's and Step3p7's use_bidirectional_attention (EmbeddingGemma) join patterns of the model's own to
-    transformers' (every key; |i - j| < sliding_window) by or_masks: the band is their union, and it, not the
-    layer's is_causal, says what eager applies. A function of such a pattern's name that computes something else
-    is refused."""
-    masks, window = _embeddinggemma_mask_functions()
+    transformers' (every key; |i - j| < sliding_window) by or_masks, as Unlimited OCR's reference-sliding layers do
+    (the prefill's keys): the band is their union, and it, not the layer's is_causal, says what eager applies. A
+    function of such a pattern's name that computes something else is refused."""
+    from transformers import Gemma3TextConfig, Gemma3TextModel, UnlimitedOcrTextConfig, UnlimitedOcrTextModel
+
+    # EmbeddingGemma's: its config's window 9 made 9 // 2 + 1 keys each side
+    gemma = Gemma3TextConfig(**TINY_TEXT, sliding_window=9, layer_types=["sliding_attention", "full_attention"],
+                             use_bidirectional_attention=True)  # fmt: skip
+    masks = _mask_functions(Gemma3TextModel, gemma)
+    window = gemma.sliding_window
+    cases = [(masks["full"], hf_masks.FULL), (masks["sliding"], hf_masks.Band(window - 1, window - 1))]
+    # Unlimited OCR's reference-sliding layers, without a cache: every key of the prefill, so causal
+    ocr = UnlimitedOcrTextConfig(**TINY_TEXT, sliding_window=3, layer_types=["reference_sliding_attention"] * 2)
+    cases.append((_mask_functions(UnlimitedOcrTextModel, ocr)["sliding"], hf_masks.CAUSAL))
     q, kv = torch.arange(N)[:, None], torch.arange(N)[None, :]
     zero = torch.zeros((), dtype=torch.long)
-    for kind, band in (("full", hf_masks.FULL), ("sliding", hf_masks.Band(window - 1, window - 1))):
-        assert hf_masks.mask_band(masks[kind], "where", added_patterns=True) == band
-        assert hf_masks.holds_model_pattern(masks[kind])
+    for fn, band in cases:
+        assert hf_masks.mask_band(fn, "where", added_patterns=True) == band
+        assert hf_masks.holds_model_pattern(fn)
         left, right = (N if side is None else side for side in band)
-        assert torch.equal(masks[kind](zero, zero, q, kv).expand(N, N), (kv >= q - left) & (kv <= q + right))
+        assert torch.equal(fn(zero, zero, q, kv).expand(N, N), (kv >= q - left) & (kv <= q + right))
     assert not hf_masks.holds_model_pattern(mu.sliding_window_causal_mask_function(5))
     other = mu.or_masks(mu.sliding_window_causal_mask_function(5), _bidirectional_window_overlay(5))
     with pytest.raises(ValueError, match="^where: .*the mask function '_bidirectional_window_overlay.<locals>"):
         hf_masks.mask_band(other, "where", added_patterns=True)
+    cached = mu.or_masks(mu.sliding_window_causal_mask_function(5), create_reference_sliding_window_causal_mask(7))
+    with pytest.raises(ValueError, match="^where: .*'create_reference_sliding_window_causal_mask.* not a band"):
+        hf_masks.mask_band(cached, "where", added_patterns=True)
 
 
 def test_documents_beside_a_models_own_mask_patterns_are_refused():
