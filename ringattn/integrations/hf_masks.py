@@ -148,33 +148,41 @@ PROBE_FAR = 1 << 20  # the far query position model patterns are checked at
 PROBE_SPAN = 4096  # keys checked past a band's unlimited side
 
 
+# what a union's part may not hold: documents, padding, chunks, image blocks (each changes what the union means, not
+# just its band)
+UNION_UNREADABLE = ("packed_sequence_mask_function", "padding_mask_function", "remap_positions_for_packed_sequence",
+                    "chunked_overlay", "blockwise_overlay")  # fmt: skip
+
+
 def _union_part_band(part: Callable, where: str) -> Band | None:
-    """The band of one part of a union that holds the diagonal: a pattern of MODEL_PATTERNS, transformers' causal,
-    bidirectional or sliding-window patterns, or an intersection of them; None for any other part (documents,
-    padding, chunks or image blocks inside a union, a band off the diagonal)."""
-    factory = _factory(part)
-    if part in (mu.causal_mask_function, mu.bidirectional_mask_function) or factory in (
-        "sliding_window_overlay",
-        "sliding_window_bidirectional_overlay",
-    ):
-        band = _band(part, where, False, False)
-    elif factory in MODEL_PATTERNS:
-        band = _model_pattern_band(part, where)
-    elif factory == "and_masks":
-        bands = [_union_part_band(inner, where) for inner in _closure(part)["mask_functions"]]
-        band = None if None in bands else functools.reduce(Band.narrowed, bands, FULL)
-    else:
+    """The band of one part of a union (_band's reading), or None for a part that holds something of
+    UNION_UNREADABLE or a band off the diagonal (a union of bands that hold it is their widest band)."""
+    if any(_holds(part, factory) for factory in UNION_UNREADABLE):
         return None
-    return band if band is not None and all(side is None or side >= 0 for side in band) else None
+    band = _band(part, where, False, False)
+    return band if all(side is None or side >= 0 for side in band) else None
 
 
 def _model_pattern_band(pattern: Callable, where: str) -> Band:
     """The band a MODEL_PATTERNS function gives, checked by calling it on rows of keys around a query near the start
-    and one far out (as transformers calls it, on index tensors): a model whose function of that name means
-    something else is refused."""
-    band = MODEL_PATTERNS[_factory(pattern)](_closure(pattern))
+    and one far out (as transformers calls it, on index tensors), once per function and closure: a model whose
+    function of that name means something else is refused."""
+    closure = _closure(pattern)
+    band = MODEL_PATTERNS[_factory(pattern)](closure)
     if band is None:
         _refuse(f"the mask function {_named(pattern)} (here not a band of keys)", where)
+    key = (pattern.__code__, tuple(sorted(closure.items())))
+    if key not in _CHECKED_PATTERNS:
+        _check_pattern(pattern, band, where)
+        _CHECKED_PATTERNS.add(key)
+    return band
+
+
+_CHECKED_PATTERNS: set = set()  # (code, closure) of the model patterns _check_pattern passed
+
+
+def _check_pattern(pattern: Callable, band: Band, where: str) -> None:
+    """Refuse pattern, naming it, unless it computes band on the probe rows."""
     for q0 in (0, PROBE_FAR):
         left = PROBE_SPAN if band.left is None else band.left
         right = PROBE_SPAN if band.right is None else band.right
@@ -189,7 +197,6 @@ def _model_pattern_band(pattern: Callable, where: str) -> Band:
             visible = visible & (kv <= q + band.right)
         if not torch.equal(given, visible):
             _refuse(f"the mask function {_named(pattern)}", where)
-    return band
 
 
 def holds_model_pattern(mask_function: Callable) -> bool:
