@@ -124,7 +124,6 @@ from .hf_masks import (  # after the check that transformers is there
     check_causal_agrees,
     check_no_padding,
     creator_band,
-    holds_model_pattern,
     mask_band,
     top_level_union,
 )
@@ -450,17 +449,16 @@ def no_mask(
     attention applies it.
 
     Returns None for the plain causal or bidirectional pattern (the layer's is_causal and sliding_window then decide, as
-    in transformers' flash-attention path), else the Band (a sliding window, or any band read from a union with a
-    pattern of the model's own, hf_masks.MODEL_PATTERNS), which the layer hands the attention function as its
-    attention_mask and the ring applies whatever else the layer passes. The ring applies it and the document boundaries
-    over global positions itself; prepare's check of each call has refused a padding mask with zeros
-    (ringattn::hf_checked_position_ids). Raises ValueError for a padding mask the model made from its inputs or a
-    pattern the ring cannot apply (chunks, or_masks that add pairs, a mask function of the model's own not in
-    MODEL_PATTERNS); a refusal shared by every rank (agreement.shared_refusals, or over a grid
-    grid.shared_grid_refusals). Under torch.compile the band comes from the creator's arguments (hf_masks.creator_band),
-    a pattern the model adds on top (transformers then asks for a vmap-built mask) is refused, and a union of patterns
-    is seen only at the top of the mask function: a padding mask the model built from its pad tokens, and image blocks
-    under packed documents, are refused in eager calls only.
+    in transformers' flash-attention path), else the Band (a sliding window, or any band where the model added mask
+    patterns of its own: use_vmap), which the layer hands the attention function as its attention_mask and the ring
+    applies whatever else the layer passes. The ring applies it and the document boundaries over global positions
+    itself; prepare's check of each call has refused a padding mask with zeros (ringattn::hf_checked_position_ids).
+    Raises ValueError for a padding mask the model made from its inputs or a pattern the ring cannot apply (chunks,
+    or_masks that add pairs, a mask function of the model's own not in MODEL_PATTERNS); a refusal shared by every rank
+    (agreement.shared_refusals, or over a grid grid.shared_grid_refusals). Under torch.compile the band comes from the
+    creator's arguments (hf_masks.creator_band), a pattern the model adds on top (transformers then asks for a
+    vmap-built mask) is refused, and a union of patterns is seen only at the top of the mask function: a padding mask
+    the model built from its pad tokens, and image blocks under packed documents, are refused in eager calls only.
     """
     refusals = (
         shared_refusals("hf attention mask", group) if grid is None else shared_grid_refusals("hf attention mask", grid)
@@ -484,7 +482,8 @@ def no_mask(
             if mask_function is not None:
                 band = mask_band(mask_function, where, added_patterns=use_vmap)
         check_causal_agrees(band, kwargs.get("config"), where)
-    return None if band in (CAUSAL, FULL) and not (mask_function and holds_model_pattern(mask_function)) else band
+    # the model's own patterns (use_vmap) make the mask it built, not the layer's is_causal, what eager applies
+    return None if band in (CAUSAL, FULL) and not use_vmap else band
 
 
 def _ring(implementation) -> RingAttentionForTransformers | None:

@@ -199,12 +199,6 @@ def _check_pattern(pattern: Callable, band: Band, where: str) -> None:
             _refuse(f"the mask function {_named(pattern)}", where)
 
 
-def holds_model_pattern(mask_function: Callable) -> bool:
-    """Whether mask_function holds a pattern of MODEL_PATTERNS: its band, not the layer's is_causal and sliding
-    window, says what eager attention applies (Step3p7's layers say causal under its bidirectional mask)."""
-    return any(_holds(mask_function, factory) for factory in MODEL_PATTERNS)
-
-
 def _named(mask_function: Callable) -> str:
     """A mask function's name and, when not masking_utils', its module (which says the model)."""
     name = repr(getattr(mask_function, "__qualname__", mask_function))

@@ -112,8 +112,8 @@ def create_reference_sliding_window_causal_mask(prefill_length):  # Unlimited OC
 def test_a_union_with_a_models_own_patterns_is_read():
     """Gemma 3's and Step3p7's use_bidirectional_attention (EmbeddingGemma) join patterns of the model's own to
     transformers' (every key; |i - j| < sliding_window) by or_masks, as Unlimited OCR's reference-sliding layers do
-    (the prefill's keys): the band is their union, and it, not the layer's is_causal, says what eager applies. A
-    function of such a pattern's name that computes something else is refused."""
+    (the prefill's keys): the band is their union. A function of such a pattern's name that computes something else
+    is refused."""
     from transformers import Gemma3TextConfig, Gemma3TextModel, UnlimitedOcrTextConfig, UnlimitedOcrTextModel
 
     # EmbeddingGemma's: its config's window 9 made 9 // 2 + 1 keys each side
@@ -129,10 +129,8 @@ def test_a_union_with_a_models_own_patterns_is_read():
     zero = torch.zeros((), dtype=torch.long)
     for fn, band in cases:
         assert hf_masks.mask_band(fn, "where", added_patterns=True) == band
-        assert hf_masks.holds_model_pattern(fn)
         left, right = (N if side is None else side for side in band)
         assert torch.equal(fn(zero, zero, q, kv).expand(N, N), (kv >= q - left) & (kv <= q + right))
-    assert not hf_masks.holds_model_pattern(mu.sliding_window_causal_mask_function(5))
     other = mu.or_masks(mu.sliding_window_causal_mask_function(5), _bidirectional_window_overlay(5))
     with pytest.raises(ValueError, match="^where: .*the mask function '_bidirectional_window_overlay.<locals>"):
         hf_masks.mask_band(other, "where", added_patterns=True)
