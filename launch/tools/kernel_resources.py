@@ -38,6 +38,7 @@ from config_sweep import CANDIDATES
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import create_function_from_signature
 
 from ringattn.benchmark import markdown_table, write_json
@@ -148,6 +149,7 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
     form)."""
     launch = _launch(kernel, head_dim, kv_heads, causal, cfg, arch, window, softcap)
     kw = launch.kwargs
+    host_descriptors = any(isinstance(a, TensorDescriptor) for a in launch.args)  # the Gluon kernels'
     record = dict(
         kernel=kernel,
         D=head_dim,
@@ -158,7 +160,7 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
         softcap=softcap,
         dtype="bfloat16",
         config=[kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw.get("num_stages", kw.get("NUM_BUFFERS"))],
-        tma=bool(kw.get("KV_TMA", False)) or launch.scratch,
+        tma=bool(kw.get("KV_TMA", False)) or launch.scratch or host_descriptors,
     )  # fmt: skip (scratch: descriptors in-kernel)
     try:
         compiled = compile_launch(launch, GPUTarget("cuda", arch, 32))

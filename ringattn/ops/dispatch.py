@@ -40,8 +40,8 @@ SHORT_BWD_SCORES = 2**32
 class Capabilities:
     """What the installed Triton build offers the Hopper backend.
 
-    gluon_hopper: Gluon with the Hopper ops the forward uses (warpgroup MMA, TMA descriptors made in the kernel,
-        mbarriers) and warp_specialize over a list of partitions.
+    gluon_hopper: Gluon with the Hopper ops its kernels use (warpgroup MMA, TMA loads, stores and reduce-adds
+        through descriptors made on the host, mbarriers) and warp_specialize over a list of partitions.
     split_kernels: triton's own warp specialisation (tl.range(warp_specialize=...)) and in-kernel tensor
         descriptors (tl.make_tensor_descriptor), which the split backward kernels use.
     """
@@ -58,11 +58,12 @@ def detect_capabilities() -> Capabilities:
     try:
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia import hopper
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401 - the host descriptors
     except ImportError:
         return Capabilities(gluon_hopper=False, split_kernels=split)
     ops = ("warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared", "mbarrier", "tma")
     has_ops = all(hasattr(hopper, name) for name in ops) and all(
-        hasattr(hopper.tma, name) for name in ("make_tensor_descriptor", "async_load", "async_store", "store_wait")
+        hasattr(hopper.tma, name) for name in ("async_load", "async_store", "async_atomic_add", "store_wait")
     )
     partitions = getattr(gl, "warp_specialize", None)
     first_parameter = next(iter(inspect.signature(partitions).parameters), "") if partitions else ""

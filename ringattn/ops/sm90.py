@@ -143,19 +143,23 @@ def dq_supported(call: BwdCall, target: Target) -> bool:
 def fwd_launch(call: FwdCall, cfg: LaunchConfig) -> KernelLaunch:
     """_attn_fwd_gluon_kernel writing (or, with merge_state, merging into) call.out and call.lse; fwd_supported."""
     from ..kernels.sm90.attn_fwd import _attn_fwd_gluon_kernel  # Gluon: imported once a call is taken
+    from ..kernels.sm90.descriptors import head_tiles
 
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     band, band_flags = band_args(call)
     final_out, *final_strides, final_lo, final_hi = final_args(call.final, out)
+    q_desc = head_tiles(q, cfg.block_m)
+    # the fp32 state is stored by pointers: its descriptor is not read
+    o_desc = q_desc if out.dtype == torch.float32 else head_tiles(out, cfg.block_m // 2)
     return KernelLaunch(
         "sm90.fwd",
         _attn_fwd_gluon_kernel,
         (triton.cdiv(seqlen_q, cfg.block_m), heads_q, batch),
         (
-            q, k, v, out, lse, final_out, *strides(q), *strides(k), *strides(v), *strides(out), lse.stride(0),
-            lse.stride(1), *final_strides, seqlen_q, seqlen_k, *band, final_lo, final_hi,
+            q_desc, head_tiles(k, cfg.block_n), head_tiles(v, cfg.block_n), o_desc, out, lse, final_out,
+            *strides(out), lse.stride(0), lse.stride(1), *final_strides, seqlen_q, seqlen_k, *band, final_lo, final_hi,
         ),
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
@@ -164,7 +168,6 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig) -> KernelLaunch:
             NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps, maxnreg=GLUON_MAXNREG,
             enable_fp_fusion=True,  # exp2(s * qk_scale - m) as one FMA, as the portable kernels
         ),
-        scratch=True,
     )  # fmt: skip
 
 
@@ -244,27 +247,29 @@ def _bwd_launch(
     """_attn_bwd_gluon_kernel over call's heads, dQ added into dq (fp32, heads packed), between prepare() and
     finish()."""
     from ..kernels.sm90.attn_bwd_gluon import _attn_bwd_gluon_kernel  # Gluon: imported once a call is taken
+    from ..kernels.sm90.descriptors import head_tiles, row_tiles
 
     q, k, v, dout, dk, dv = call.q, call.k, call.v, call.dout, call.dk, call.dv
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     band, band_flags = band_args(call)
+    # each consumer's share of a step's dQ: all its rows and half its columns, or (128 rows a step) half its rows
+    dq_rows, dq_cols = (cfg.block_m // 2, head_dim) if cfg.block_m >= 128 else (cfg.block_m, head_dim // 2)
     return KernelLaunch(
         "sm90.bwd",
         _attn_bwd_gluon_kernel,
         (triton.cdiv(seqlen_k, cfg.block_n), heads_k, batch),
         (
-            q, k, v, dout, stats, dq, dk, dv,
-            q.stride(0), q.stride(1), *strides(k), *strides(v), dout.stride(0), dout.stride(1),
-            dq.stride(0), dq.stride(1), *strides(dk), *strides(dv),
-            stats.stride(2), stats.stride(1), stats.stride(0), seqlen_q, seqlen_k, heads_q, *band, call.softmax_scale,
+            head_tiles(q, cfg.block_m), head_tiles(k, cfg.block_n), head_tiles(v, cfg.block_n),
+            head_tiles(dout, cfg.block_m), head_tiles(dq, dq_rows, dq_cols), row_tiles(stats[0], cfg.block_m),
+            row_tiles(stats[2], cfg.block_m), dk, dv, *strides(dk), *strides(dv), seqlen_q, seqlen_k, *band,
+            call.softmax_scale,
         ),
         dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE=heads_q // heads_k,
             **band_flags, ADD_DKDV=call.add_dkdv, NUM_BUFFERS=cfg.num_stages, num_warps=cfg.num_warps,
             maxnreg=GLUON_MAXNREG, enable_fp_fusion=True,
         ),
-        scratch=True,
         prepare=prepare,
         finish=finish,
     )  # fmt: skip

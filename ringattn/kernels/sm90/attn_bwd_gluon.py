@@ -79,24 +79,23 @@ def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.
     _attn_bwd_gluon_kernel packs them."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
     kv_bar, qdo_bars, n0, start_m, num_m, first_hq, num_steps = args[11:18]
-    hi_desc, delta_desc, hi_bufs, delta_bufs, stats_row = args[18:23]
-    BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
-    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
+    hi_desc, delta_desc, hi_bufs, delta_bufs, off_b, off_hk = args[18:24]
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[2]
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     tiles_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_load(k_desc, [n0, 0], kv_bar, k_smem)
-    tma.async_load(v_desc, [n0, 0], kv_bar, v_smem)
+    tma.async_load(k_desc, [off_b, n0, off_hk, 0], kv_bar, k_smem)
+    tma.async_load(v_desc, [off_b, n0, off_hk, 0], kv_bar, v_smem)
     for i in range(num_steps):
         hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
         slot = i % num_buffers
         mbarrier.wait(qdo_bars.index(2 * slot + 1), (i // num_buffers & 1) ^ 1)  # a fresh barrier passes phase 1
         ready = qdo_bars.index(2 * slot)
         mbarrier.expect(ready, tiles_bytes)
-        tma.async_load(q_desc, [m0, hq * HEAD_DIM], ready, q_bufs.index(slot))
-        tma.async_load(do_desc, [m0, hq * HEAD_DIM], ready, do_bufs.index(slot))
-        tma.async_load(hi_desc, [hq * stats_row + m0], ready, hi_bufs.index(slot))
-        tma.async_load(delta_desc, [hq * stats_row + m0], ready, delta_bufs.index(slot))
+        tma.async_load(q_desc, [off_b, m0, hq, 0], ready, q_bufs.index(slot))
+        tma.async_load(do_desc, [off_b, m0, hq, 0], ready, do_bufs.index(slot))
+        tma.async_load(hi_desc, [off_b, hq, m0], ready, hi_bufs.index(slot))
+        tma.async_load(delta_desc, [off_b, hq, m0], ready, delta_bufs.index(slot))
 
 
 @gluon.jit
@@ -107,11 +106,11 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     stored (ADD_DKDV: added) at the end (keys past seqlen_k are not)."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
     kv_bar, qdo_bars, n0, start_m, num_m, first_hq, num_steps = args[11:18]
-    hi_desc, delta_desc, hi_bufs, delta_bufs, stats_row = args[18:23]
-    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[23:]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
-    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
-    BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+    hi_desc, delta_desc, hi_bufs, delta_bufs = args[18:22]
+    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[24:]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[2]
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     KEYS: gl.constexpr = BLOCK_N // 2
     FIRST: gl.constexpr = HALF * KEYS
@@ -120,19 +119,20 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
                                                        instr_shape=[16, BLOCK_M, 16])  # fmt: skip
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
-    DQ_ROWS: gl.constexpr = dq_bufs.type.shape[1]  # this consumer's dQ tile: all rows and half the columns, or
-    DQ_COLS: gl.constexpr = dq_bufs.type.shape[2]  # (128 rows a step) half the rows and all the columns
+    DQ_ROWS: gl.constexpr = dq_bufs.type.shape[2]  # this consumer's dQ tile: all rows and half the columns, or
+    DQ_COLS: gl.constexpr = dq_bufs.type.shape[4]  # (128 rows a step) half the rows and all the columns
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])  # fmt: skip
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    k_rows = k_smem.slice(FIRST, KEYS)
-    v_rows = v_smem.slice(FIRST, KEYS)
+    k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_rows = k_tile.slice(FIRST, KEYS)
+    v_rows = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(FIRST, KEYS)
     if DQ_ROWS == BLOCK_M:
-        k_cols = k_smem.slice(HALF * DQ_COLS, DQ_COLS, dim=1)
+        k_cols = k_tile.slice(HALF * DQ_COLS, DQ_COLS, dim=1)
     else:
-        k_cols = k_smem
-    dq_smem = dq_bufs.index(HALF)
+        k_cols = k_tile
+    dq_smem = dq_bufs.index(HALF).reshape([DQ_ROWS, DQ_COLS])
     offs_n = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     # a step's query tile [m0, m0 + BLOCK_M) sees every key of this half (no mask) from m0 = full_lo on, up to
     # m0 = full_hi
@@ -150,14 +150,14 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     for i in range(num_steps):
         hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
         slot = i % num_buffers
-        q_tile = q_bufs.index(slot)
-        do_tile = do_bufs.index(slot)
+        q_tile = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do_tile = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
         mbarrier.wait(qdo_bars.index(2 * slot), i // num_buffers & 1)
         st = warpgroup_mma(k_rows, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_rows, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # rows past seqlen_q load stats 0 (and add nothing: their Q and dO rows are zeros); rows that see no key
         # have lse2_hi = +inf, so that their P is 0
-        lse2_hi = hi_bufs.index(slot).load(col_layout)
+        lse2_hi = hi_bufs.index(slot).reshape([BLOCK_M]).load(col_layout)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
         if SOFTCAP:
             st = _tanh(st * cap_scale)  # t, kept for tanh's derivative
@@ -171,7 +171,7 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         pt16 = gl.convert_layout(pt.to(dtype), op_layout)
         if SOFTCAP:  # dS's factors but dP - delta, so that only one (KEYS, BLOCK_M) tile stays live till dP is in
             pt = pt * (1.0 - st * st)
-        delta = delta_bufs.index(slot).load(col_layout)
+        delta = delta_bufs.index(slot).reshape([BLOCK_M]).load(col_layout)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
         ds16 = (pt * (dpt - delta[None, :])).to(dtype)
         # this half of dSᵀ into the step's dS buffer; then this consumer's rows of dS (both halves of the keys) times
@@ -218,10 +218,10 @@ def _dq_writer_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP
     into DQ by TMA's reduce-add; each buffer handed back once the add has read it."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
     n0, start_m, num_m, first_hq, num_steps = args[13:18]
-    BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
-    HEAD_DIM: gl.constexpr = q_bufs.type.shape[2]
-    DQ_ROWS: gl.constexpr = dq_bufs.type.shape[1]
-    DQ_COLS: gl.constexpr = dq_bufs.type.shape[2]
+    off_b = args[22]
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[2]
+    DQ_ROWS: gl.constexpr = dq_bufs.type.shape[2]
+    DQ_COLS: gl.constexpr = dq_bufs.type.shape[4]
     for i in range(num_steps):
         hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
         for half in gl.static_range(2):  # the last step's adds have read the buffers
@@ -231,9 +231,9 @@ def _dq_writer_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP
             _named_barrier(DQ_FULL + 2 * half, 160, False)
             # rows past seqlen_q are clipped
             if DQ_ROWS == BLOCK_M:
-                tma.async_atomic_add(dq_desc, [m0, (2 * hq + half) * DQ_COLS], dq_bufs.index(half))
+                tma.async_atomic_add(dq_desc, [off_b, m0, hq, half * DQ_COLS], dq_bufs.index(half))
             else:
-                tma.async_atomic_add(dq_desc, [m0 + half * DQ_ROWS, hq * HEAD_DIM], dq_bufs.index(half))
+                tma.async_atomic_add(dq_desc, [off_b, m0 + half * DQ_ROWS, hq, 0], dq_bufs.index(half))
     tma.store_wait(pendings=0)
 
 
@@ -249,104 +249,46 @@ def _grad_partition_1(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: g
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
 def _attn_bwd_gluon_kernel(
-    Q,
-    K,
-    V,
-    DOut,
-    Stats,
-    DQ,
-    DK,
-    DV,
-    stride_qb,
-    stride_qs,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_dob,
-    stride_dos,
-    stride_dqb,
-    stride_dqs,
-    stride_dkb,
-    stride_dks,
-    stride_dkh,
-    stride_dvb,
-    stride_dvs,
-    stride_dvh,
-    stride_stats,
-    stride_statsb,
-    stride_plane,
-    seqlen_q,
-    seqlen_k,
-    num_heads_q,
-    lower,
-    upper,
-    qk_scale,
-    cap_scale,
-    sm_scale,
-    HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    GROUP_SIZE: gl.constexpr,
-    LOWER: gl.constexpr,
-    UPPER: gl.constexpr,
-    SOFTCAP: gl.constexpr,
-    ADD_DKDV: gl.constexpr,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, hi_desc, delta_desc, DK, DV,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
+    LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) of one BLOCK_N tile of keys of one (batch, kv head), and its share of dQ added
-    into DQ; grid (Sk tiles, Hkv, B), 4 warps (the first consumer; the partitions add 6).
+    into dQ; grid (Sk tiles, Hkv, B), 4 warps (the first consumer; the partitions add 6).
 
-    Q, DOut (B, Sq, Hq, HEAD_DIM) with their heads packed (head stride HEAD_DIM) and K, V (B, Sk, Hkv, HEAD_DIM), all
-    16-bit (bf16 or fp16), HEAD_DIM 64 or 128, base addresses and every stride but the last 16-byte aligned; Stats the
-    row stats (3, B, Hq, Sq') fp32 (lse2_hi, lse2_lo, delta: ops/attn.py's attn_bwd_preprocess; lse2_lo is not read)
-    with strides (stride_plane, stride_statsb, stride_stats, 1), 16-byte aligned, Sq' = stride_stats >= Sq a multiple
-    of BLOCK_M, the entries past Sq zeros (a view of some heads of a larger one is fine). DQ (B, Sq, Hq, HEAD_DIM)
-    fp32 with its heads packed, aligned alike: dQ is added into it (atomically: every key tile adds its share). DK, DV
-    like K and V, in their dtype or fp32 (the ring's shares), last dim contiguous; stored, or with ADD_DKDV added into.
+    Host TMA descriptors (kernels/sm90/descriptors.py): q_desc, do_desc of Q, dOut (B, Sq, Hq, HEAD_DIM) in
+    (1, BLOCK_M, 1, HEAD_DIM) tiles and k_desc, v_desc of K, V (B, Sk, Hkv, HEAD_DIM) in (1, BLOCK_N, 1, HEAD_DIM)
+    tiles, all 16-bit (bf16 or fp16), HEAD_DIM 64 or 128; dq_desc of dQ (B, Sq, Hq, HEAD_DIM) fp32 in (1, BLOCK_M,
+    1, HEAD_DIM // 2) tiles, or (1, BLOCK_M // 2, 1, HEAD_DIM) at BLOCK_M >= 128: dQ is added into (atomically:
+    every key tile adds its share); hi_desc, delta_desc of the row stats' lse2_hi and delta planes (B, Hq, Sq') fp32
+    in (1, 1, BLOCK_M) tiles (ops/attn.py's attn_bwd_preprocess; lse2_lo is not read), Sq' >= Sq a multiple of
+    BLOCK_M, the entries past Sq zeros. DK, DV like K and V, in their dtype or fp32 (the ring's shares), last dim
+    contiguous; stored, or with ADD_DKDV added into.
     Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <= i + upper; qk_scale, cap_scale, SOFTCAP as in the
-    forward kernel; rows whose lse2_hi is +inf (no key) add nothing. The additions into DQ come in the order the
+    forward kernel; rows whose lse2_hi is +inf (no key) add nothing. The additions into dQ come in the order the
     programs reach them, so dQ's last bits vary from run to run.
     """
     start_n = gl.program_id(0)
     off_hk = gl.program_id(1)
-    off_b = gl.program_id(2).to(gl.int64)
-    dtype: gl.constexpr = Q.dtype.element_ty
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk.to(gl.int64) * stride_kh, [seqlen_k, HEAD_DIM],
-                                        [stride_ks, 1], [BLOCK_N, HEAD_DIM], tile_layout)  # fmt: skip
-    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk.to(gl.int64) * stride_vh, [seqlen_k, HEAD_DIM],
-                                        [stride_vs, 1], [BLOCK_N, HEAD_DIM], tile_layout)  # fmt: skip
-    # Q, dO and dQ over the batch's (Sq, Hq x HEAD_DIM) rows: a step's head is a column offset
-    q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb, [seqlen_q, num_heads_q * HEAD_DIM], [stride_qs, 1],
-                                        [BLOCK_M, HEAD_DIM], tile_layout)  # fmt: skip
-    do_desc = tma.make_tensor_descriptor(DOut + off_b * stride_dob, [seqlen_q, num_heads_q * HEAD_DIM],
-                                         [stride_dos, 1], [BLOCK_M, HEAD_DIM], tile_layout)  # fmt: skip
+    off_b = gl.program_id(2)
+    dtype: gl.constexpr = q_desc.dtype
     # each consumer's share of a step's dQ: half its columns, or (128 rows a step) half its rows
-    DQ_ROWS: gl.constexpr = BLOCK_M // 2 if BLOCK_M >= 128 else BLOCK_M
-    DQ_COLS: gl.constexpr = HEAD_DIM if BLOCK_M >= 128 else HEAD_DIM // 2
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    dq_desc = tma.make_tensor_descriptor(DQ + off_b * stride_dqb, [seqlen_q, num_heads_q * HEAD_DIM],
-                                         [stride_dqs, 1], [DQ_ROWS, DQ_COLS], dq_layout)  # fmt: skip
-    # each step's rows of lse2_hi and delta, by TMA: a BLOCK_M block never crosses into the next head's
-    stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    stats = Stats + off_b * stride_statsb
-    hi_desc = tma.make_tensor_descriptor(stats, [num_heads_q * stride_stats], [1], [BLOCK_M], stats_layout)
-    delta_desc = tma.make_tensor_descriptor(stats + 2 * stride_plane, [num_heads_q * stride_stats], [1], [BLOCK_M],
-                                            stats_layout)  # fmt: skip
+    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[1]
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
     # dSᵀ (keys x rows) as the dQ product's left operand, transposed
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BLOCK_M), element_bitwidth=16,
                                                    rank=2)  # fmt: skip
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], tile_layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, HEAD_DIM], tile_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, DQ_COLS], dq_layout)  # one per consumer
-    hi_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], stats_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, 1, DQ_ROWS, 1, DQ_COLS], dq_desc.layout)  # one a consumer
+    hi_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, 1, 1, BLOCK_M], hi_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, 1, 1, BLOCK_M], delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     # per slot, two barriers: [2 * slot] its tiles landed (Q, dO, the stats), [2 * slot + 1] every thread of both
     # consumers is done with it
@@ -367,11 +309,12 @@ def _attn_bwd_gluon_kernel(
     else:
         end_m = seqlen_q
     num_m = gl.cdiv(gl.maximum(end_m - start_m, 0), BLOCK_M)
-    dk_base = DK + off_b * stride_dkb + off_hk.to(gl.int64) * stride_dkh
-    dv_base = DV + off_b * stride_dvb + off_hk.to(gl.int64) * stride_dvh
+    b64, hk64 = off_b.to(gl.int64), off_hk.to(gl.int64)
+    dk_base = DK + b64 * stride_dkb + hk64 * stride_dkh
+    dv_base = DV + b64 * stride_dvb + hk64 * stride_dvh
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs,
             kv_bar, qdo_bars, n0, start_m, num_m, off_hk * GROUP_SIZE, GROUP_SIZE * num_m,
-            hi_desc, delta_desc, hi_bufs, delta_bufs, stride_stats, dk_base, dv_base, stride_dks, stride_dvs,
+            hi_desc, delta_desc, hi_bufs, delta_bufs, off_b, off_hk, dk_base, dv_base, stride_dks, stride_dvs,
             seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale)  # fmt: skip
     gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [

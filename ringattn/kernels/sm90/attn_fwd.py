@@ -82,24 +82,32 @@ def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.
     args: the kernel's descriptors, buffers, barriers and scalars, as _attn_fwd_gluon_kernel packs them."""
     q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, Lse, m0, num_tiles = args[:13]
     first_n = args[13]
-    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    off_b, off_hq, off_hk = args[26:]
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_load(q_desc, [m0, 0], q_bar, q_smem)
+    tma.async_load(q_desc, [off_b, m0, off_hq, 0], q_bar, q_smem)
     for j in range(num_tiles):
         slot = j % num_buffers
         free_phase = (j // num_buffers & 1) ^ 1  # a fresh barrier passes phase 1
-        n0 = first_n + j * BLOCK_N
-        _load_tile(k_desc, n0, k_bufs.index(slot), k_bars.index(2 * slot), k_bars.index(2 * slot + 1), free_phase)
-        _load_tile(v_desc, n0, v_bufs.index(slot), v_bars.index(2 * slot), v_bars.index(2 * slot + 1), free_phase)
+        at = [off_b, first_n + j * BLOCK_N, off_hk, 0]
+        _load_tile(k_desc, at, k_bufs.index(slot), k_bars.index(2 * slot), k_bars.index(2 * slot + 1), free_phase)
+        _load_tile(v_desc, at, v_bufs.index(slot), v_bars.index(2 * slot), v_bars.index(2 * slot + 1), free_phase)
 
 
 @gluon.jit
-def _load_tile(desc, row, buf, ready, free, free_phase):
-    """Load desc's tile at row into buf once the consumers freed it (free passed free_phase); ready counts it in."""
+def _load_tile(desc, at, buf, ready, free, free_phase):
+    """Load desc's tile at coordinates `at` into buf once the consumers freed it (free passed free_phase); ready counts
+    it in."""
     mbarrier.wait(free, free_phase)
     mbarrier.expect(ready, desc.block_type.nbytes)
-    tma.async_load(desc, [row, 0], ready, buf)
+    tma.async_load(desc, at, ready, buf)
+
+
+@gluon.jit
+def _tile(bufs, slot):
+    """Slot `slot` of a ring of (1, rows, 1, HEAD_DIM) TMA tiles as the (rows, HEAD_DIM) matrix the products read."""
+    return bufs.index(slot).reshape([bufs.type.shape[2], bufs.type.shape[4]])
 
 
 @gluon.jit
@@ -109,10 +117,10 @@ def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.co
     their lse (rows past seqlen_q are not; HAS_FINAL_ROWS: rows [final_lo, final_hi) into Final instead, rounded)."""
     q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, Lse, m0, num_tiles = args[:13]
     first_n, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, Out, stride_os = args[13:22]
-    Final, stride_fs, final_lo, final_hi = args[22:]
-    BLOCK_M: gl.constexpr = q_smem.type.shape[0]
-    HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
-    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    Final, stride_fs, final_lo, final_hi, off_b, off_hq, off_hk = args[22:]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[3]
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
     ROWS: gl.constexpr = BLOCK_M // 2
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -124,7 +132,7 @@ def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.co
     acc_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     FIRST: gl.constexpr = HALF * ROWS
     r0 = m0 + FIRST
-    q = q_smem.slice(FIRST, ROWS)  # this consumer's rows of Q
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(FIRST, ROWS)  # this consumer's rows of Q
     offs_m = r0 + gl.arange(0, ROWS, layout=row_layout)
     # a tile [n0, n0 + BLOCK_N) is seen whole by every row of this half (no mask) from n0 = full_lo on, up to
     # n0 + BLOCK_N = full_hi
@@ -142,7 +150,7 @@ def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.co
     if num_tiles > 0:
         # tile 0: its scores, then its softmax
         mbarrier.wait(k_bars.index(0), 0)
-        s = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q, _tile(k_bufs, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_bars.index(1), count=1)
         band = (offs_m, seqlen_k, lower, upper, qk_scale, cap_scale)
@@ -155,10 +163,10 @@ def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.co
             prev = (j - 1) % num_buffers
             # tile j's scores issued first, then tile j - 1's product: the softmax of j runs beside the product
             mbarrier.wait(k_bars.index(2 * slot), j // num_buffers & 1)
-            s = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q, _tile(k_bufs, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_bars.index(2 * prev), (j - 1) // num_buffers & 1)
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            acc = warpgroup_mma(p_op, _tile(v_bufs, prev), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
             mbarrier.arrive(k_bars.index(2 * slot + 1), count=1)
             n0 = first_n + j * BLOCK_N
@@ -172,7 +180,7 @@ def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.co
         last = (num_tiles - 1) % num_buffers
         mbarrier.wait(v_bars.index(2 * last), (num_tiles - 1) // num_buffers & 1)
         p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+        acc = warpgroup_mma(p_op, _tile(v_bufs, last), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_bars.index(2 * last + 1), count=1)
 
@@ -199,7 +207,7 @@ def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.co
         gl.store(Lse + offs_m, lse, mask=offs_m < seqlen_q)
         q.store(out.to(q_smem.dtype))  # its rows of Q, read by its products only, stage the output's TMA store
         fence_async_shared()
-        tma.async_store(o_desc, [r0, 0], q)  # rows past seqlen_q are clipped
+        tma.async_store(o_desc, [off_b, r0, off_hq, 0], q_smem.slice(FIRST, ROWS, dim=1))  # rows past Sq: clipped
         tma.store_wait(pendings=0)
 
 
@@ -217,10 +225,7 @@ def _softmax_partition_1(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "final_lo", "final_hi"])  # one compile for every length
 def _attn_fwd_gluon_kernel(
-    Q, K, V, Out, Lse, Final,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    q_desc, k_desc, v_desc, o_desc, Out, Lse, Final,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
     stride_fb, stride_fs, stride_fh,
@@ -232,40 +237,27 @@ def _attn_fwd_gluon_kernel(
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile and Lse[b, h, m] in natural log; grid (Sq tiles, Hq, B),
     4 warps (the first consumer; the partitions add 5).
 
-    Q (B, Sq, Hq, HEAD_DIM), K and V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM), all 16-bit (bf16 or fp16), HEAD_DIM 64 or
-    128, base addresses and every stride but the last 16-byte aligned; Out like Q, and Lse (B, Hq, Sq) float64 with its
-    last dim contiguous. Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <= i + upper (ops/calls.py's
-    key_band: causal and sliding windows, bottom-right aligned). qk_scale = softmax_scale * log2(e), or with SOFTCAP
-    softcap * log2(e), the scores then tanh(q k^T * cap_scale), cap_scale = softmax_scale / softcap.
-    OUT_FP32: Out is fp32 (the ring's running state), stored by pointers; else Out is in Q's dtype, aligned as Q, and
-    stored by TMA. MERGE_STATE (with OUT_FP32): Out and Lse hold a running state on entry, and the tile's result is
-    merged into it (the ring's step). HAS_FINAL_ROWS (with OUT_FP32): rows [final_lo, final_hi) of the result go,
-    rounded, to Final (shaped like Out, its own dtype, last dim contiguous) instead (ops/final_rows.py). Rows that
-    see no key get out 0, lse -inf.
+    q_desc, k_desc, v_desc: host TMA descriptors (kernels/sm90/descriptors.py) of Q (B, Sq, Hq, HEAD_DIM) in
+    (1, BLOCK_M, 1, HEAD_DIM) tiles and K, V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM) in (1, BLOCK_N, 1, HEAD_DIM) tiles,
+    all 16-bit (bf16 or fp16), HEAD_DIM 64 or 128; o_desc Out's in (1, BLOCK_M // 2, 1, HEAD_DIM) tiles where Out is
+    in Q's dtype (with OUT_FP32 it is not read). Lse (B, Hq, Sq) float64 with its last dim contiguous. Row i sees keys
+    j with (LOWER) i + lower <= j and (UPPER) j <= i + upper (ops/calls.py's key_band: causal and sliding windows,
+    bottom-right aligned). qk_scale = softmax_scale * log2(e), or with SOFTCAP softcap * log2(e), the scores then
+    tanh(q k^T * cap_scale), cap_scale = softmax_scale / softcap.
+    OUT_FP32: Out is fp32 (the ring's running state, strides (stride_ob, stride_os, stride_oh, 1)), stored by
+    pointers; else Out is in Q's dtype and stored by TMA. MERGE_STATE (with OUT_FP32): Out and Lse hold a running
+    state on entry, and the tile's result is merged into it (the ring's step). HAS_FINAL_ROWS (with OUT_FP32): rows
+    [final_lo, final_hi) of the result go, rounded, to Final (shaped like Out, its own dtype, last dim contiguous)
+    instead (ops/final_rows.py). Rows that see no key get out 0, lse -inf.
     """
     start_m = gl.program_id(0)
     off_hq = gl.program_id(1)
-    off_b = gl.program_id(2).to(gl.int64)
-    off_hk = (off_hq // GROUP_SIZE).to(gl.int64)
-    off_hq = off_hq.to(gl.int64)
-    dtype: gl.constexpr = Q.dtype.element_ty
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_desc = tma.make_tensor_descriptor(Q + off_b * stride_qb + off_hq * stride_qh, [seqlen_q, HEAD_DIM],
-                                        [stride_qs, 1], [BLOCK_M, HEAD_DIM], tile_layout)  # fmt: skip
-    k_desc = tma.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh, [seqlen_k, HEAD_DIM],
-                                        [stride_ks, 1], [BLOCK_N, HEAD_DIM], tile_layout)  # fmt: skip
-    v_desc = tma.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, [seqlen_k, HEAD_DIM],
-                                        [stride_vs, 1], [BLOCK_N, HEAD_DIM], tile_layout)  # fmt: skip
-    # the output's descriptor, in half tiles: each consumer stores its own rows
-    # (with OUT_FP32, over the fp32 state and unused: it is stored by pointers)
-    out_layout: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=Out.dtype.element_ty.primitive_bitwidth, rank=2
-    )
-    o_desc = tma.make_tensor_descriptor(Out + off_b * stride_ob + off_hq * stride_oh, [seqlen_q, HEAD_DIM],
-                                        [stride_os, 1], [BLOCK_M // 2, HEAD_DIM], out_layout)  # fmt: skip
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], tile_layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], tile_layout)
+    off_b = gl.program_id(2)
+    off_hk = off_hq // GROUP_SIZE
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     # per slot of each ring, two barriers: [2 * slot] its tile landed, [2 * slot + 1] both consumers are done with it
     k_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -288,12 +280,13 @@ def _attn_fwd_gluon_kernel(
     else:
         end_n = seqlen_k
     num_tiles = gl.cdiv(gl.maximum(end_n - first_n, 0), BLOCK_N)
-    lse_row = Lse + off_b * stride_lb + off_hq * stride_lh
-    out_head = Out + off_b * stride_ob + off_hq * stride_oh
-    final_head = Final + off_b * stride_fb + off_hq * stride_fh
+    b64, hq64 = off_b.to(gl.int64), off_hq.to(gl.int64)
+    lse_row = Lse + b64 * stride_lb + hq64 * stride_lh
+    out_head = Out + b64 * stride_ob + hq64 * stride_oh
+    final_head = Final + b64 * stride_fb + hq64 * stride_fh
     args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, lse_row, m0, num_tiles,
             first_n, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, out_head, stride_os, final_head, stride_fs,
-            final_lo, final_hi)  # fmt: skip
+            final_lo, final_hi, off_b, off_hq, off_hk)  # fmt: skip
     gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
             (_softmax_partition_0, (args, LOWER, UPPER, SOFTCAP, MERGE_STATE, OUT_FP32, HAS_FINAL_ROWS)),
