@@ -57,23 +57,20 @@ def launch_config(kernel: str, head_dim: int, target: Target) -> LaunchConfig | 
 def bwd_supported(call: BwdCall, target: Target) -> bool:
     """Whether the Gluon backward takes `call`: a GPU, fp16 or bf16, not deterministic (its dQ additions come in the
     programs' order; with them in a fixed order it ran 0.5 to 0.8x the split kernels, whose every gradient row has one
-    writer), no documents, a head dim of TABLE, q's and dout's heads packed (head stride D), dQ either the call's own
-    output (stored, no final rows: the kernel adds into an fp32 scratch, copied out after) or an fp32 accumulator with
-    its heads packed (the ring's), and q, k, v, dout, dQ aligned for their descriptors."""
-    q, dout, dq = call.q, call.dout, call.dq
-    head_dim = q.shape[-1]
-    if not target.gpu or call.q_doc_ids is not None or q.dtype not in SIXTEEN_BIT or head_dim not in TABLE["bwd"]:
+    writer), no documents, a head dim of TABLE, dQ either the call's own output (stored, no final rows: the kernel
+    adds into an fp32 scratch, copied out after) or an fp32 accumulator (the ring's), and q, k, v, dout, dQ aligned
+    for their descriptors (any head stride: Hugging Face's (B, H, S, D) tensors transposed too)."""
+    q, dq = call.q, call.dq
+    if not target.gpu or call.q_doc_ids is not None or q.dtype not in SIXTEEN_BIT or q.shape[-1] not in TABLE["bwd"]:
         return False
     if call.deterministic:
         return False
-    if q.stride(2) != head_dim or dout.stride(2) != head_dim:
-        return False
     if dq.dtype == torch.float32:
-        if dq.stride(2) != head_dim or not descriptor_aligned(dq):
+        if not descriptor_aligned(dq):
             return False
     elif call.add_dq or call.dq_final is not None:
         return False
-    return all(descriptor_aligned(t) for t in (q, call.k, call.v, dout))
+    return all(descriptor_aligned(t) for t in (q, call.k, call.v, call.dout))
 
 
 def _bwd_stats(call: BwdCall, block_m: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
@@ -244,7 +241,7 @@ def _bwd_launch(
     call: BwdCall, stats: torch.Tensor, dq: torch.Tensor, cfg: LaunchConfig, prepare: Callable[[], None],
     finish: Callable[[], None],
 ) -> KernelLaunch:  # fmt: skip
-    """_attn_bwd_gluon_kernel over call's heads, dQ added into dq (fp32, heads packed), between prepare() and
+    """_attn_bwd_gluon_kernel over call's heads, dQ added into dq (fp32), between prepare() and
     finish()."""
     from ..kernels.sm90.attn_bwd_gluon import _attn_bwd_gluon_kernel  # Gluon: imported once a call is taken
     from ..kernels.sm90.descriptors import head_tiles, row_tiles

@@ -192,6 +192,20 @@ def test_gluon_backward_matches_reference(seqlen_q, seqlen_k, head_dim, heads, c
     check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads), what="gluon backward")
 
 
+@needs_hopper_gpu
+@pytest.mark.parametrize("head_dim,causal", GLUON_BWD_CASES, ids=GLUON_BWD_IDS)
+def test_gluon_kernels_take_any_head_stride(head_dim, causal):
+    """q, k, v, dout as Hugging Face models pass them, (B, S, H, D) views of (B, H, S, D) tensors (head stride S x D):
+    the Gluon forward and backward run them, against float64."""
+    tensors = make_qkv(2, 300, 456, 4, 2, head_dim, torch.bfloat16, seed=head_dim)
+    q, k, v, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in tensors)
+    assert q.stride(2) == q.shape[1] * head_dim and _launched(q, k, v, dout, causal) == ("sm90.bwd",)
+    scale = head_dim**-0.5
+    out, lse = attn_fwd(q, k, v, scale, causal)
+    grads = attn_bwd(dout, q, k, v, out, lse, scale, causal)
+    check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads), what="gluon, any head stride")
+
+
 def test_dq_scratch_spans_as_many_kv_heads_as_fit():
     """Launches over groups of kv heads, evenly spread, each group's fp32 dQ scratch within DQ_SCRATCH_BYTES (one kv
     head at least)."""
