@@ -275,14 +275,15 @@ def test_gluon_backward_ring_step_forms(head_dim, heads, causal):
 
 
 # (Sq, Sk, window in ops' form (None: no limit; any integers), causal, softcap): causal sliding windows, two-sided
-# ones and a single key, Sq != Sk both ways (bottom-right), a band wholly past the diagonal, soft-capping alone and
-# with a window
+# ones and a single key (Sq = Sk, and Sq != Sk: no tolerance for P's rounding then), Sq != Sk both ways
+# (bottom-right), a band wholly past the diagonal, soft-capping alone and with a window
 BAND_CASES = {
     "1000-w256-causal": (1000, 1000, (256, None), True, 0.0),
     "1000-w100-37": (1000, 1000, (100, 37), False, 0.0),
     "777-2049-w300-300": (777, 2049, (300, 300), False, 0.0),
     "512-136-w40-causal": (512, 136, (40, None), True, 0.0),
     "300-w0-0": (300, 300, (0, 0), False, 0.0),
+    "300-456-w0-0": (300, 456, (0, 0), False, 0.0),  # rows whose first key tile is all outside their band
     "200-456-w-30-50": (200, 456, (-30, 50), False, 0.0),
     "1000-cap30-causal": (1000, 1000, (None, None), True, 30.0),
     "1000-cap5": (1000, 1000, (None, None), False, 5.0),

@@ -66,9 +66,14 @@ def _softmax_tile(s, m_i, l_i, n0, band, MASKED: gl.constexpr, LOWER: gl.constex
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     if MASKED:
-        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - 0) = 0
-    p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
+        # a row that has seen no key yet keeps m = -inf and subtracts 0 instead (exp2(-inf - 0) = 0), as the
+        # portable kernels (kernels/portable/common.py): 0 kept as its max would scale its first visible keys' P
+        # away from 1 (a negative score) and cost them precision when P is rounded to 16 bits
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = gl.exp2(s * qk_scale - m_sub[:, None])
+    alpha = gl.exp2(m_i - m_sub)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
