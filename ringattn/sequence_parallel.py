@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .functional import ring_attn_func, ring_attn_varlen_func
 from .parallel.agreement import (
@@ -203,8 +204,7 @@ def cross_entropy(
     group = ring_group(group)
     with shared_refusals("cross_entropy", group):
         _check_cross_entropy(logits, labels, ignore_index, grad_reduction)
-    check_agreement("cross_entropy", CrossEntropySignature(ignore_index, grad_reduction), group)
-    return _cross_entropy(logits, labels, [group], ignore_index, grad_reduction)
+    return _cross_entropy(logits, labels, [group], ignore_index, grad_reduction, agree="cross_entropy")
 
 
 def _check_cross_entropy(logits, labels, ignore_index: int, grad_reduction: str) -> None:
@@ -238,21 +238,48 @@ def _described(x) -> str:
     return f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def _cross_entropy(logits, labels, groups: list, ignore_index: int, grad_reduction: str) -> torch.Tensor:
-    """cross_entropy, its checks passed, with its counts summed over each group of `groups` in turn (None: the
-    world): one group, or a grid's Ulysses group and ring; the gradient scale of "mean" is the product of their
-    sizes."""
+def _cross_entropy(logits, labels, groups: list, ignore_index: int, grad_reduction: str,
+                   agree: str | None) -> torch.Tensor:  # fmt: skip
+    """cross_entropy, its local checks passed, with its counts summed over each group of `groups` in turn (None:
+    the world): one group, or a grid's Ulysses group and ring; the gradient scale of "mean" is the product of their
+    sizes. agree: the call's name where the ranks' agreement on it (one group) is still to come, in the summing op;
+    None where it was made."""
     compute_dtype = torch.promote_types(logits.dtype, torch.float32)
     flat_logits = logits.reshape(-1, logits.shape[-1]).to(compute_dtype)
     flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.int64)
     local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
     local_count = (flat_labels != ignore_index).sum()
     stats = torch.stack([local_sum.detach().double(), local_count.double()])  # (2,): sum, count
-    for group in groups:
-        dist.all_reduce(stats, group=group)
-    total, count = stats[0], stats[1].clamp(min=1.0)
-    grad_scale = float(math.prod(dist.get_world_size(g) for g in groups)) if grad_reduction == "mean" else 1.0
+    names = [(dist.group.WORLD if g is None else g).group_name for g in groups]  # one group, or two (a grid's)
+    totals = cross_entropy_totals_op(stats, *names[:1], names[1] if len(names) > 1 else None, agree, ignore_index,
+                                     grad_reduction)  # fmt: skip
+    total, count = totals[0], totals[1].clamp(min=1.0)
+    grad_scale = float(math.prod([dist.get_world_size(g) for g in groups])) if grad_reduction == "mean" else 1.0
     return _GlobalMean.apply(local_sum, total, count, grad_scale)
+
+
+@torch.library.custom_op("ringattn::cross_entropy_totals", mutates_args=())
+def cross_entropy_totals_op(
+    stats: torch.Tensor, group_name: str, second_group_name: str | None, agree: str | None, ignore_index: int,
+    grad_reduction: str,
+) -> torch.Tensor:  # fmt: skip
+    """stats (2,) float64, this rank's loss sum and counted tokens, summed over the group named `group_name`, then
+    over the second one if any (a grid's ring after its Ulysses group); where `agree` names the call, after the
+    agreement of the group's ranks on its signature (ignore_index, grad_reduction). One custom op, so that
+    torch.compile traces neither the exchange nor the all-reduces."""
+    names = [group_name] if second_group_name is None else [group_name, second_group_name]
+    groups = [_resolve_process_group(name) for name in names]
+    if agree is not None:
+        check_agreement(agree, CrossEntropySignature(ignore_index, grad_reduction), groups[0])
+    totals = stats.clone()
+    for group in groups:
+        dist.all_reduce(totals, group=group)
+    return totals
+
+
+@cross_entropy_totals_op.register_fake
+def _cross_entropy_totals_fake(stats, *options):
+    return torch.empty_like(stats)
 
 
 def sync_gradients(parameters, group: Group = None) -> None:
@@ -728,10 +755,14 @@ class SequenceParallel:
     ) -> torch.Tensor:
         """The unsharded mean loss from this rank's logits and shifted labels (module-level cross_entropy), its
         counts summed over the group (over every rank of the grid; grad_reduction="mean" scales by U x R)."""
-        self._agreed("SequenceParallel.cross_entropy",
-                     lambda: _check_cross_entropy(logits, labels, ignore_index, grad_reduction),
-                     CrossEntropySignature(ignore_index, grad_reduction), GridCrossEntropySignature)  # fmt: skip
-        return _cross_entropy(logits, labels, self._groups(), ignore_index, grad_reduction)
+        call = "SequenceParallel.cross_entropy"
+        if self.grid is not None:  # the grid's agreement, then the sums (not traceable by torch.compile)
+            self._agreed(call, lambda: _check_cross_entropy(logits, labels, ignore_index, grad_reduction),
+                         CrossEntropySignature(ignore_index, grad_reduction), GridCrossEntropySignature)  # fmt: skip
+            return _cross_entropy(logits, labels, self._groups(), ignore_index, grad_reduction, agree=None)
+        with shared_refusals(call, self.group):
+            _check_cross_entropy(logits, labels, ignore_index, grad_reduction)
+        return _cross_entropy(logits, labels, self._groups(), ignore_index, grad_reduction, agree=call)
 
     def sync_gradients(self, parameters) -> None:
         """Sum gradients over the group, or over every rank of the grid (module-level sync_gradients)."""
