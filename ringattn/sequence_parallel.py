@@ -250,9 +250,12 @@ def _cross_entropy(logits, labels, groups: list, ignore_index: int, grad_reducti
     local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
     local_count = (flat_labels != ignore_index).sum()
     stats = torch.stack([local_sum.detach().double(), local_count.double()])  # (2,): sum, count
-    names = [(dist.group.WORLD if g is None else g).group_name for g in groups]  # one group, or two (a grid's)
-    totals = cross_entropy_totals_op(stats, *names[:1], names[1] if len(names) > 1 else None, agree, ignore_index,
-                                     grad_reduction)  # fmt: skip
+    names = [(dist.group.WORLD if g is None else g).group_name for g in groups]  # none (a 1 x 1 grid), one or two
+    if names:
+        totals = cross_entropy_totals_op(stats, names[0], names[1] if len(names) > 1 else None, agree, ignore_index,
+                                         grad_reduction)  # fmt: skip
+    else:  # nothing to sum over, and the grid's agreement made
+        totals = stats
     total, count = totals[0], totals[1].clamp(min=1.0)
     grad_scale = float(math.prod([dist.get_world_size(g) for g in groups])) if grad_reduction == "mean" else 1.0
     return _GlobalMean.apply(local_sum, total, count, grad_scale)

@@ -100,16 +100,16 @@ def _compiled_equals_eager(rank, world_size):
     logits = torch.randn(2, 8, 11, generator=torch.Generator().manual_seed(5 + rank))
     labels = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(7 + rank))
     labels[0, :3] = sp.IGNORE_INDEX
-    losses = []
-    for fn, dtype in (
-        (sp.cross_entropy, torch.float32),
-        (torch.compile(sp.cross_entropy, fullgraph=True), torch.float32),
-        (sp.cross_entropy, torch.float64),
-    ):
-        leaf = logits.to(dtype, copy=True).requires_grad_()
-        loss = fn(leaf, labels, grad_reduction="mean")
-        loss.backward()
-        losses.append((loss.detach(), leaf.grad))
+    losses = {}
+    for loss_fn in (sp.cross_entropy, ringattn.SequenceParallel(layout="zigzag").cross_entropy):
+        runs = []
+        for fn, dtype in ((loss_fn, torch.float32), (torch.compile(loss_fn, fullgraph=True), torch.float32),
+                          (loss_fn, torch.float64)):  # fmt: skip
+            leaf = logits.to(dtype, copy=True).requires_grad_()
+            loss = fn(leaf, labels, grad_reduction="mean")
+            loss.backward()
+            runs.append((loss.detach(), leaf.grad))
+        losses[loss_fn.__qualname__] = runs
 
     # a check that fails while tracing, on rank 1 only: that frame runs eagerly and shares the refusal
     def refused(q, dropout_p):
@@ -132,17 +132,19 @@ def test_compiled_ring_equals_eager_on_2_ranks():
       return_lse: out, lse, dq, dk, dv bitwise eager's; the sinks' gradient, which inductor compiles from plain
       tensor ops on the op's fp32 output, summed over the ranks within the tolerance rule (eager's error against
       the float64 reference as the plain implementation's);
-    - torch.compile(fullgraph=True) of sequence_parallel.cross_entropy (its agreement and all-reduce in the custom op
-      ringattn::cross_entropy_totals; it failed on the agreement's header encoding before): the loss and the logits'
-      gradient within the tolerance rule of float64 (eager fp32 the plain implementation);
+    - torch.compile(fullgraph=True) of sequence_parallel.cross_entropy and SequenceParallel.cross_entropy (their
+      agreement and all-reduce in the custom op ringattn::cross_entropy_totals; they failed on the agreement's header
+      encoding before): the loss and the logits' gradient within the tolerance rule of float64 (eager fp32 the
+      plain implementation);
     - a check that fails while torch.compile traces, on one rank (dropout_p), is raised by both ranks, the same
       error: Dynamo runs that frame eagerly, whose refusal meets the other rank's compiled call's agreement."""
     ranks = run_ranks(_compiled_equals_eager, 2, timeout=110)
     dsinks = [sum(results["varlen sinks"][run].pop() for results, *_ in ranks) for run in (0, 1)]  # eager, compiled
     for rank, (results, graph_breaks, refusal, losses) in enumerate(ranks):
-        (eager, eager_grad), (compiled, compiled_grad), (ref, ref_grad) = losses
-        check_close(f"rank {rank} compiled cross_entropy", compiled, eager, ref)
-        check_close(f"rank {rank} compiled cross_entropy's gradient", compiled_grad, eager_grad, ref_grad)
+        assert len(losses) == 2
+        for name, ((eager, eager_grad), (compiled, compiled_grad), (ref, ref_grad)) in losses.items():
+            check_close(f"rank {rank} compiled {name}", compiled, eager, ref)
+            check_close(f"rank {rank} compiled {name}'s gradient", compiled_grad, eager_grad, ref_grad)
         assert graph_breaks == {}, f"rank {rank}: graph breaks under torch.compile(module): {graph_breaks}"
         for case, (eager, compiled) in results.items():
             assert len(eager) == len(compiled)

@@ -107,6 +107,24 @@ def _toolkit_matches_unsharded(rank, world_size, backend, seqlen):
     return True
 
 
+def _loss_on_a_grid_of_one(rank, world_size):
+    own = [dist.new_group([r]) for r in range(world_size)][rank]  # every process creates every group
+    sp = ringattn.SequenceParallel(ulysses_group=own)  # U = 1 x R = 1: nothing to sum over
+    logits = torch.randn(2, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    labels = torch.randint(0, 5, (2, 4), generator=torch.Generator().manual_seed(9 + rank))
+    labels[0, 0] = IGNORE_INDEX
+    loss = sp.cross_entropy(logits, labels, grad_reduction="mean")
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), labels.flatten()), rtol=1e-15, atol=0)
+    return True
+
+
+def test_loss_on_a_grid_of_one_rank_is_the_ranks_own():
+    """Regression: SequenceParallel.cross_entropy on a 1 x 1 grid (each rank its own Ulysses group, no ring) failed
+    ("Expected a value of type 'str' for argument 'group_name'"): there is no group to sum over. Now each rank's loss
+    is the mean over its own counted tokens."""
+    assert run_ranks(_loss_on_a_grid_of_one, 2) == [True, True]
+
+
 @pytest.mark.parametrize("seqlen", [24, 17], ids=["S24", "S17-padded"])
 @pytest.mark.parametrize("backend,world_size", [("gloo", 3), ("nccl", 2)], ids=["gloo-W3", "nccl-W2"])
 def test_loss_and_gradients_equal_unsharded(backend, world_size, seqlen):

@@ -169,6 +169,9 @@ def test_backward_takes_the_gluon_kernel_where_its_table_does():
     assert names(gq, gk, gv, gdout) == gluon  # GQA
     unpacked = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (gq, gk, gv, gdout)]
     assert names(*unpacked) == gluon  # (B, S, H, D) views of (B, H, S, D): any head stride
+    broadcast = gdout[:, :, :1].expand_as(gdout)  # one head's gradient for every head (stride 0)
+    assert names(gq, gk, gv, broadcast) != gluon  # not for the host descriptors: the other kernels'
+    assert _fwd_name(_fwd(gq, gk[:, :, :1].expand_as(gk), gv)) == "portable.fwd"
     # the ring's forms: fp32 accumulators, dQ added or stored, dK and dV stored or added, rows finished
     final = FinalRows(torch.empty_like(q), range(0, 32))
     for kwargs in (dict(add_dq=True), dict(add_dkdv=True), dict(add_dq=True, dq_final=final)):

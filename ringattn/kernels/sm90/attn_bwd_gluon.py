@@ -3,7 +3,7 @@
 One program owns one BLOCK_N tile of keys of one (batch, kv head) and loops over the query tiles of every q head of
 its GQA group, in four partitions: a one-warp producer loads K and V once, then each step's Q and dO tiles into a
 ring of NUM_BUFFERS shared-memory slots by TMA; two consumer warpgroups, BLOCK_N // 2 keys each, keep their rows
-of dK and dV in registers across the steps; a one-warp writer adds the steps' dQ into DQ. A step costs five
+of dK and dV in registers across the steps; a one-warp writer adds the steps' dQ into the fp32 dQ. A step costs five
 products, the scores and dP computed once:
 
     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (issued together), Pᵀ = exp2(Sᵀ scale - lse2_hi), dSᵀ = Pᵀ (dPᵀ - delta),
