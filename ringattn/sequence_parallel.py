@@ -201,10 +201,15 @@ def cross_entropy(
             ignore_index; unknown grad_reduction; ranks that pass different ignore_index or grad_reduction.
         RuntimeError: torch.distributed not initialised.
     """
-    group = ring_group(group)
-    with shared_refusals("cross_entropy", group):
+    return _agreed_cross_entropy("cross_entropy", logits, labels, ring_group(group), ignore_index, grad_reduction)
+
+
+def _agreed_cross_entropy(call: str, logits, labels, group, ignore_index: int, grad_reduction: str) -> torch.Tensor:
+    """cross_entropy over one group as `call`: its local checks (a rank's refusal raised by every rank), then the
+    loss, whose summing op makes the ranks' agreement on the call."""
+    with shared_refusals(call, group):
         _check_cross_entropy(logits, labels, ignore_index, grad_reduction)
-    return _cross_entropy(logits, labels, [group], ignore_index, grad_reduction, agree="cross_entropy")
+    return _cross_entropy(logits, labels, [group], ignore_index, grad_reduction, agree=call)
 
 
 def _check_cross_entropy(logits, labels, ignore_index: int, grad_reduction: str) -> None:
@@ -250,28 +255,23 @@ def _cross_entropy(logits, labels, groups: list, ignore_index: int, grad_reducti
     local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
     local_count = (flat_labels != ignore_index).sum()
     stats = torch.stack([local_sum.detach().double(), local_count.double()])  # (2,): sum, count
-    names = [(dist.group.WORLD if g is None else g).group_name for g in groups]  # none (a 1 x 1 grid), one or two
-    if names:
-        totals = cross_entropy_totals_op(stats, names[0], names[1] if len(names) > 1 else None, agree, ignore_index,
-                                         grad_reduction)  # fmt: skip
-    else:  # nothing to sum over, and the grid's agreement made
-        totals = stats
+    names = [(dist.group.WORLD if g is None else g).group_name for g in groups]  # none on a 1 x 1 grid
+    totals = cross_entropy_totals_op(stats, names, agree, ignore_index, grad_reduction)
     total, count = totals[0], totals[1].clamp(min=1.0)
     grad_scale = float(math.prod([dist.get_world_size(g) for g in groups])) if grad_reduction == "mean" else 1.0
     return _GlobalMean.apply(local_sum, total, count, grad_scale)
 
 
-@torch.library.custom_op("ringattn::cross_entropy_totals", mutates_args=())
-def cross_entropy_totals_op(
-    stats: torch.Tensor, group_name: str, second_group_name: str | None, agree: str | None, ignore_index: int,
-    grad_reduction: str,
-) -> torch.Tensor:  # fmt: skip
-    """stats (2,) float64, this rank's loss sum and counted tokens, summed over the group named `group_name`, then
-    over the second one if any (a grid's ring after its Ulysses group); where `agree` names the call, after the
-    agreement of the group's ranks on its signature (ignore_index, grad_reduction). One custom op, so that
-    torch.compile traces neither the exchange nor the all-reduces."""
-    names = [group_name] if second_group_name is None else [group_name, second_group_name]
-    groups = [_resolve_process_group(name) for name in names]
+@torch.library.custom_op(
+    "ringattn::cross_entropy_totals", mutates_args=(),
+    schema="(Tensor stats, str[] group_names, str? agree, int ignore_index, str grad_reduction) -> Tensor",
+)  # fmt: skip
+def cross_entropy_totals_op(stats, group_names, agree, ignore_index, grad_reduction):
+    """stats (2,) float64, this rank's loss sum and counted tokens, summed over the groups named `group_names` in
+    turn (one, or a grid's Ulysses group and ring); where `agree` names the call, after the agreement of the one
+    group's ranks on its signature (ignore_index, grad_reduction). One custom op, so that torch.compile traces
+    neither the exchange nor the all-reduces."""
+    groups = [_resolve_process_group(name) for name in group_names]
     if agree is not None:
         check_agreement(agree, CrossEntropySignature(ignore_index, grad_reduction), groups[0])
     totals = stats.clone()
@@ -763,9 +763,7 @@ class SequenceParallel:
             self._agreed(call, lambda: _check_cross_entropy(logits, labels, ignore_index, grad_reduction),
                          CrossEntropySignature(ignore_index, grad_reduction), GridCrossEntropySignature)  # fmt: skip
             return _cross_entropy(logits, labels, self._groups(), ignore_index, grad_reduction, agree=None)
-        with shared_refusals(call, self.group):
-            _check_cross_entropy(logits, labels, ignore_index, grad_reduction)
-        return _cross_entropy(logits, labels, self._groups(), ignore_index, grad_reduction, agree=call)
+        return _agreed_cross_entropy(call, logits, labels, self.group, ignore_index, grad_reduction)
 
     def sync_gradients(self, parameters) -> None:
         """Sum gradients over the group, or over every rank of the grid (module-level sync_gradients)."""

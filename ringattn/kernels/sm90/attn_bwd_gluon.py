@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .attn_fwd import _band_visible, _tanh
+from .attn_fwd import _band_visible, _tanh, _tile
 
 # hardware named barriers (16 a CTA; triton's partitions take the lowest ids for barriers of their own warps): both
 # consumers' halves of a step's dS stored (2 x 128 threads); per consumer h, its dQ buffer read by the writer (id
@@ -150,8 +150,8 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     for i in range(num_steps):
         hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
         slot = i % num_buffers
-        q_tile = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        do_tile = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        q_tile = _tile(q_bufs, slot)
+        do_tile = _tile(do_bufs, slot)
         mbarrier.wait(qdo_bars.index(2 * slot), i // num_buffers & 1)
         st = warpgroup_mma(k_rows, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_rows, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
