@@ -35,7 +35,7 @@ from .comm import p2p_timeout_s, wait_all
 AGREEMENT_ENV = "RINGATTN_AGREEMENT"
 AGREEMENT_MODES = ("always", "off")
 MAGIC = 0x52_49_4E_47  # "RING": a vector that does not start with it did not come from encode_header
-VERSION = 4
+VERSION = 5
 HEADER_LEN = 32  # int64, the same for every call
 NAME_SLOTS = 4  # the call's name: up to 32 bytes of UTF-8
 FIELD_SLOTS = HEADER_LEN - 4 - NAME_SLOTS  # after magic, version, the name, the refusal and its message's length
@@ -187,12 +187,14 @@ def ring_signature(
 
 class Header(NamedTuple):
     """A decoded header: the call, the type a refusing rank raised (None: it does not refuse) with its message's
-    length in bytes, and the raw field slots (decode_fields reads them)."""
+    length in bytes, whether that message is already an agreed description (`is_described`), and the raw field
+    slots (decode_fields reads them)."""
 
     call: str
     refusal: type[Exception] | None
     message_bytes: int
     fields: tuple[int, ...]
+    described: bool = False
 
 
 def _float_bits(x: float) -> int:
@@ -264,9 +266,10 @@ def _decode_value(kind, slots: list[int]):
 
 
 def encode_header(call: str, fields: tuple | None = None, refusal: BaseException | None = None) -> torch.Tensor:
-    """int64 (HEADER_LEN,): MAGIC, VERSION, the call's name, the refusal (0, or 1 + its index in REFUSALS) and its
-    message's length in bytes, then the fields (none when refusing): floats as their float64 bits (exact), dtypes
-    by name, strings (layouts) as UTF-8, shapes as their length and up to MAX_DIMS sizes.
+    """int64 (HEADER_LEN,): MAGIC, VERSION, the call's name, the refusal (0, or 1 + its index in REFUSALS, plus
+    len(REFUSALS) when its message is already an exchange's description: is_described) and its message's length
+    in bytes, then the fields (none when refusing): floats as their float64 bits (exact), dtypes by name, strings
+    (layouts) as UTF-8, shapes as their length and up to MAX_DIMS sizes.
 
     Raises:
         ValueError: a name of more than NAME_SLOTS * 8 bytes, a str field of more than TEXT_SLOTS * 8, a shape of
@@ -287,7 +290,24 @@ def encode_header(call: str, fields: tuple | None = None, refusal: BaseException
 def _refusal_kind(refusal: BaseException | None) -> int:
     if refusal is None:
         return 0
-    return 1 + next(i for i, kind in enumerate(REFUSALS) if isinstance(refusal, kind))
+    index = next(i for i, kind in enumerate(REFUSALS) if isinstance(refusal, kind))
+    return 1 + index + (len(REFUSALS) if is_described(refusal) else 0)
+
+
+_DESCRIBED = "ringattn_described"  # the attribute that marks an error raised with an exchange's description
+
+
+def described_error(kind: type[Exception], message: str) -> Exception:
+    """The error an exchange raises on every rank: `kind(message)`, marked as a description (is_described)."""
+    err = kind(message)
+    setattr(err, _DESCRIBED, True)
+    return err
+
+
+def is_described(err: BaseException) -> bool:
+    """Whether `err` was raised by an agreement exchange (described_error: its message describes a group's
+    refusals): shared again on another group (a grid's ring after its Ulysses group), it is kept whole."""
+    return getattr(err, _DESCRIBED, False)
 
 
 def _message(refusal: BaseException | None) -> bytes:
@@ -310,10 +330,11 @@ def decode_header(encoded: torch.Tensor | list[int]) -> Header:
     if values[1] != VERSION:
         raise ValueError(f"ringattn call header version {values[1]}, expected {VERSION}: ranks run different ringattn")
     refusal, message_bytes = values[2 + NAME_SLOTS : 4 + NAME_SLOTS]
-    if not 0 <= refusal <= len(REFUSALS) or not 0 <= message_bytes <= MAX_MESSAGE_BYTES:
+    if not 0 <= refusal <= 2 * len(REFUSALS) or not 0 <= message_bytes <= MAX_MESSAGE_BYTES:
         raise ValueError(f"ringattn call header with refusal {refusal} of {message_bytes} bytes out of range")
     call = _decode_text(values[2 : 2 + NAME_SLOTS])
-    return Header(call, REFUSALS[refusal - 1] if refusal else None, message_bytes, tuple(values[4 + NAME_SLOTS :]))
+    kind = REFUSALS[(refusal - 1) % len(REFUSALS)] if refusal else None
+    return Header(call, kind, message_bytes, tuple(values[4 + NAME_SLOTS :]), refusal > len(REFUSALS))
 
 
 def decode_fields(cls: type, slots: tuple[int, ...]) -> tuple:
@@ -363,14 +384,15 @@ _ON_EVERY_RANK = " (raised on every rank of the group)"
 def describe_refusals(headers: list[Header], messages: list[str]) -> tuple[type[Exception], str]:
     """The error every rank raises when some refused (headers and messages in group-rank order): the type the
     first refusing rank raised, and each refusal's call, group ranks and message. A message that is already such a
-    description (a refusal shared on another group first, as grid.shared_grid_refusals does) is kept as it is."""
-    by_refusal: dict[tuple[str, str], list[int]] = {}
+    description (header.described: a refusal shared on another group first, as grid.shared_grid_refusals does) is
+    kept as it is."""
+    by_refusal: dict[tuple[str, str, bool], list[int]] = {}
     for rank, (header, message) in enumerate(zip(headers, messages, strict=True)):
         if header.refusal is not None:
-            by_refusal.setdefault((header.call, message), []).append(rank)
+            by_refusal.setdefault((header.call, message, header.described), []).append(rank)
     parts = []
-    for (call, message), ranks in by_refusal.items():
-        if message.startswith(f"{call} refused on group ") and message.endswith(_ON_EVERY_RANK):
+    for (call, message, described), ranks in by_refusal.items():
+        if described:
             parts.append(message.removesuffix(_ON_EVERY_RANK))
             continue
         which = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
@@ -481,7 +503,7 @@ def _exchange(call: str, fields: tuple | None, refusal: Exception | None, group)
         texts = [bytes(t[: h.message_bytes].tolist()).decode("utf-8", "replace") for t, h in
                  zip(_all_gather(local, group, timeout_s, what), headers, strict=True)]  # fmt: skip
         kind, message = describe_refusals(headers, texts)
-        raise kind(message) from refusal
+        raise described_error(kind, message) from refusal
     message = describe_disagreement(headers, None if fields is None else type(fields))
     if message is not None:
         raise ValueError(message)

@@ -330,7 +330,8 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
                 raise carried
         _agree(call, fields._replace(grid_rank=grid.ulysses_rank), grid.ring)
         if first:
-            problem = _grid_problem(rows, _gather_ranks(_members(grid.ulysses), grid.ring, call))
+            text = _grid_problem(rows, _gather_ranks(_members(grid.ulysses), grid.ring, call))
+            problem = None if text is None else ValueError(text)
     except REFUSALS as err:
         carried = err
     if first:  # a problem seen by some ranks only reaches the others through two more exchanges
@@ -338,10 +339,10 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
             try:
                 with _refusals(call, group):
                     if problem is not None:
-                        raise ValueError(problem)
+                        raise problem
                 _agree(call, None, group)
             except REFUSALS as err:
-                problem, carried = str(err), err
+                problem = carried = err
     if carried is not None:
         raise carried
     if first:

@@ -26,7 +26,9 @@ from ringattn.parallel.agreement import (
     decode_header,
     describe_disagreement,
     describe_refusals,
+    described_error,
     encode_header,
+    is_described,
 )
 from tests.distributed import run_ranks
 
@@ -64,7 +66,7 @@ def test_header_round_trips_exactly(call, sig):
 
 def test_a_refusal_travels_without_fields():
     header = _header("hf attention mask", None, TypeError("q must be a torch.Tensor, got list"))
-    assert header == ("hf attention mask", TypeError, 34, (0,) * len(header.fields))
+    assert header == ("hf attention mask", TypeError, 34, (0,) * len(header.fields), False)
     assert _header("shard", None, RuntimeError("x")).refusal is RuntimeError
 
 
@@ -141,13 +143,21 @@ def test_refusals_name_each_refusing_rank_with_the_first_ones_type():
 
 
 def test_a_refusal_shared_on_another_group_first_keeps_its_description():
-    """A grid shares a refusal on its Ulysses group, then on its ring: the ring's description is not nested."""
+    """A grid shares a refusal on its Ulysses group, then on its ring: the ring's description is not nested. The
+    header says so (the error's mark from the exchange), not the text: a message of the user's own that reads
+    like a description is described like any other."""
     shared = describe_refusals([_header("hf attention mask"), _header("hf attention mask", None, ValueError("w"))],
                                ["", "w"])[1]  # fmt: skip
-    headers = [_header("hf attention mask", None, ValueError(shared))] * 2
-    kind, message = describe_refusals(headers, [shared] * 2)
-    assert kind is ValueError
-    assert message == shared == "hf attention mask refused on group rank 1 of 2: w (raised on every rank of the group)"
+    assert shared == "hf attention mask refused on group rank 1 of 2: w (raised on every rank of the group)"
+    agreed = described_error(TypeError, shared)  # as an exchange raises it
+    assert is_described(agreed) and not is_described(TypeError(shared))
+    header = _header("hf attention mask", None, agreed)
+    assert header.refusal is TypeError and header.described
+    assert describe_refusals([header] * 2, [shared] * 2) == (TypeError, shared)
+    look_alike = _header("hf attention mask", None, TypeError(shared))
+    assert look_alike.refusal is TypeError and not look_alike.described
+    kind, message = describe_refusals([look_alike, _header("hf attention mask")], [shared, ""])
+    assert message == f"hf attention mask refused on group rank 0 of 2: {shared} (raised on every rank of the group)"
 
 
 def test_agreement_mode_comes_from_the_environment(monkeypatch):

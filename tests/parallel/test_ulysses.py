@@ -311,14 +311,16 @@ BAD_GRID_EXPECTED = {
 def test_bad_grids_and_inputs_raise_on_every_rank():
     """U not dividing the query heads, U and the K/V heads not dividing one another, overlapping groups, groups that
     do not form a grid, a mesh without the dimension names, one rank's bad dtype, different causal or return_lse,
-    bad lengths for shard / unshard: the same error on every rank of the 2 x 2 grid, naming the argument, within
-    seconds."""
+    bad lengths for shard / unshard: the same error on every rank of the 2 x 2 grid, naming the argument (a refusal
+    described once), within seconds."""
     results = run_ranks(_bad_grids_and_inputs, 4)
     for name, expected in BAD_GRID_EXPECTED.items():
         messages = {r[name][0] for r in results}
         # groups that are no grid: each ring says what its ranks disagree on
         assert len(messages) == 1 or name == "not-a-grid", f"{name}: ranks raised different errors: {messages}"
         assert all(expected in m for m in messages), f"{name}: {messages}"
+        # shared on the Ulysses group, then on the ring: described once, not nested
+        assert all(m.count("(raised on every rank of the group)") <= 1 for m in messages), f"{name}: {messages}"
         assert all(r[name][1] < 5.0 for r in results), f"{name}: {[r[name][1] for r in results]}"
 
 
