@@ -54,7 +54,11 @@ for arg in "${@:2}"; do
   fi
 done
 
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [[ "${DEVICE:-}" == cpu ]]; then
+  gpus=0 # no GPU is visible: CUDA_VISIBLE_DEVICES is empty (no torch import to ask)
+else
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+fi
 if [[ "$gpus" -eq 0 ]]; then
   export TRITON_INTERPRET=1 OMP_NUM_THREADS=1
 fi
