@@ -54,11 +54,13 @@ from .parallel.documents import (
     pad_cu_seqlens,
 )
 from .parallel.grid import (
+    Grid,
     GridCrossEntropySignature,
     GridShardBatchSignature,
     agree_across_grid,
     grid_all_gather,
     grid_arguments,
+    shared_grid_refusals,
 )
 from .parallel.groups import Group, ring_group
 from .parallel.layout import (
@@ -204,12 +206,13 @@ def cross_entropy(
     return _agreed_cross_entropy("cross_entropy", logits, labels, ring_group(group), ignore_index, grad_reduction)
 
 
-def _agreed_cross_entropy(call: str, logits, labels, group, ignore_index: int, grad_reduction: str) -> torch.Tensor:
-    """cross_entropy over one group as `call`: its local checks (a rank's refusal raised by every rank), then the
-    loss, whose summing op makes the ranks' agreement on the call."""
-    with shared_refusals(call, group):
+def _agreed_cross_entropy(call: str, logits, labels, place, ignore_index: int, grad_reduction: str) -> torch.Tensor:
+    """cross_entropy as `call` over `place`, a group (None: the world) or a Grid: its local checks (a rank's refusal
+    raised by every rank), then the loss, whose summing op makes the ranks' agreement on the call."""
+    refusals = shared_grid_refusals(call, place) if isinstance(place, Grid) else shared_refusals(call, place)
+    with refusals:
         _check_cross_entropy(logits, labels, ignore_index, grad_reduction)
-    return _cross_entropy(logits, labels, [group], ignore_index, grad_reduction, agree=call)
+    return _cross_entropy(logits, labels, place, ignore_index, grad_reduction, agree=call)
 
 
 def _check_cross_entropy(logits, labels, ignore_index: int, grad_reduction: str) -> None:
@@ -243,37 +246,44 @@ def _described(x) -> str:
     return f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def _cross_entropy(logits, labels, groups: list, ignore_index: int, grad_reduction: str,
-                   agree: str | None) -> torch.Tensor:  # fmt: skip
-    """cross_entropy, its local checks passed, with its counts summed over each group of `groups` in turn (None:
-    the world): one group, or a grid's Ulysses group and ring; the gradient scale of "mean" is the product of their
-    sizes. agree: the call's name where the ranks' agreement on it (one group) is still to come, in the summing op;
-    None where it was made."""
+def _cross_entropy(logits, labels, place, ignore_index: int, grad_reduction: str, agree: str) -> torch.Tensor:
+    """cross_entropy as `agree`, its local checks passed, with its counts summed over `place`: a group (None: the
+    world), or a Grid (its Ulysses group, then its ring), after the ranks' agreement on the call in the summing op;
+    the gradient scale of "mean" is the number of ranks."""
     compute_dtype = torch.promote_types(logits.dtype, torch.float32)
     flat_logits = logits.reshape(-1, logits.shape[-1]).to(compute_dtype)
     flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.int64)
     local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
     local_count = (flat_labels != ignore_index).sum()
     stats = torch.stack([local_sum.detach().double(), local_count.double()])  # (2,): sum, count
-    names = [(dist.group.WORLD if g is None else g).group_name for g in groups]  # none on a 1 x 1 grid
+    if isinstance(place, Grid):  # "" for a dimension of degree 1
+        names, ranks = ["" if g is None else g.group_name for g in (place.ulysses, place.ring)], place.size
+    else:
+        group = dist.group.WORLD if place is None else place
+        names, ranks = [group.group_name], dist.get_world_size(group)
     totals = cross_entropy_totals_op(stats, names, agree, ignore_index, grad_reduction)
     total, count = totals[0], totals[1].clamp(min=1.0)
-    grad_scale = float(math.prod([dist.get_world_size(g) for g in groups])) if grad_reduction == "mean" else 1.0
+    grad_scale = float(ranks) if grad_reduction == "mean" else 1.0
     return _GlobalMean.apply(local_sum, total, count, grad_scale)
 
 
 @torch.library.custom_op(
     "ringattn::cross_entropy_totals", mutates_args=(),
-    schema="(Tensor stats, str[] group_names, str? agree, int ignore_index, str grad_reduction) -> Tensor",
+    schema="(Tensor stats, str[] group_names, str agree, int ignore_index, str grad_reduction) -> Tensor",
 )  # fmt: skip
 def cross_entropy_totals_op(stats, group_names, agree, ignore_index, grad_reduction):
-    """stats (2,) float64, this rank's loss sum and counted tokens, summed over the groups named `group_names` in
-    turn (one, or a grid's Ulysses group and ring); where `agree` names the call, after the agreement of the one
-    group's ranks on its signature (ignore_index, grad_reduction). One custom op, so that torch.compile traces
-    neither the exchange nor the all-reduces."""
-    groups = [_resolve_process_group(name) for name in group_names]
-    if agree is not None:
-        check_agreement(agree, CrossEntropySignature(ignore_index, grad_reduction), groups[0])
+    """stats (2,) float64, this rank's loss sum and counted tokens, summed over the group named in `group_names`
+    (one name), or over a grid's (two: its Ulysses group and its ring, "" for a dimension of degree 1), after the
+    ranks' agreement on call `agree`'s signature (ignore_index, grad_reduction; over a grid, agree_across_grid).
+    One custom op, so that torch.compile traces neither the exchanges nor the all-reduces."""
+    signature = CrossEntropySignature(ignore_index, grad_reduction)
+    if len(group_names) == 1:
+        groups = [_resolve_process_group(group_names[0])]
+        check_agreement(agree, signature, groups[0])
+    else:
+        ulysses, ring = (_resolve_process_group(name) if name else None for name in group_names)
+        agree_across_grid(agree, Grid(ulysses, ring), lambda: tuple(signature), GridCrossEntropySignature)
+        groups = [g for g in (ulysses, ring) if g is not None]
     totals = stats.clone()
     for group in groups:
         dist.all_reduce(totals, group=group)
@@ -758,12 +768,9 @@ class SequenceParallel:
     ) -> torch.Tensor:
         """The unsharded mean loss from this rank's logits and shifted labels (module-level cross_entropy), its
         counts summed over the group (over every rank of the grid; grad_reduction="mean" scales by U x R)."""
-        call = "SequenceParallel.cross_entropy"
-        if self.grid is not None:  # the grid's agreement, then the sums (not traceable by torch.compile)
-            self._agreed(call, lambda: _check_cross_entropy(logits, labels, ignore_index, grad_reduction),
-                         CrossEntropySignature(ignore_index, grad_reduction), GridCrossEntropySignature)  # fmt: skip
-            return _cross_entropy(logits, labels, self._groups(), ignore_index, grad_reduction, agree=None)
-        return _agreed_cross_entropy(call, logits, labels, self.group, ignore_index, grad_reduction)
+        place = self.grid if self.grid is not None else self.group
+        return _agreed_cross_entropy("SequenceParallel.cross_entropy", logits, labels, place, ignore_index,
+                                     grad_reduction)  # fmt: skip
 
     def sync_gradients(self, parameters) -> None:
         """Sum gradients over the group, or over every rank of the grid (module-level sync_gradients)."""

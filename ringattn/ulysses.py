@@ -14,6 +14,7 @@ Signatures follow ring_attn_func's: every argument after q, k, v (and cu_seqlens
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .functional import (
     _check_varlen_ring_dims,
@@ -27,7 +28,7 @@ from .functional import (
 from .ops.validation import check_flash_attn_options
 from .parallel.agreement import ring_signature
 from .parallel.documents import check_cu_seqlens, check_cu_seqlens_tensor, fingerprint
-from .parallel.grid import Grid, UlyssesRingSignature, agree_across_grid, grid_groups
+from .parallel.grid import Grid, UlyssesRingSignature, agree_across_grid, grid_groups, shared_grid_refusals
 from .parallel.groups import Group
 from .parallel.layout import check_layout, chunks_per_rank
 from .parallel.ulysses import heads_to_seq, rank_heads, seq_to_heads
@@ -48,14 +49,61 @@ def check_ulysses_heads(heads_q: int, heads_k: int, ulysses_size: int) -> None:
         )
 
 
+@torch.library.custom_op("ringattn::ulysses_ring_agreement", mutates_args=())
+def ulysses_ring_agreement_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float,
+    sinks: bool,
+    layout: str,
+    grads: str,
+    return_lse: bool,
+    call: str,
+    ulysses_group: str,
+    ring_group: str | None,
+) -> torch.Tensor:
+    """A 2-D attention call's agreement across the grid of the groups named `ulysses_group` and `ring_group` (None:
+    a ring of one), at every call, compiled or not (grid.agree_across_grid): the grid's ranks, the boundaries'
+    values (cu_seqlens, global, or None), then the call's signature (q, k, v (B, L, H, D) checked, for their shapes
+    and dtype; the other arguments as the ring takes them). Returns an empty int64 CPU tensor, which the exchanges
+    after it take (seq_to_heads' `after`), so that a compiled graph keeps them after it.
+    Raises ValueError, TypeError, RuntimeError as ulysses_ring_attn_func, on every rank of the grid alike."""
+    ring = None if ring_group is None else _resolve_process_group(ring_group)
+    grid = Grid(_resolve_process_group(ulysses_group), ring)
+
+    def checks():
+        documents = 0
+        if cu_seqlens is not None:
+            row = q.shape[1] * grid.size  # the global length of a row
+            check_cu_seqlens(cu_seqlens, q.shape[0] * row, row=row)
+            documents = fingerprint(cu_seqlens)
+        window = (window_left, window_right)
+        sig = ring_signature(q, k, v, softmax_scale, causal, layout, grads, documents, window, softcap, sinks)
+        return (*sig, return_lse)
+
+    agree_across_grid(call, grid, checks, UlyssesRingSignature)
+    return torch.empty(0, dtype=torch.int64)
+
+
+@ulysses_ring_agreement_op.register_fake
+def _ulysses_ring_agreement_fake(q, k, v, cu_seqlens, *options):
+    return torch.empty(0, dtype=torch.int64)
+
+
 def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, sink, return_lse: bool):
     """Checks and agreement across the grid, the exchange, the inner ring (or, for a ring of one, the fused call),
     the inverse exchange: (out (B, L, Hq, D), lse (B, Hq, L), None unless return_lse) of 4-D q, k, v; with
-    cu_seqlens, of 4-D q, k, v (B packed rows) or 3-D ones (L, H, D) taken as B = 1."""
+    cu_seqlens, of 4-D q, k, v (B packed rows) or 3-D ones (L, H, D) taken as B = 1. The Python arguments and the
+    tensors' shapes are checked here (while tracing, under torch.compile), everything that communicates or reads
+    values in ringattn::ulysses_ring_agreement, at every call."""
     size = grid.ulysses_size
-
-    def checks():
-        nonlocal q, k, v
+    with shared_grid_refusals(call, grid):
         if cu_seqlens is not None and _check_varlen_ring_dims(q, k, v):
             q, k, v = q[None], k[None], v[None]
         causal, window, softcap, _ = check_flash_attn_options(
@@ -71,24 +119,19 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
                 f"the Ulysses degree {size} x the local length {q.shape[1]} (q.shape[1]), the ring's local length, "
                 f"must be even for layout {layout!r} (each ring rank holds two equal chunks)"
             )
-        documents = 0
         if cu_seqlens is not None:
             check_cu_seqlens_tensor(cu_seqlens)
-            row = q.shape[1] * size * grid.ring_size  # the global length of a row
-            check_cu_seqlens(cu_seqlens, q.shape[0] * row, row=row)
-            documents = fingerprint(cu_seqlens)
-        signature = ring_signature(q, k, v, scale, causal, layout, graph_grads(q, k, v, sink), documents, window,
-                                   softcap, sink is not None)  # fmt: skip
-        return (*signature, bool(return_lse))
-
-    fields = agree_across_grid(call, grid, checks, UlyssesRingSignature)
+    agreed = ulysses_ring_agreement_op(
+        q, k, v, cu_seqlens, scale, causal, *window, softcap, sink is not None, layout, graph_grads(q, k, v, sink),
+        bool(return_lse), call, grid.ulysses.group_name, None if grid.ring is None else grid.ring.group_name,
+    )  # fmt: skip
     batch, heads_q = q.shape[0], q.shape[2]
-    q_h = seq_to_heads(q, grid.ulysses)  # (B, S / R, Hq / U, D)
-    k_h, v_h = seq_to_heads(torch.cat([k, v]), grid.ulysses).chunk(2)  # (B, S / R, h_kv, D) each
+    q_h = seq_to_heads(q, grid.ulysses, agreed)  # (B, S / R, Hq / U, D)
+    k_h, v_h = seq_to_heads(torch.cat([k, v]), grid.ulysses, agreed).chunk(2)  # (B, S / R, h_kv, D) each
     heads = rank_heads(heads_q, grid.ulysses_rank, size)
     sink_h = None if sink is None else sink[heads.start : heads.stop]
     inner = {name: options[name] for name in ("causal", "window_size", "softcap", "deterministic")}
-    inner.update(softmax_scale=fields.softmax_scale, return_lse=True, learnable_sink=sink_h)
+    inner.update(softmax_scale=scale, return_lse=True, learnable_sink=sink_h)
     if cu_seqlens is None and grid.ring is not None:
         out_h, lse_h = ring_attn_func(q_h, k_h, v_h, group=grid.ring, layout=layout, **inner)
     elif cu_seqlens is None:  # a ring of one: its shard is the whole sequence, in order
@@ -96,10 +139,10 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
     elif grid.ring is not None:  # every row in one ring
         out_h, lse_h = ring_attn_varlen_func(q_h, k_h, v_h, cu_seqlens, group=grid.ring, layout=layout, **inner)
     else:  # a ring of one: the rows, flattened, are the packed sequence cu_seqlens (any device) describes
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        row = q_h.shape[1]  # no document is longer than a row (the boundaries hold every row start)
         bounds = cu_seqlens.to(q_h.device)  # flash_attn_varlen_func's boundaries are on q's device
         out_h, lse_h = flash_attn_varlen_func(q_h.flatten(0, 1), k_h.flatten(0, 1), v_h.flatten(0, 1), bounds, bounds,
-                                              longest, longest, **inner)  # fmt: skip
+                                              row, row, **inner)  # fmt: skip
         out_h = out_h.view(q_h.shape)  # (B, S / R, h, D)
         lse_h = lse_h.reshape(lse_h.shape[0], batch, -1).transpose(0, 1)  # (h, B S / R) -> (B, h, S / R)
     out = heads_to_seq(out_h, grid.ulysses, heads_q)  # (B, L, Hq, D)

@@ -1,6 +1,7 @@
 """torch.compile of code that calls the ring: the ring runs as the custom ops ringattn::ring_attn_fwd and
 ringattn::ring_attn_bwd (functional.py), so Dynamo traces no collective and no launcher object, with fullgraph=True
-and without; the compiled code equals eager on 2 gloo ranks (interpreted kernels, fp32).
+and without; the compiled code equals eager on 2 gloo ranks, and the Ulysses x ring functions on a 2 x 2 grid
+(interpreted kernels, fp32).
 
 Compiling is slow on the CPU: each case compiles once, with tiny shapes, in one set of ranks.
 """
@@ -158,10 +159,59 @@ def test_compiled_ring_equals_eager_on_2_ranks():
     check_close("compiled dsink", dsinks[1], dsinks[0], ref[5])
 
 
+def _compiled_grid_equals_eager(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ringattn
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
+    u, r = mesh.get_local_rank("ulysses"), mesh.get_local_rank("ring")
+
+    def dense(q, k, v, sink):  # rows of one sequence each, GQA, a window, learnable sinks
+        return ringattn.ulysses_ring_attn_func(q, k, v, causal=True, window_size=(11, 0), learnable_sink=sink,
+                                               return_lse=True, mesh=mesh, layout="zigzag")  # fmt: skip
+
+    def packed(q, k, v, cu_seqlens):  # documents crossing the pieces of ring shards and the ring shards
+        return ringattn.ulysses_ring_attn_varlen_func(q, k, v, cu_seqlens, deterministic=True, return_lse=True,
+                                                      mesh=mesh, layout="zigzag")  # fmt: skip
+
+    *tensors, cu_seqlens = _packed(torch.float32)
+    idx = ringattn.grid_shard_indices(len(tensors[0]), u, 2, r, 2, "zigzag")
+    q, k, v, dout = (t[idx] for t in tensors)  # (8, H, D) of the 32 tokens
+    sink = torch.tensor(SINK)
+    results = {}
+    for name, fn, inputs in (("dense", dense, (q[None], k[None], v[None], sink)),
+                             ("packed", packed, (q, k, v, cu_seqlens))):  # fmt: skip
+        runs = []
+        for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+            leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
+            runs.append(_run(run, leaves, dout.view_as(leaves[0]), [t for t in leaves if t.requires_grad]))
+        results[name] = runs
+    return results
+
+
+@pytest.mark.timeout(150)
+def test_compiled_grid_equals_eager_on_4_ranks():
+    """Regression: the Ulysses x ring functions broke Dynamo's graph at their agreement (fullgraph=True raised
+    Unsupported on the header's encoding), and their backward read the exchange's number while AOTAutograd traced
+    it. Now their agreement across the grid and the backward's check run in custom ops
+    (ringattn::ulysses_ring_agreement, ringattn::ulysses_backward_check) whose outputs the exchanges take, and
+    torch.compile(fullgraph=True) of ulysses_ring_attn_func (GQA, a window, learnable sinks) and of
+    ulysses_ring_attn_varlen_func (packed documents) on a 2 x 2 grid gives eager's out, lse and gradients bitwise
+    (aot_eager: Dynamo and AOTAutograd, the same kernels)."""
+    for rank, results in enumerate(run_ranks(_compiled_grid_equals_eager, 4, timeout=140)):
+        for case, (eager, compiled) in results.items():
+            assert len(eager) == len(compiled) == (6 if case == "dense" else 5)  # out, lse, the gradients
+            for i, (e, c) in enumerate(zip(eager, compiled, strict=True)):
+                assert torch.equal(e, c), f"rank {rank} {case}: result {i} differs, {(e - c).abs().max():.3g}"
+
+
 def _ring_ops_pass_opcheck(rank, world_size):
     import torch.distributed as dist
 
     from ringattn.functional import ring_attn_bwd_op, ring_attn_fwd_op
+    from ringattn.parallel.ulysses import backward_check_op, heads_to_seq_op, seq_to_heads_op
+    from ringattn.ulysses import ulysses_ring_agreement_op
 
     q, k, v, dout = make_qkv(1, 8, 8, HEADS, KV_HEADS, HEAD_DIM, torch.float16, seed=rank)  # the fp32 out kept
     q, k, v, sink = (t.requires_grad_() for t in (q, k, v, torch.tensor(SINK)))
@@ -174,13 +224,27 @@ def _ring_ops_pass_opcheck(rank, world_size):
     q, k, v, out, lse = (t.detach() for t in (q, k, v, out, lse))
     bwd_args = (dout, q, k, v, out, lse, number, cu_seqlens, *options)
     torch.library.opcheck(ring_attn_bwd_op, bwd_args, test_utils=checks)
+    # the Ulysses exchanges over the 2 ranks, of 2 heads (one a rank: the exchanges' reshapes can be views) and of 1
+    # (each rank a copy); the 2-D call's agreement and the backward's check
+    world = dist.group.WORLD.group_name
+    for heads in (2, 1):
+        x = torch.randn(3, 4, heads, 8, requires_grad=True)
+        torch.library.opcheck(seq_to_heads_op, (x, world, None), test_utils=checks)
+        y = torch.randn(3, 8, 1, 8, requires_grad=True)
+        torch.library.opcheck(heads_to_seq_op, (y, world, heads), test_utils=checks)
+    q, k, v = (t.detach() for t in (q, k, v))
+    agreement = (q, k, v, cu_seqlens, *options[:5], True, "zigzag", "none", False, "ulysses", world, None)
+    torch.library.opcheck(ulysses_ring_agreement_op, agreement, test_utils=checks)
+    torch.library.opcheck(backward_check_op, (heads_to_seq_op(y, world, 1)[1], world), test_utils=checks)
     return True
 
 
 @pytest.mark.timeout(60)
 def test_ring_custom_ops_pass_opcheck_on_2_ranks():
     """ringattn::ring_attn_fwd (fp16, with documents and sinks that need their gradient: the op also returns the fp32
-    out) and ringattn::ring_attn_bwd pass torch.library.opcheck's schema, autograd-registration and fake-tensor
-    checks: the fake implementations give the ring's shapes, dtypes and strides (AOT dispatch is what the compiled
-    tests run). Every rank runs the same checks, so the ring's collectives pair up."""
+    out), ringattn::ring_attn_bwd, the Ulysses exchanges, the 2-D call's agreement and the Ulysses backward's check
+    pass torch.library.opcheck's schema, autograd-registration and fake-tensor checks: the fake implementations give
+    the real shapes, dtypes and strides (AOT dispatch is what the compiled tests run; a regression: the exchange back
+    to the sequence split returned a view of other strides with one head a rank, and a compiled backward failed).
+    Every rank runs the same checks, so the collectives pair up."""
     assert run_ranks(_ring_ops_pass_opcheck, 2, timeout=50) == [True, True]

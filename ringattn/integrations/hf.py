@@ -62,7 +62,7 @@ documents of their own, with their labels ignored, and gives the real tokens the
 unpadded row, so the model, called with the boundaries and no mask, trains as on the unpadded rows. The boundaries
 are computed once per batch, where the batch is sharded; the model's forward runs no collective of its own (the
 ring's custom ops hold every one), so torch.compile(model), with fullgraph=True or not, compiles it whole (on a
-Ulysses x ring grid without fullgraph=True only: the Ulysses exchange's header breaks the graph).
+Ulysses x ring grid too).
 
 What the model's attention layers pass on is computed as its eager attention computes it: the layer's
 `scaling` (Gemma's query_pre_attn_scalar), causal or not (the module's is_causal: encoders such as ModernBERT

@@ -233,23 +233,30 @@ def _refusals(call: str, group: dist.ProcessGroup | None):
 @contextlib.contextmanager
 def shared_grid_refusals(call: str, grid: Grid):
     """agreement.shared_refusals across a grid: an error of REFUSALS that the local checks in the block raise takes
-    part, on the Ulysses group and then on the ring, in the exchanges of the next agree_across_grid of the other ranks
-    (of a grid already checked), so that every rank of the grid raises it; without an error, no communication.
+    part, on the Ulysses group and then on the ring (and at a grid's first call in the two exchanges more that
+    follow), in the exchanges of the other ranks' next agree_across_grid, so that every rank of the grid raises it;
+    without an error, no communication.
 
     Usage: ``with shared_grid_refusals(call, grid): <local checks>``, where every other rank's next collective on the
-    grid is an agree_across_grid (a 2-D attention call of a grid that has run one before).
+    grid is an agree_across_grid of `call`.
     """
     try:
         yield
     except REFUSALS as refusal:
+        if torch.compiler.is_compiling():  # a trace runs no collective: raised on this rank (shared_refusals)
+            raise
         carried: Exception = refusal
-        try:
-            with _refusals(call, grid.ulysses):
-                raise refusal
-        except REFUSALS as err:
-            carried = err
-        with _refusals(call, grid.ring):
-            raise carried from refusal
+        for group in (grid.ulysses, grid.ring):
+            try:
+                with _refusals(call, group):
+                    raise carried
+            except REFUSALS as err:
+                carried = err
+        if _grid_key(grid) not in _checked.get(dist.group.WORLD, ()):  # as agree_across_grid's first call
+            for group in (grid.ulysses, grid.ring):
+                with contextlib.suppress(*REFUSALS):
+                    _agree(call, None, group)
+        raise carried from refusal
 
 
 def _agree(call: str, fields: tuple | None, group: dist.ProcessGroup | None) -> None:

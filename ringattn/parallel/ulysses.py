@@ -80,7 +80,8 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     else:  # each head goes to U / H ranks
         split = x[:, :, :, None].expand(batch, seqlen, heads, size // heads, dim).reshape(batch, seqlen, size, 1, dim)
     recv = all_to_all_even(split.permute(2, 0, 1, 3, 4), group, "Ulysses all-to-all (sequence to heads)")
-    return recv.permute(1, 0, 2, 3, 4).reshape(batch, size * seqlen, per_rank, dim)  # (U, B, L, h, D) -> (B, UL, h, D)
+    # (U, B, L, h, D) -> (B, U L, h, D), contiguous (where the reshape is a view, as the fake implementation says)
+    return recv.permute(1, 0, 2, 3, 4).reshape(batch, size * seqlen, per_rank, dim).contiguous()
 
 
 def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, heads: int) -> torch.Tensor:
@@ -92,20 +93,21 @@ def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, heads: int) -> torc
     send = y.view(batch, size, seqlen, per_rank, dim).transpose(0, 1)  # row j: rank j's tokens
     recv = all_to_all_even(send, group, "Ulysses all-to-all (heads to sequence)")  # (U, B, L, h, D), row j: heads_j
     out = recv.permute(1, 2, 0, 3, 4)  # (B, L, U, h, D)
-    if heads >= size:
-        return out.reshape(batch, seqlen, heads, dim)
+    if heads >= size:  # contiguous: with one head a rank (h = 1) the reshape is a view
+        return out.reshape(batch, seqlen, heads, dim).contiguous()
     return out.reshape(batch, seqlen, heads, size // heads, dim).sum(3)  # the copies of each head, in rank order
 
 
 @torch.library.custom_op("ringattn::ulysses_seq_to_heads", mutates_args=())
-def seq_to_heads_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+def seq_to_heads_op(x: torch.Tensor, group_name: str, after: torch.Tensor | None = None) -> torch.Tensor:
     """(B, L, H, D) -> (B, U * L, h, D) over the Ulysses group named `group_name` (module docstring); differentiable
-    (the backward is ringattn::ulysses_heads_to_seq)."""
+    (the backward is ringattn::ulysses_heads_to_seq). `after`, unread, is the output of the op that must run first
+    (the call's agreement), so that a compiled graph keeps the order."""
     return _seq_to_heads(x, _resolve_process_group(group_name))
 
 
 @seq_to_heads_op.register_fake
-def _seq_to_heads_fake(x, group_name):
+def _seq_to_heads_fake(x, group_name, after=None):
     size = dist.get_world_size(_resolve_process_group(group_name))
     batch, seqlen, heads, dim = x.shape
     return x.new_empty(batch, size * seqlen, heads_per_rank(heads, size), dim)
@@ -128,13 +130,27 @@ def _heads_to_seq_fake(y, group_name, heads):
     return y.new_empty(batch, total // size, heads, dim), torch.empty((), dtype=torch.int64, device="cpu")
 
 
+@torch.library.custom_op("ringattn::ulysses_backward_check", mutates_args=())
+def backward_check_op(number: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The ranks of the Ulysses group named `group_name` agree that they differentiate the same exchange (its
+    number, from ringattn::ulysses_heads_to_seq), else all raise (agreement.check_backward); at every call, compiled
+    or not. Returns an empty int64 CPU tensor, for the backward's exchange to take as `after`."""
+    check_backward("Ulysses backward", number, _resolve_process_group(group_name))
+    return torch.empty(0, dtype=torch.int64)
+
+
+@backward_check_op.register_fake
+def _backward_check_fake(number, group_name):
+    return torch.empty(0, dtype=torch.int64)
+
+
 def _seq_to_heads_setup(ctx, inputs, output) -> None:
-    x, group_name = inputs
+    x, group_name, _ = inputs
     ctx.group_name, ctx.heads = group_name, x.shape[2]
 
 
 def _seq_to_heads_backward(ctx, grad):
-    return heads_to_seq_op(grad.contiguous(), ctx.group_name, ctx.heads)[0], None
+    return heads_to_seq_op(grad.contiguous(), ctx.group_name, ctx.heads)[0], None, None
 
 
 def _heads_to_seq_setup(ctx, inputs, output) -> None:
@@ -145,18 +161,19 @@ def _heads_to_seq_setup(ctx, inputs, output) -> None:
 
 def _heads_to_seq_backward(ctx, grad, _dnumber):
     (number,) = ctx.saved_tensors
-    check_backward("Ulysses backward", number, _resolve_process_group(ctx.group_name))
-    return seq_to_heads_op(grad.contiguous(), ctx.group_name), None, None
+    checked = backward_check_op(number, ctx.group_name)
+    return seq_to_heads_op(grad.contiguous(), ctx.group_name, checked), None, None
 
 
 seq_to_heads_op.register_autograd(_seq_to_heads_backward, setup_context=_seq_to_heads_setup)
 heads_to_seq_op.register_autograd(_heads_to_seq_backward, setup_context=_heads_to_seq_setup)
 
 
-def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, after: torch.Tensor | None = None) -> torch.Tensor:
     """(B, L, H, D) this rank's L tokens of all H heads -> (B, U * L, h, D): the U ranks' tokens, in group-rank order,
-    of this rank's heads rank_heads(H, rank, U); h = heads_per_rank(H, U). A collective on `group`; differentiable."""
-    return seq_to_heads_op(x.contiguous(), group.group_name)
+    of this rank's heads rank_heads(H, rank, U); h = heads_per_rank(H, U). A collective on `group`; differentiable.
+    `after`: the output of an op that must run before it (seq_to_heads_op)."""
+    return seq_to_heads_op(x.contiguous(), group.group_name, after)
 
 
 def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, heads: int) -> torch.Tensor:

@@ -514,8 +514,9 @@ def test_compiled_llama_equals_eager_on_2_ranks():
 
 def _hf_grid_matches_eager(rank, world_size):
     """A 2 x 2 Ulysses x ring grid (register(ulysses_group=..., group=...), SequenceParallel(mesh=...)): rows of
-    one sequence each against eager attention on the whole sequence, a batch of packed rows against eager on each
-    document alone; wrong position ids refused on every rank of the grid alike."""
+    one sequence each against eager attention on the whole sequence, eagerly and with the model and the loss
+    compiled (fullgraph=True), a batch of packed rows against eager on each document alone; wrong position ids
+    refused on every rank of the grid alike."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import ringattn
@@ -540,6 +541,14 @@ def _hf_grid_matches_eager(rank, world_size):
     loss.backward()
     sp.sync_gradients(model)
     check_step(f"grid rank ({u}, {r})", out.logits, loss, model, plain, ref, pos)
+    # the model and the grid's loss under torch.compile(fullgraph=True): no graph break, the same step
+    model.zero_grad(set_to_none=True)
+    compiled, compiled_loss = (torch.compile(f, fullgraph=True, backend="aot_eager") for f in (model, sp.cross_entropy))
+    logits = compiled(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    loss = compiled_loss(logits, batch.labels)
+    loss.backward()
+    sp.sync_gradients(model)
+    check_step(f"compiled grid rank ({u}, {r})", logits, loss, model, plain, ref, pos)
     wrong_start = time.monotonic()
     with pytest.raises(ValueError) as wrong:  # each rank's shard in the ring's 1-D layout: not the grid's
         ring_pos = ringattn.shard_indices(seqlen, sp.rank, world_size, "zigzag")[None].expand(BATCH, -1)
@@ -573,8 +582,9 @@ def _hf_grid_matches_eager(rank, world_size):
 def test_llama_over_a_ulysses_ring_grid_matches_eager():
     """attn_implementation registered with the Ulysses group and the ring of a 2 x 2 mesh: logits, the loss and
     every gradient (summed over the grid) against eager attention (fp32 plain, float64 reference), for rows of one
-    sequence and for packed rows (B 2); position ids in the ring's layout on the ranks of one ring are refused by
-    every rank with one message."""
+    sequence, eagerly and with the model and SequenceParallel.cross_entropy under torch.compile(fullgraph=True) (a
+    regression: the Ulysses x ring call and the grid's loss broke the graph at their agreement), and for packed rows
+    (B 2); position ids in the ring's layout on the ranks of one ring are refused by every rank with one message."""
     results = run_ranks(_hf_grid_matches_eager, 4, timeout=400)
     messages = {message for message, _ in results}
     assert len(messages) == 1, messages
