@@ -506,7 +506,7 @@ def _exchange(call: str, fields: tuple | None, refusal: Exception | None, group)
         raise described_error(kind, message) from refusal
     message = describe_disagreement(headers, None if fields is None else type(fields))
     if message is not None:
-        raise ValueError(message)
+        raise described_error(ValueError, message)
 
 
 def check_agreement(call: str, fields: tuple | None, group: dist.ProcessGroup | None) -> None:

@@ -238,7 +238,7 @@ def shared_grid_refusals(call: str, grid: Grid):
     without an error, no communication.
 
     Usage: ``with shared_grid_refusals(call, grid): <local checks>``, where every other rank's next collective on the
-    grid is an agree_across_grid of `call`.
+    grid is an agree_across_grid (of any call: a refusal goes before the calls' names).
     """
     try:
         yield
@@ -255,8 +255,13 @@ def shared_grid_refusals(call: str, grid: Grid):
         if _grid_key(grid) not in _checked.get(dist.group.WORLD, ()):  # as agree_across_grid's first call
             for group in (grid.ulysses, grid.ring):
                 with contextlib.suppress(*REFUSALS):
-                    _agree(call, None, group)
+                    _agree(GRID_CHECK, None, group)
         raise carried from refusal
+
+
+# the name of a grid's first-call exchanges after the call's own, the same for every call, so that a rank sharing its
+# refusal (shared_grid_refusals) meets ranks in agree_across_grid of another call there
+GRID_CHECK = "grid check"
 
 
 def _agree(call: str, fields: tuple | None, group: dist.ProcessGroup | None) -> None:
@@ -347,7 +352,7 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
                 with _refusals(call, group):
                     if problem is not None:
                         raise problem
-                _agree(call, None, group)
+                _agree(GRID_CHECK, None, group)
             except REFUSALS as err:
                 problem = carried = err
     if carried is not None:

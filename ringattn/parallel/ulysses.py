@@ -80,8 +80,7 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     else:  # each head goes to U / H ranks
         split = x[:, :, :, None].expand(batch, seqlen, heads, size // heads, dim).reshape(batch, seqlen, size, 1, dim)
     recv = all_to_all_even(split.permute(2, 0, 1, 3, 4), group, "Ulysses all-to-all (sequence to heads)")
-    # (U, B, L, h, D) -> (B, U L, h, D), contiguous (where the reshape is a view, as the fake implementation says)
-    return recv.permute(1, 0, 2, 3, 4).reshape(batch, size * seqlen, per_rank, dim).contiguous()
+    return recv.permute(1, 0, 2, 3, 4).reshape(batch, size * seqlen, per_rank, dim)  # (U, B, L, h, D) -> (B, UL, h, D)
 
 
 def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, heads: int) -> torch.Tensor:
@@ -117,8 +116,9 @@ def _seq_to_heads_fake(x, group_name, after=None):
 def heads_to_seq_op(y: torch.Tensor, group_name: str, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, U * L, h, D) -> (B, L, heads, D) over the Ulysses group named `group_name`, summing the copies of a head
     held by several ranks (module docstring), and the exchange's number on the group (number_call: a 0-dim
-    int64 CPU tensor); differentiable: the backward (ringattn::ulysses_seq_to_heads) first agrees on that number,
-    so that a rank running the backward of another call raises on every rank."""
+    int64 CPU tensor); differentiable: the backward first agrees on that number (ringattn::ulysses_backward_check),
+    so that a rank running the backward of another call raises on every rank, then runs
+    ringattn::ulysses_seq_to_heads."""
     number = number_call(_EXCHANGES + group_name)
     return _heads_to_seq(y, _resolve_process_group(group_name), heads), number
 
@@ -172,7 +172,7 @@ heads_to_seq_op.register_autograd(_heads_to_seq_backward, setup_context=_heads_t
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, after: torch.Tensor | None = None) -> torch.Tensor:
     """(B, L, H, D) this rank's L tokens of all H heads -> (B, U * L, h, D): the U ranks' tokens, in group-rank order,
     of this rank's heads rank_heads(H, rank, U); h = heads_per_rank(H, U). A collective on `group`; differentiable.
-    `after`: the output of an op that must run before it (seq_to_heads_op)."""
+    `after`: the output of an op that must run before the exchange (seq_to_heads_op's `after`)."""
     return seq_to_heads_op(x.contiguous(), group.group_name, after)
 
 

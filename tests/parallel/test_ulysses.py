@@ -324,6 +324,39 @@ def test_bad_grids_and_inputs_raise_on_every_rank():
         assert all(r[name][1] < 5.0 for r in results), f"{name}: {[r[name][1] for r in results]}"
 
 
+def _refusals_at_a_grids_first_call(rank, world_size):
+    from ringattn.parallel.grid import GridSignature, agree_across_grid, grid_groups, shared_grid_refusals
+
+    def bad_mask():
+        raise ValueError("bad mask")
+
+    messages = []
+    for refusing in (3, 0):  # a fresh grid each: ranks of other Ulysses groups and rings
+        grid = grid_groups(mesh=_mesh(2, 2))
+        with pytest.raises(ValueError) as err:
+            if rank == refusing:  # its own call's checks refuse, as the model's mask does in a layer
+                with shared_grid_refusals("hf attention mask", grid):
+                    bad_mask()
+            else:  # the others' next collective: another call's agreement, the grid's first
+                agree_across_grid("ulysses_ring_attn_func", grid, lambda: (), GridSignature)
+        messages.append(str(err.value))
+        # the ranks stay in step: the next call agrees and checks the grid
+        assert agree_across_grid("ulysses_ring_attn_func", grid, lambda: (), GridSignature).ulysses_size == 2
+    return messages
+
+
+def test_a_refusal_at_a_grids_first_call_reaches_every_rank_in_step():
+    """A rank that refuses its own call (shared_grid_refusals) while the others make a grid's first agreement of
+    another call: every rank raises that refusal, the same message (the first call's two exchanges more run under a
+    name of their own, not the calls'), and the next call on the grid runs. Regression: the extra exchanges ran under
+    each rank's own call name; the ranks then raised different errors, and the refusal reached its own rank only."""
+    results = run_ranks(_refusals_at_a_grids_first_call, 4, timeout=60)
+    for case in range(2):
+        messages = {r[case] for r in results}
+        assert len(messages) == 1, messages
+        assert messages.pop().startswith("hf attention mask refused on group rank")
+
+
 def _grid_of_one_rank(rank, world_size):
     own = [dist.new_group([r]) for r in range(world_size)][rank]  # every process creates every group
     q, k, v, _ = make_qkv(1, 8, 8, 4, 2, 16, torch.float32, "cpu", seed=rank)  # each rank its own sequence
