@@ -41,8 +41,8 @@ from .parallel.comm import p2p_timeout_s
 from .parallel.documents import (
     check_cu_seqlens,
     check_cu_seqlens_tensor,
+    checked_fingerprint,
     document_ids,
-    fingerprint,
     shard_documents,
 )
 from .parallel.groups import Group, ring_group
@@ -402,11 +402,7 @@ def ring_attn_fwd_op(
     window = (window_left, window_right)
     with shared_refusals(call, group):
         check_ring_group(q, group)
-        documents = 0
-        if cu_seqlens is not None:
-            seqlen = q.shape[1] * dist.get_world_size(group)  # a row's global length
-            check_cu_seqlens(cu_seqlens, q.shape[0] * seqlen, row=seqlen)
-            documents = fingerprint(cu_seqlens)
+        documents = checked_fingerprint(cu_seqlens, q.shape[0], q.shape[1] * dist.get_world_size(group))
     signature = ring_signature(q, k, v, softmax_scale, causal, layout, grads, documents, window, softcap,
                                learnable_sink is not None)  # fmt: skip
     check_agreement(call, signature, group)

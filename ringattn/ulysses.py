@@ -27,7 +27,7 @@ from .functional import (
 )
 from .ops.validation import check_flash_attn_options
 from .parallel.agreement import ring_signature
-from .parallel.documents import check_cu_seqlens, check_cu_seqlens_tensor, fingerprint
+from .parallel.documents import check_cu_seqlens_tensor, checked_fingerprint
 from .parallel.grid import Grid, UlyssesRingSignature, agree_across_grid, grid_groups, shared_grid_refusals
 from .parallel.groups import Group
 from .parallel.layout import check_layout, chunks_per_rank
@@ -78,11 +78,7 @@ def ulysses_ring_agreement_op(
     grid = Grid(_resolve_process_group(ulysses_group), ring)
 
     def checks():
-        documents = 0
-        if cu_seqlens is not None:
-            row = q.shape[1] * grid.size  # the global length of a row
-            check_cu_seqlens(cu_seqlens, q.shape[0] * row, row=row)
-            documents = fingerprint(cu_seqlens)
+        documents = checked_fingerprint(cu_seqlens, q.shape[0], q.shape[1] * grid.size)  # a row's global length
         window = (window_left, window_right)
         sig = ring_signature(q, k, v, softmax_scale, causal, layout, grads, documents, window, softcap, sinks)
         return (*sig, return_lse)

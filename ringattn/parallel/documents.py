@@ -76,6 +76,18 @@ def fingerprint(cu_seqlens: torch.Tensor) -> int:
     return int.from_bytes(digest, "little", signed=True) | 1
 
 
+def checked_fingerprint(cu_seqlens: torch.Tensor | None, batch: int, row: int) -> int:
+    """A ring call's `documents` signature field: 0 for one dense sequence a row (None), else the boundaries of `batch`
+    packed rows of `row` tokens checked (check_cu_seqlens) and their fingerprint, read to the host once.
+    Raises as check_cu_seqlens."""
+    if cu_seqlens is None:
+        return 0
+    check_cu_seqlens_tensor(cu_seqlens)
+    bounds = cu_seqlens.cpu()
+    check_cu_seqlens(bounds, batch * row, row=row)
+    return fingerprint(bounds)
+
+
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """(total,) int32 document id of every global token, on cu_seqlens' device."""
     tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
