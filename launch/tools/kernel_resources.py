@@ -10,7 +10,9 @@ machine (no GPU needed): the resource report to read before guessing why a kerne
 The launches are the dispatch's own (ringattn.ops.fwd_launch, bwd_launches, planned for --arch from CPU tensors
 laid out as in launch/bench/bench_kernel.py: bf16, H = 32, strides divisible by 16, so the same specialisation as
 the benchmark's), then compiled, not run, by the installed triton for --arch. `ptxas -v` on the PTX gives the
-registers per thread and the spill bytes; shared memory is the compiler's. CTAs per SM is the least of what
+registers per thread and the spill bytes, and nvdisasm's SASS the spill instructions inside the innermost loop that
+issues tensor-core products ("loop spills": a key loop's, paid every step, where the bytes count spills anywhere);
+shared memory is the compiler's. CTAs per SM is the least of what
 registers (65536 per SM), shared memory (228 KiB per SM, 227 KiB at most per CTA) and threads (2048 per SM)
 allow, for the Hopper limits. Kernels (--kernels): each of ringattn.ops.KERNELS as the ring calls it (the backward:
 dQ added to an fp32 accumulator, dK, dV stored into fp32 shares), and the forwards also as the ring's step merging
@@ -117,6 +119,25 @@ def ws_hazards(ttgir: str) -> int:
     )
 
 
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+BACK_BRANCH = re.compile(r"@!?U?P\d+\s+BRA\s+`?\(?(\.L_x_\d+)")
+
+
+def product_loop_spills(sass: str) -> int:
+    """Spill instructions (local-memory LDL, STL) inside the innermost loops that issue tensor-core products
+    (HGMMA) in a kernel's SASS (nvdisasm's): its key or query loop, where a spill costs every step. A loop is the
+    code from a label to a predicated branch back to it; the retry loops of barrier waits issue no products, and an
+    outer loop (a persistent kernel's walk over output tiles) holds the inner one, so neither counts."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := BACK_BRANCH.search(line)) and labels.get(m.group(1), i) < i]  # fmt: skip
+    product_loops = [(a, b) for a, b in loops if any("HGMMA" in line for line in lines[a:b])]
+    innermost = [(a, b) for a, b in product_loops
+                 if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in product_loops)]  # fmt: skip
+    return sum(bool(re.search(r"\b(LDL|STL)\b", line)) for a, b in innermost for line in lines[a : b + 1])
+
+
 def resources(compiled, arch: int) -> dict:
     """Registers per thread and spill bytes (ptxas -v), shared memory bytes, CTAs per SM, warps (the partitioner's
     included), warp-specialised regions and the ops in them known to be split wrong (ws_hazards), and whether ptxas
@@ -126,6 +147,9 @@ def resources(compiled, arch: int) -> dict:
         ptx.write_text(compiled.asm["ptx"])
         cmd = [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(ptx.with_suffix(".o"))]
         report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        cubin = ptx.with_suffix(".o")
+        sass = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     if regs is None or spills is None:
@@ -137,6 +161,7 @@ def resources(compiled, arch: int) -> dict:
         limits.append(SMEM_PER_SM // smem if smem <= SMEM_PER_CTA else 0)  # over the per-CTA cap: not launchable
     return dict(
         regs=regs, spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)),
+        loop_spills=product_loop_spills(sass),
         smem_bytes=smem, ctas_per_sm=min(limits), warps=num_warps,
         ws_partitions=compiled.asm["ttgir"].count("ttg.warp_specialize"), ws_hazards=ws_hazards(compiled.asm["ttgir"]),
         wgmma_serialized="wgmma.mma_async instructions are serialized" in report,
@@ -217,11 +242,12 @@ def main() -> None:
     if args.out:
         env = dict(kind="env", triton=triton.__version__, torch=torch.__version__, arch=f"sm_{args.arch}a")
         write_json(args.out, env, records)
-    header = ["kernel", "D", "Hkv", "causal", "config", "TMA", "regs", "spill st/ld B", "smem KiB", "CTAs/SM", "warps",
-              "ws partitions", "ws hazards", "wgmma serialized"]  # fmt: skip
+    header = ["kernel", "D", "Hkv", "causal", "config", "TMA", "regs", "spill st/ld B", "loop spills", "smem KiB",
+              "CTAs/SM", "warps", "ws partitions", "ws hazards", "wgmma serialized"]  # fmt: skip
     rows = [[r["kernel"], r["D"], r["Hkv"], "yes" if r["causal"] else "no", "x".join(map(str, r["config"])),
-             "yes" if r["tma"] else "no"] + ([r["error"], "", "", "", "", "", "", ""] if "error" in r else
-             [r["regs"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}", f"{r['smem_bytes'] / 1024:.0f}",
+             "yes" if r["tma"] else "no"] + ([r["error"], "", "", "", "", "", "", "", ""] if "error" in r else
+             [r["regs"], f"{r['spill_store_bytes']}/{r['spill_load_bytes']}", r["loop_spills"],
+              f"{r['smem_bytes'] / 1024:.0f}",
               r["ctas_per_sm"], r["warps"], r["ws_partitions"], r["ws_hazards"],
               "yes" if r["wgmma_serialized"] else "no"]) for r in records]  # fmt: skip
     print(markdown_table(header, rows))
