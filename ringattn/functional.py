@@ -352,12 +352,19 @@ def _keeps_state(q: torch.Tensor, sink: torch.Tensor | None) -> bool:
     return sink is not None and state_dtype(q) != q.dtype
 
 
-def _ring_documents(cu_seqlens: torch.Tensor | None, q: torch.Tensor, group: dist.ProcessGroup, layout: str):
+def _ring_documents(
+    cu_seqlens: torch.Tensor | None,
+    q: torch.Tensor,
+    group: dist.ProcessGroup,
+    layout: str,
+    digest: int | None = None,
+):
     """The ShardDocuments of checked global boundaries for a ring over `group` (cached: every layer passes the same
-    boundaries), or None."""
+    boundaries; digest: their fingerprint where the caller has it), or None."""
     if cu_seqlens is None:
         return None
-    return shard_documents(cu_seqlens, q.shape[1], dist.get_world_size(group), layout, q.device, q.shape[0])
+    world_size = dist.get_world_size(group)
+    return shard_documents(cu_seqlens, q.shape[1], world_size, layout, q.device, q.shape[0], digest)
 
 
 @torch.library.custom_op("ringattn::ring_attn_fwd", mutates_args=())
@@ -409,7 +416,7 @@ def ring_attn_fwd_op(
     number = number_call(group_name)
     ops = capped_ops(KERNEL_OPS, softcap)
     out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout,
-                                 _ring_documents(cu_seqlens, q, group, layout), window,
+                                 _ring_documents(cu_seqlens, q, group, layout, documents), window,
                                  keep_state=learnable_sink is not None)  # fmt: skip
     if learnable_sink is None:
         return out, lse, out.new_empty(0), number

@@ -13,9 +13,10 @@ import torch.distributed as dist
 import ringattn
 from ringattn.ops.dispatch import OVERRIDE_VARIABLE as KERNELS_ENV
 from ringattn.ops.dispatch import kernel_override
+from ringattn.parallel import documents
 from ringattn.parallel.agreement import AGREEMENT_ENV
 from ringattn.parallel.comm import P2P_TIMEOUT_ENV
-from ringattn.parallel.documents import check_cu_seqlens
+from ringattn.parallel.documents import check_cu_seqlens, fingerprint
 from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
 from tests.utils import DEVICE, DTYPES, make_qkv
 
@@ -161,6 +162,24 @@ def test_good_input_reaches_the_ring(ring_of_two_without_communication):
     q, k, v, _ = _inputs({})
     with pytest.raises(RuntimeError, match="Backend error: communication started before the inputs were validated"):
         ringattn.ring_attn_func(q, k, v, layout="contiguous")
+
+
+def test_a_varlen_ring_call_reads_its_boundaries_once(ring_of_two_without_communication):
+    """The ring's forward takes cu_seqlens' fingerprint once (each read the boundaries to the host: a sync where
+    they are on the GPU): the same digest signs the call and keys the cache of the ranks' documents. Then the call
+    reaches the ring's first P2P."""
+    digests = []
+
+    def counted(cu_seqlens):
+        digests.append(fingerprint(cu_seqlens))
+        return digests[-1]
+
+    ring_of_two_without_communication.setattr(documents, "fingerprint", counted)
+    q, k, v, _ = _inputs(dict(q_shape=(8, 4, 32), k_shape=(8, 2, 32), v_shape=(8, 2, 32)))
+    cu_seqlens = torch.tensor([0, 5, 16], dtype=torch.int32, device=DEVICE)  # two documents over 2 x 8 tokens
+    with pytest.raises(RuntimeError, match="communication started before the inputs were validated"):
+        ringattn.ring_attn_varlen_func(q, k, v, cu_seqlens, layout="contiguous")
+    assert len(digests) == 1
 
 
 @pytest.mark.parametrize("causal", ["False", "no", torch.tensor([True, False])], ids=["False", "no", "tensor-2"])

@@ -174,11 +174,19 @@ _CACHE_SIZE = 8
 
 
 def shard_documents(
-    cu_seqlens: torch.Tensor, seqlen_local: int, world_size: int, layout: str, device, batch: int = 1
+    cu_seqlens: torch.Tensor,
+    seqlen_local: int,
+    world_size: int,
+    layout: str,
+    device,
+    batch: int = 1,
+    digest: int | None = None,
 ) -> "ShardDocuments":
     """ShardDocuments for these boundaries, reused across calls (every layer of a model passes the same
-    cu_seqlens): keyed by the boundaries' fingerprint, the sizes, the layout and the device."""
-    key = (fingerprint(cu_seqlens), int(cu_seqlens.numel()), seqlen_local, world_size, layout, str(device), batch)
+    cu_seqlens): keyed by the boundaries' fingerprint (`digest` where the caller has it, so that the boundaries
+    are not read to the host again), the sizes, the layout and the device."""
+    digest = fingerprint(cu_seqlens) if digest is None else digest
+    key = (digest, int(cu_seqlens.numel()), seqlen_local, world_size, layout, str(device), batch)
     docs = _SHARD_DOCUMENTS.pop(key, None) or ShardDocuments(
         cu_seqlens, seqlen_local, world_size, layout, device, batch
     )
