@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ringattn.ops import REFERENCE_OPS
 from ringattn.parallel import RingComm, ring_attn_forward
@@ -57,6 +58,9 @@ class _DyingOps:
 
 
 def _ring_with_a_failing_peer(rank, world_size, failure):
+    # every rank past its group's setup first: a rank that died while a peer was still connecting failed that
+    # peer inside init_process_group, not in the ring
+    dist.barrier()
     q = torch.randn(1, 8, 2, 16)
     comm = RingComm(timeout_s=TIMEOUT_S)
     if failure == "never_arrives" and rank == DEAD_RANK:
