@@ -7,7 +7,7 @@
     env = init_distributed()  # env.rank, env.world_size, env.local_rank, env.device, env.backend
     log("printed by rank 0 only")
 
-exit_on_bad_arguments(parser, problems) ends a script's argument checks on every rank, saying why once.
+exit_on_bad_arguments(parser, problems) ends a script's argument checks on every rank, each saying why.
 
 GPUs: one rank per GPU over NCCL; the rank's device is set from LOCAL_RANK before any communication.
 CPUs: gloo, with the kernels in Triton's interpreter. NVLink multicast stays off in every process
@@ -137,13 +137,18 @@ def init_distributed(
 def exit_on_bad_arguments(parser: argparse.ArgumentParser, problems: list[str]) -> None:
     """Exit with status 2 on every rank when `problems` is not empty; else return.
 
-    Rank 0 (RANK from the environment, or a plain run without it) prints the usage and the problems joined
-    by "; " (parser.error); the other ranks leave silently, so a job of N ranks says it once. Reads only
-    the environment: call it before init_distributed.
+    Every rank says why: rank 0 (RANK from the environment, or a plain run without it) prints the usage
+    and the problems joined by "; " (parser.error), the other ranks the same error line without the
+    usage. torchrun stops the job when its first rank exits, possibly before rank 0 has printed, and
+    launch/torchrun.sh then shows the hidden ranks' last lines: the reason is there whichever rank
+    exits first. Reads only the environment: call it before init_distributed.
     """
     if problems:
-        if os.environ.get("RANK", "0") == "0":
-            parser.error("; ".join(problems))
+        message = "; ".join(problems)
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            parser.error(message)
+        print(f"{parser.prog}: error (rank {rank}): {message}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -1,6 +1,6 @@
 """launch/torchrun.sh and ringattn.distributed on CPU ranks: rank 0's output shown, the others' kept in
 files and shown when the job fails, NVLink multicast off and the process group made in every rank; bad
-arguments refused on every rank, rank 0 saying why; a script's --help run once, without ranks."""
+arguments refused on every rank, each saying why; a script's --help run once, without ranks."""
 
 import argparse
 import os
@@ -81,15 +81,38 @@ def test_plain_python_makes_a_group_of_one(tmp_path):
     assert proc.stdout.splitlines() == ["rank 0 says hello", "sum 1 over 1 ranks"]
 
 
+def test_bad_arguments_say_why_when_a_hidden_rank_exits_before_rank_0_has_printed(tmp_path):
+    """torchrun stops rank 0 as soon as rank 1 exits: the reason must come from rank 1's log."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import argparse, os, time
+            from ringattn.distributed import exit_on_bad_arguments
+            if os.environ["RANK"] == "0":
+                time.sleep(60)  # stopped by torchrun long before it wakes
+            exit_on_bad_arguments(argparse.ArgumentParser(prog="job"), ["--x must be positive"])
+            """
+        )
+    )
+    env = dict(os.environ, NPROC="2", DEVICE="cpu", TIMEOUT="120", TMPDIR=str(tmp_path))
+    proc = subprocess.run(
+        ["bash", "launch/torchrun.sh", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode != 0 and "job: error (rank 1): --x must be positive" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_bad_arguments_exit_2_on_every_rank_and_rank_0_says_why(rank, monkeypatch, capsys):
+def test_bad_arguments_exit_2_on_every_rank_and_every_rank_says_why(rank, monkeypatch, capsys):
     monkeypatch.setenv("RANK", rank)
     parser = argparse.ArgumentParser(prog="job")
     exit_on_bad_arguments(parser, [])  # nothing wrong: returns
     with pytest.raises(SystemExit) as exc:
         exit_on_bad_arguments(parser, ["--a is bad", "--b too"])
     assert exc.value.code == 2
-    assert ("job: error: --a is bad; --b too" in capsys.readouterr().err) == (rank == "0")
+    err = capsys.readouterr().err
+    assert ("usage: job" in err) == (rank == "0")  # the usage once, from rank 0
+    assert err.rstrip().endswith("--a is bad; --b too") and "job: error" in err
 
 
 def test_nccl_high_priority_setting(monkeypatch):
