@@ -57,7 +57,12 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     default_seqlen = (4096 if on_gpu else 128) * world_size
-    parser.add_argument("--seqlen", type=int, default=default_seqlen, help="global sequence length")
+    parser.add_argument(
+        "--seqlen",
+        type=int,
+        default=default_seqlen,
+        help="global sequence length: 4096 x the ranks W on GPUs, 128 x W on CPUs (%(default)s for this process)",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16 if on_gpu else 4, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")

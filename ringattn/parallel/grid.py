@@ -97,7 +97,7 @@ def grid_groups(ulysses_group: Group = None, ring_group_: Group = None, mesh: De
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
         if ulysses_group is not None or ring_group_ is not None:
-            raise ValueError("pass either mesh or ulysses_group / ring_group, not both")
+            raise ValueError("pass either mesh or process groups (ulysses_group, and ring_group or group), not both")
         names = tuple(mesh.mesh_dim_names or ())
         if not all(name in names for name in MESH_DIMS):
             raise ValueError(

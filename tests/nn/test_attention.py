@@ -120,7 +120,7 @@ def _grid_layer_matches_reference(rank, world_size):
         ringattn.nn.RingAttention(
             mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp")), layout="contiguous"
         )
-    with pytest.raises(ValueError, match="pass either mesh or ulysses_group / ring_group, not both"):
+    with pytest.raises(ValueError, match="pass either mesh or process groups"):
         ringattn.nn.RingAttention(mesh=mesh, group=mesh["ring"], layout="contiguous")
     return True
 
