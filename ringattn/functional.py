@@ -1,9 +1,10 @@
-"""Autograd Functions, the ring's custom ops and the public functions `flash_attn_func`, `flash_attn_varlen_func`,
+"""The attention custom ops and the public functions `flash_attn_func`, `flash_attn_varlen_func`,
 `ring_attn_func` and `ring_attn_varlen_func`.
 
-The ring runs as two torch.library custom ops with fake implementations, ringattn::ring_attn_fwd (differentiable:
-its backward runs ringattn::ring_attn_bwd), so that torch.compile, with fullgraph=True or not, sees one call per
-direction and never the collectives, the host-side schedule or the launchers (docs/design.md, section 7). The checks
+Both run as torch.library custom ops with fake implementations: one device as ringattn::flash_attn_fwd (its
+backward runs ringattn::attn_bwd), the ring as ringattn::ring_attn_fwd (its backward runs ringattn::ring_attn_bwd),
+so that torch.compile, with fullgraph=True or not, sees one call per direction and never the collectives, the
+host-side schedule or the launchers (docs/design.md, section 7). The checks
 that read only Python values and tensor metadata run before the op, in Python; those that need the group, the
 environment or tensor values, and the agreement exchange, run inside it, at every call. flash_attn_varlen_func reads
 its boundaries' values in a custom op of its own, ringattn::varlen_doc_ids, for the same reason.
@@ -77,29 +78,74 @@ def _check_not_double_backward() -> None:
         )
 
 
-class FlashAttnFunction(torch.autograd.Function):
-    """Single-device fused attention; backward recomputes P from the saved lse. Calls the launchers through
-    their custom ops (ringattn::attn_fwd, ringattn::attn_bwd), so torch.compile traces it whole. With sinks the
-    kernel's output stays fp32 until they are merged in; the backward runs on the merged (out, lse), which is
-    exactly the softmax over the keys and the sink, and adds the sinks' own gradient."""
+@torch.library.custom_op("ringattn::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    learnable_sink: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int | None,
+    window_right: int | None,
+    softcap: float,
+    deterministic: bool,
+    q_doc_ids: torch.Tensor | None,
+    k_doc_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Single-device fused attention as one custom op, differentiable (its backward runs ringattn::attn_bwd, P
+    recomputed from the saved lse), so that torch.compile sees one call whatever the tensors (the same tensor as k
+    and v included, which an autograd.Function under fullgraph=True refuses).
 
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window, softcap, deterministic, q_doc_ids, k_doc_ids, sink):
-        out_dtype = None if sink is None else torch.promote_types(q.dtype, torch.float32)
-        out, lse = attn_fwd_op(q, k, v, softmax_scale, causal, *window, softcap, q_doc_ids, k_doc_ids, out_dtype)
-        out, lse, state = _with_sink(out, lse, sink, q.dtype)
-        ctx.save_for_backward(q, k, v, state if sink is not None and sink.requires_grad else out, lse, sink)
-        ctx.options = softmax_scale, causal, deterministic, *window, softcap, q_doc_ids, k_doc_ids
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+    Args: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), checked by check_attn_inputs; learnable_sink (Hq,) or None; the
+        kernels' softmax_scale, causal, window sides (None: no limit), softcap; deterministic, for the backward;
+        q_doc_ids (B or 1, Sq), k_doc_ids (B or 1, Sk) int32 or None (flash_attn_varlen_func's documents).
+    Returns:
+        out (B, Sq, Hq, D) in q's dtype; lse (B, Hq, Sq) float64 (with sinks, counting them); with sinks, the fp32
+        out with them merged in, which their gradient is computed from, where it is not out itself (_keeps_state),
+        else an empty tensor.
+    """
+    out_dtype = None if learnable_sink is None else state_dtype(q)
+    out, lse = attn_fwd_op(q, k, v, softmax_scale, causal, window_left, window_right, softcap, q_doc_ids, k_doc_ids,
+                           out_dtype)  # fmt: skip
+    if learnable_sink is None:
+        return out, lse, out.new_empty(0)
+    out, lse, state = _with_sink(out, lse, learnable_sink, q.dtype)
+    return out, lse, state if _keeps_state(q, learnable_sink) else state.new_empty(0)
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        _check_not_double_backward()
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, *ctx.options)
-        dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[10] else None
-        return dq, dk, dv, None, None, None, None, None, None, None, dsink
+
+@flash_attn_fwd_op.register_fake
+def _flash_attn_fwd_fake(q, k, v, learnable_sink, *options):
+    batch, seqlen, heads_q, _ = q.shape
+    lse = q.new_empty((batch, heads_q, seqlen), dtype=LSE_DTYPE)
+    state = q.new_empty(q.shape if _keeps_state(q, learnable_sink) else (0,), dtype=state_dtype(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse, state
+
+
+_FLASH_SINK = 3  # learnable_sink's place among ringattn::flash_attn_fwd's arguments
+
+
+def _flash_attn_setup_context(ctx, inputs, output) -> None:
+    q, k, v, sink, scale, causal, window_left, window_right, softcap, deterministic, q_doc_ids, k_doc_ids = inputs
+    out, lse, state = output
+    # with sinks that need their gradient, the backward runs on the unrounded out (see _with_sink)
+    kept = state if state.numel() and ctx.needs_input_grad[_FLASH_SINK] else out
+    ctx.save_for_backward(q, k, v, kept, lse, sink, q_doc_ids, k_doc_ids)
+    ctx.options = scale, causal, deterministic, window_left, window_right, softcap
+    ctx.mark_non_differentiable(lse, state)
+
+
+def _flash_attn_backward(ctx, dout, _dlse, _dstate):
+    _check_not_double_backward()
+    q, k, v, out, lse, sink, q_doc_ids, k_doc_ids = ctx.saved_tensors
+    dq = dk = dv = None
+    if any(ctx.needs_input_grad[:3]):
+        dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, *ctx.options, q_doc_ids, k_doc_ids)
+    dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[_FLASH_SINK] else None
+    return dq, dk, dv, dsink, *(None,) * 8
+
+
+flash_attn_fwd_op.register_autograd(_flash_attn_backward, setup_context=_flash_attn_setup_context)
 
 
 def flash_attn_func(
@@ -158,7 +204,7 @@ def flash_attn_func(
     check_attn_inputs(q, k, v)
     sink = check_sink(learnable_sink, q)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = FlashAttnFunction.apply(q, k, v, scale, causal, window, softcap, deterministic, None, None, sink)
+    out, lse, _ = flash_attn_fwd_op(q, k, v, sink, scale, causal, *window, softcap, deterministic, None, None)
     return (out, public_lse(lse)) if return_lse else out
 
 
@@ -213,8 +259,8 @@ def flash_attn_varlen_func(
     same_bounds = causal or window != (None, None)
     q_doc_ids, k_doc_ids = _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, same_bounds)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = FlashAttnFunction.apply(q[None], k[None], v[None], scale, causal, window, softcap, deterministic,
-                                       q_doc_ids, k_doc_ids, sink)  # fmt: skip
+    out, lse, _ = flash_attn_fwd_op(q[None], k[None], v[None], sink, scale, causal, *window, softcap, deterministic,
+                                    q_doc_ids, k_doc_ids)  # fmt: skip
     return (out[0], public_lse(lse[0])) if return_lse else out[0]
 
 
@@ -347,8 +393,8 @@ def check_ring_group(q: torch.Tensor, group: dist.ProcessGroup) -> None:
 
 
 def _keeps_state(q: torch.Tensor, sink: torch.Tensor | None) -> bool:
-    """Whether ringattn::ring_attn_fwd returns the unrounded output apart from out: with sinks, for inputs narrower
-    than the fp32 state (in fp32, out is that output)."""
+    """Whether ringattn::flash_attn_fwd and ringattn::ring_attn_fwd return the unrounded output apart from out: with
+    sinks, for inputs narrower than the fp32 state (in fp32, out is that output)."""
     return sink is not None and state_dtype(q) != q.dtype
 
 

@@ -288,3 +288,39 @@ def test_meta_tensors_give_meta_outputs_and_meta_boundaries_raise_naming_them():
         ringattn.flash_attn_varlen_func(q[0], k[0, :8], k[0, :8], cu, cu, 5, 5)
     with pytest.raises(ValueError, match=re.escape(f"cu_seqlens {meta_boundaries}")):
         check_cu_seqlens(cu, 8)
+
+
+def test_flash_attn_func_compiles_with_fullgraph_one_tensor_as_k_and_v_and_sinks():
+    """Regression: torch.compile(fullgraph=True) of flash_attn_func refused one tensor passed as both k and v
+    ("autograd.Function.apply: duplicate tensor input"); the single-device call is the custom op
+    ringattn::flash_attn_fwd now, so the compiled call gives eager's bits: out, and the gradients of q, of the tensor
+    as k and v, and of the sinks."""
+
+    def call(q, kv, sink):
+        return ringattn.flash_attn_func(q, kv, kv, causal=True, learnable_sink=sink)
+
+    q, kv, _, dout = make_qkv(1, 16, 16, 4, 2, 32, DTYPES[0], seed=17)
+    sink = torch.tensor([-1.0, 0.5, 2.0, 4.0], device=DEVICE)
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (call, compiled):
+        leaves = [t.detach().requires_grad_() for t in (q, kv, sink)]
+        out = fn(*leaves)
+        out.backward(dout)
+        results.append((out, *(t.grad for t in leaves)))
+    for name, eager, traced in zip(("out", "dq", "dkv", "dsink"), *results, strict=True):
+        assert torch.equal(eager, traced), name
+
+
+def test_flash_attn_fwd_op_passes_opcheck():
+    """ringattn::flash_attn_fwd's schema, fake implementation and autograd registration (fp16 with sinks that need
+    their gradient: the op also returns the fp32 out; and packed documents), as torch.library.opcheck checks them."""
+    from ringattn.functional import flash_attn_fwd_op
+
+    q, k, v, _ = make_qkv(1, 16, 16, 4, 2, 16, torch.float16, seed=3)
+    q, k, v, sink = (t.requires_grad_() for t in (q, k, v, torch.tensor([-1.0, 0.5, 2.0, 4.0], device=DEVICE)))
+    ids = torch.tensor([[0] * 5 + [1] * 11], dtype=torch.int32, device=DEVICE)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for doc_ids in (None, ids):
+        args = (q, k, v, sink, 0.25, True, None, None, 0.0, False, doc_ids, doc_ids)
+        torch.library.opcheck(flash_attn_fwd_op, args, test_utils=checks)

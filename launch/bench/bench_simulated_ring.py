@@ -17,7 +17,7 @@ from 16k to 128k; causal in both layouts in every cell, and non-causal once, in 
 S_local = 8192 (--full-cells), in the first layout only (without a mask every ring step is the whole
 block, in both layouts). Providers, each timed "fwd" and "fwd+bwd":
 - fused: ringattn.ops.attn_fwd (out in bf16), then attn_bwd, over the whole sequence, as
-  FlashAttnFunction runs them. Timed once per (S, causal); cells with the same S repeat the numbers.
+  flash_attn_func runs them. Timed once per (S, causal); cells with the same S repeat the numbers.
 - simulated_ring: testing/simulate.py with KERNEL_OPS, on shards split once outside the timed calls
   (shard_indices): simulate_ring_forward, then simulate_ring_backward (which takes the bf16 out), both
   returning bf16 as ring_attn_forward and ring_attn_backward do (out and dq rounded by the kernel of the
