@@ -10,6 +10,7 @@ beside the function (its local_size, bidirectional or not, the config's chunk si
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -52,8 +53,14 @@ FULL = Band(None, None)
 
 
 def _factory(fn: Callable) -> str:
-    """The name of the masking_utils function that made the closure fn ("" for a plain function)."""
-    qualname = getattr(fn, "__qualname__", "")
+    """The name of the masking_utils function that made the closure fn ("" for a plain function, or a callable that
+    is no Python function). Read from the code object's qualified name (Python 3.11 on), which Dynamo traces for any
+    function; the function's own __qualname__ it refuses under fullgraph=True for one made outside the compiled code
+    (transformers' module-level causal_mask_function, which gpt-oss and ModernBERT layers pass)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ""
+    qualname = code.co_qualname if sys.version_info >= (3, 11) else fn.__qualname__
     return qualname.split(".<locals>.")[0] if ".<locals>." in qualname else ""
 
 

@@ -215,3 +215,29 @@ def test_what_dynamo_can_check_is_checked():
         hf_masks.check_causal_agrees(hf_masks.CAUSAL, Gemma2Config(use_bidirectional_attention=True), "where")
     hf_masks.check_causal_agrees(hf_masks.FULL, Gemma2Config(use_bidirectional_attention=True), "where")
     hf_masks.check_causal_agrees(hf_masks.CAUSAL, Gemma2Config(), "where")
+
+
+@pytest.mark.parametrize("case", ["causal", "bidirectional", "sliding", "union"])
+def test_top_level_union_traces_with_fullgraph_for_any_mask_function(case):
+    """Regression: under torch.compile(fullgraph=True) a mask function made outside the compiled code failed in
+    Dynamo ("'getset_descriptor' object is not iterable", reading its __qualname__): transformers' module-level
+    causal and bidirectional mask functions (gpt-oss's full layers, ModernBERT's global ones) broke a prepared model's
+    compile. Now each traces, and the union is still refused, its message in Dynamo's error."""
+    mask_function = {
+        "causal": mu.causal_mask_function,
+        "bidirectional": mu.bidirectional_mask_function,
+        "sliding": mu.sliding_window_causal_mask_function(4),
+        "union": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ONE_ROW)),
+    }[case]
+
+    def step(x):
+        hf_masks.top_level_union(mask_function, "where")
+        return x + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    if case == "union":
+        with pytest.raises(Exception, match="a union of mask patterns"):
+            compiled(torch.zeros(1))
+    else:
+        assert compiled(torch.zeros(1)).item() == 1.0
