@@ -108,18 +108,12 @@ def flash_attn_fwd_op(
     out_dtype = None if learnable_sink is None else state_dtype(q)
     out, lse = attn_fwd_op(q, k, v, softmax_scale, causal, window_left, window_right, softcap, q_doc_ids, k_doc_ids,
                            out_dtype)  # fmt: skip
-    if learnable_sink is None:
-        return out, lse, out.new_empty(0)
-    out, lse, state = _with_sink(out, lse, learnable_sink, q.dtype)
-    return out, lse, state if _keeps_state(q, learnable_sink) else state.new_empty(0)
+    return _sink_outputs(q, out, lse, learnable_sink)
 
 
 @flash_attn_fwd_op.register_fake
 def _flash_attn_fwd_fake(q, k, v, learnable_sink, *options):
-    batch, seqlen, heads_q, _ = q.shape
-    lse = q.new_empty((batch, heads_q, seqlen), dtype=LSE_DTYPE)
-    state = q.new_empty(q.shape if _keeps_state(q, learnable_sink) else (0,), dtype=state_dtype(q))
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse, state
+    return _fake_outputs(q, learnable_sink)
 
 
 _FLASH_SINK = 3  # learnable_sink's place among ringattn::flash_attn_fwd's arguments
@@ -398,6 +392,24 @@ def _keeps_state(q: torch.Tensor, sink: torch.Tensor | None) -> bool:
     return sink is not None and state_dtype(q) != q.dtype
 
 
+def _sink_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None):
+    """The forward ops' (out, lse, state) from the kernels' (out, lse), the fp32 state with sinks: the sinks merged
+    in once (_with_sink), the unrounded out returned apart where _keeps_state, else an empty tensor (never an output
+    that aliases another)."""
+    if sink is None:
+        return out, lse, out.new_empty(0)
+    out, lse, state = _with_sink(out, lse, sink, q.dtype)
+    return out, lse, state if _keeps_state(q, sink) else state.new_empty(0)
+
+
+def _fake_outputs(q: torch.Tensor, sink: torch.Tensor | None):
+    """_sink_outputs' shapes and dtypes for the forward ops' fake implementations."""
+    batch, seqlen, heads_q, _ = q.shape
+    lse = q.new_empty((batch, heads_q, seqlen), dtype=LSE_DTYPE)
+    state = q.new_empty(q.shape if _keeps_state(q, sink) else (0,), dtype=state_dtype(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse, state
+
+
 def _ring_documents(
     cu_seqlens: torch.Tensor | None,
     q: torch.Tensor,
@@ -464,19 +476,12 @@ def ring_attn_fwd_op(
     out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout,
                                  _ring_documents(cu_seqlens, q, group, layout, documents), window,
                                  keep_state=learnable_sink is not None)  # fmt: skip
-    if learnable_sink is None:
-        return out, lse, out.new_empty(0), number
-    out, lse, state = _with_sink(out, lse, learnable_sink, q.dtype)  # once, after the ring: the global lse is complete
-    return out, lse, state if _keeps_state(q, learnable_sink) else state.new_empty(0), number
+    return *_sink_outputs(q, out, lse, learnable_sink), number  # the sinks once, after the ring: the lse is global
 
 
 @ring_attn_fwd_op.register_fake
 def _ring_attn_fwd_fake(q, k, v, cu_seqlens, learnable_sink, *options):
-    batch, seqlen, heads_q, _ = q.shape
-    lse = q.new_empty((batch, heads_q, seqlen), dtype=LSE_DTYPE)
-    state = q.new_empty(q.shape if _keeps_state(q, learnable_sink) else (0,), dtype=state_dtype(q))
-    number = torch.empty((), dtype=torch.int64, device="cpu")
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse, state, number
+    return *_fake_outputs(q, learnable_sink), torch.empty((), dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("ringattn::ring_attn_bwd", mutates_args=())
