@@ -50,18 +50,6 @@ from .parallel.groups import Group, ring_group
 from .parallel.steps import state_dtype
 
 
-def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None, dtype: torch.dtype):
-    """(out, lse, the unrounded out): with sinks, the fp32 state out with the sinks merged in (ops.add_sink_),
-    rounded to dtype once, and that unrounded out, which the backward keeps when the sinks need their gradient (it
-    sums P_sink * rowsum(dout * out) over every row, where out's rounding would cost it up to twice plain PyTorch's
-    error); without sinks (out, lse, out)."""
-    if sink is None:
-        return out, lse, out
-    lse = lse.clone()
-    add_sink_(out, lse, sink)
-    return out.to(dtype), lse, out
-
-
 def public_lse(lse: torch.Tensor) -> torch.Tensor:
     """The lse the public functions return, (B, Hq, S) fp32, from the float64 one the kernels keep for the
     backward."""
@@ -122,7 +110,7 @@ _FLASH_SINK = 3  # learnable_sink's place among ringattn::flash_attn_fwd's argum
 def _flash_attn_setup_context(ctx, inputs, output) -> None:
     q, k, v, sink, scale, causal, window_left, window_right, softcap, deterministic, q_doc_ids, k_doc_ids = inputs
     out, lse, state = output
-    # with sinks that need their gradient, the backward runs on the unrounded out (see _with_sink)
+    # with sinks that need their gradient, the backward runs on the unrounded out (see _sink_outputs)
     kept = state if state.numel() and ctx.needs_input_grad[_FLASH_SINK] else out
     ctx.save_for_backward(q, k, v, kept, lse, sink, q_doc_ids, k_doc_ids)
     ctx.options = scale, causal, deterministic, window_left, window_right, softcap
@@ -393,13 +381,16 @@ def _keeps_state(q: torch.Tensor, sink: torch.Tensor | None) -> bool:
 
 
 def _sink_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None):
-    """The forward ops' (out, lse, state) from the kernels' (out, lse), the fp32 state with sinks: the sinks merged
-    in once (_with_sink), the unrounded out returned apart where _keeps_state, else an empty tensor (never an output
-    that aliases another)."""
+    """The forward ops' (out, lse, state) from the kernels' (out, lse), out in the fp32 state with sinks: the sinks
+    merged in once (ops.add_sink_), out rounded to q's dtype once, and the unrounded out as state, which the backward
+    keeps when the sinks need their gradient (it sums P_sink * rowsum(dout * out) over every row, where out's
+    rounding would cost it up to twice plain PyTorch's error); state is an empty tensor without sinks, and where out
+    is already unrounded (fp32 inputs: _keeps_state), so that no output aliases another."""
     if sink is None:
         return out, lse, out.new_empty(0)
-    out, lse, state = _with_sink(out, lse, sink, q.dtype)
-    return out, lse, state if _keeps_state(q, sink) else state.new_empty(0)
+    lse = lse.clone()
+    add_sink_(out, lse, sink)
+    return out.to(q.dtype), lse, out if _keeps_state(q, sink) else out.new_empty(0)
 
 
 def _fake_outputs(q: torch.Tensor, sink: torch.Tensor | None):
@@ -525,7 +516,7 @@ _SINK = 4  # learnable_sink's place among ringattn::ring_attn_fwd's arguments
 def _ring_attn_setup_context(ctx, inputs, output) -> None:
     q, k, v, cu_seqlens, sink, *options = inputs
     out, lse, state, number = output
-    # with sinks that need their gradient, the backward runs on the unrounded out (see _with_sink)
+    # with sinks that need their gradient, the backward runs on the unrounded out (see _sink_outputs)
     kept = state if state.numel() and ctx.needs_input_grad[_SINK] else out
     ctx.save_for_backward(q, k, v, kept, lse, number, cu_seqlens, sink)
     ctx.options = options[:-2]  # softmax_scale .. layout, the backward's; not grads, call

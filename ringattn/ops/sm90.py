@@ -5,9 +5,10 @@ What it takes, by kernel (TABLE: head dims and launch configs; the *_supported f
 take causal and not, MHA, GQA and MQA, and need every tensor 16-byte aligned for their TMA descriptors; the Gluon
 forward and backward also take sliding windows and soft-capping, the split kernels neither (their calls run on the
 portable kernels).
-- fwd, the Gluon forward (a TMA producer warp, two consumer warpgroups): D = 128 (at D = 64 it ran 0.92 to 0.99x
-  the portable forward); fp16 or bf16, out in q's dtype or the ring's fp32 state (rows finished into the output
-  too); no documents; a GPU (the interpreter cannot run Gluon).
+- fwd, the Gluon forward (a TMA producer warp, two consumer warpgroups): D = 128 (at D = 64 it ran 0.97x to 1.03x
+  the portable forward, with two or three consumers: docs/performance.md, decisions); fp16 or bf16, out in q's
+  dtype or the ring's fp32 state (rows finished into the output too); no documents; a GPU (the interpreter cannot
+  run Gluon).
 - bwd, the Gluon backward (a TMA producer warp, a dQ writer warp, two consumer warpgroups): D = 64 and 128; fp16 or
   bf16; not deterministic (its dQ additions come in the programs' order); no documents; a GPU. It runs every
   backward the table takes; the split kernels below run the deterministic ones.
