@@ -1,8 +1,12 @@
 """Helpers shared by the tests: devices, dtypes, inputs and the reference attention."""
 
+import importlib
+import pkgutil
+
 import torch
 
-from ringattn.ops import attn_fwd_ref
+import ringattn.kernels
+from ringattn.ops import attn_fwd_ref, capabilities
 from ringattn.testing import RESULTS, check_results
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,3 +52,14 @@ def check_against_reference(q, k, v, dout, softmax_scale, causal, results, what=
     ref = reference_attention(q, k, v, dout, softmax_scale, causal, torch.float64, **options)
     pt = reference_attention(q, k, v, dout, softmax_scale, causal, q.dtype, **options)
     check_results(what, *(dict(zip(RESULTS, r, strict=True)) for r in (results, pt, ref)))
+
+
+def package_kernel_names() -> list[str]:
+    """The names of every Triton kernel in ringattn/kernels (the Gluon forward's only where Gluon's Hopper ops
+    import), as a profiler names them: what the benchmarks find ringattn's kernels by."""
+    names = []
+    for module in pkgutil.walk_packages(ringattn.kernels.__path__, "ringattn.kernels."):
+        if module.name.endswith("sm90.attn_fwd") and not capabilities().gluon_hopper:
+            continue  # the Gluon kernel's module needs Gluon's Hopper ops to import
+        names += [name for name in vars(importlib.import_module(module.name)) if name.endswith("_kernel")]
+    return names

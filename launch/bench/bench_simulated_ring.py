@@ -41,6 +41,9 @@ computed something, summed over the ranks (steps_computed, of W^2), the forward'
 stops after the last step of its K/V streams, schedule.ring_streams), and the K/V rows one rank sends in a forward
 (kv_rows_sent, of (W - 1) S_local without a window: each of K and V, summed over the hops; a window sends only the
 rows it reads, one way or both); FLOPs are then counted over the window's visible pairs.
+--breakdown (a GPU) also profiles one forward+backward of each ring and of its fused call (torch.profiler, after one
+warm-up call) and records their GPU kernel time and launches by group (kernel_group: attention forward, attention
+backward, row stats, other) in the fwd+bwd records, under "kernels", with a table of them: where the overhead goes.
 Before any timing, the ring's out, dq, dk, dv must be within 1e-2 relative L2 error of the fused call's
 (a failing cell is recorded with "error" and not timed; the script then exits with status 1).
 
@@ -123,6 +126,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=-1, metavar="LEFT",
                         help="a sliding window of LEFT keys back in every cell (-1: none)")  # fmt: skip
     parser.add_argument("--softcap", type=float, default=0.0, help="soft-cap the scores (0: none)")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="profile a forward+backward of each ring and fused call: GPU kernel time by group",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/benchmarks/simulated_ring_h200.json", help="JSON path")
     parser.add_argument("--append", action="store_true", help="keep --out's records of cells not measured again")
@@ -138,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--window must be -1 (none) or >= 0, got {args.window}; --softcap >= 0, got {args.softcap}")
     if args.dtype == "bf16" and not torch.cuda.is_available():
         parser.error("--dtype bf16 needs a GPU (Triton's interpreter computes bf16 wrongly)")
+    if args.breakdown and not torch.cuda.is_available():
+        parser.error("--breakdown profiles GPU kernels: it needs a GPU")
     if min(args.ulysses) < 1:
         parser.error(f"--ulysses takes degrees >= 1, got {args.ulysses}")
     args.ulysses = sorted({u for u in args.ulysses if u > 1})
@@ -283,6 +293,35 @@ def ring_steps(shape: dict, layout: str, causal: bool, window) -> dict:
     return dict(steps_computed=computed, forward_steps=steps + 1, kv_rows_sent=rows)
 
 
+def kernel_group(name: str) -> str:
+    """The group of a GPU kernel, by the profiler's name for it: ringattn's attention forward and backward kernels
+    (any backend: every kernel ringattn/kernels launches is called _attn_<what>_kernel) and their row stats
+    (_attn_bwd_preprocess_kernel); "other" for the rest, PyTorch's kernels (the ring's adds of dK/dV shares, fills,
+    copies, casts)."""
+    if "_attn_bwd_preprocess" in name:
+        return "row stats"
+    if "_attn_fwd" in name:
+        return "attention forward"
+    return "attention backward" if "_attn_bwd" in name else "other"
+
+
+def kernel_breakdown(fn) -> dict[str, dict]:
+    """{group: {"ms", "launches"}} of fn()'s GPU kernels in one call (kernel_group), profiled after one warm-up
+    call."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    groups: dict[str, dict] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            group = groups.setdefault(kernel_group(event.name), dict(ms=0.0, launches=0))
+            group["ms"] += event.device_time / 1e3
+            group["launches"] += 1
+    return groups
+
+
 def peak_of(fn, args, peak_bytes: int | None = None) -> int | None:
     """fn()'s peak bytes: given (from an earlier call), else from one more call (GPU; None on the CPU)."""
     if peak_bytes is None and args.device.type == "cuda":
@@ -311,6 +350,8 @@ def bench_cell(world_size: int, seqlen_local: int, args, fused_cache: dict) -> l
         if (seqlen, causal) not in fused_cache:
             fused_cache[seqlen, causal] = {"fwd": measure(fused_fwd, args),
                                            "fwd+bwd": measure(fused_fwd_bwd, args, fb_peak)}  # fmt: skip
+            if args.breakdown:
+                fused_cache[seqlen, causal]["fwd+bwd"]["kernels"] = kernel_breakdown(fused_fwd_bwd)
         for mode, result in fused_cache[seqlen, causal].items():
             records.append(_record("fused", shape, None, causal, mode, result))
         fused = {"fwd": fused_fwd, "fwd+bwd": fused_fwd_bwd}
@@ -379,6 +420,8 @@ def bench_ring(q, k, v, dout, shape: dict, layout: str, causal: bool, expected, 
         fused_ms, ring_ms, *grid_ms = paired_ms([fused[mode], *(calls[mode][0] for *_, calls in runs)], args)
         for (provider, grid, steps, calls), ms in zip(runs, [ring_ms, *grid_ms], strict=True):
             result = dict(ms=ms, peak_bytes=peak_of(calls[mode][0], args, calls[mode][1]))
+            if args.breakdown and mode == "fwd+bwd":
+                result["kernels"] = kernel_breakdown(calls[mode][0])
             rec = _record(provider, dict(shape, **grid), layout, causal, mode, result, fused_ms)
             if grid:
                 rec.update(ring_ms=ring_ms, ratio_to_ring=ms / ring_ms)
@@ -391,6 +434,8 @@ def _record(provider: str, shape: dict, layout, causal: bool, mode: str, result:
     tflops = attention_flops(1, shape["H"], shape["S"], shape["D"], causal, mode, window) / result["ms"] / 1e9
     rec = dict(provider=provider, **shape, layout=layout, causal=causal, mode=mode, ms=result["ms"], tflops=tflops,
                peak_bytes=result["peak_bytes"])  # fmt: skip
+    if "kernels" in result:
+        rec["kernels"] = result["kernels"]
     if baseline_ms is not None:
         rec["public_ms" if provider == "block_step" else "fused_ms"] = baseline_ms
         rec["overhead"] = result["ms"] / baseline_ms - 1
@@ -481,6 +526,24 @@ def ring_table(records: list[dict]) -> str:
     return markdown_table(head, rows)
 
 
+def breakdown_table(records: list[dict]) -> str:
+    """One row per forward+backward record with a kernel breakdown (--breakdown): GPU ms and launches per group."""
+    groups = ("attention forward", "attention backward", "row stats", "other")
+    rows = []
+    profiled = [r for r in records if "kernels" in r]
+    profiled.sort(key=lambda r: (r["S_local"], r["W"], -r["causal"], r["provider"] != "fused", r["layout"] or ""))
+    for r in profiled:
+        kernels = r["kernels"]
+        cells = [f"{kernels[g]['ms']:.2f} ({kernels[g]['launches']})" if g in kernels else "-" for g in groups]
+        grid = f" {r['U']} x {r['R']}" if "U" in r else ""
+        total = sum(k["ms"] for k in kernels.values())
+        rows.append([r["S_local"], r["W"], r["S"], r["provider"] + grid, r["layout"] or "-",
+                     "yes" if r["causal"] else "no", *cells, f"{total:.2f}"])  # fmt: skip
+    head = ["S_local", "W", "S", "provider", "layout", "causal", *(f"{g} ms (launches)" for g in groups),
+            "kernels ms"]  # fmt: skip
+    return markdown_table(head, rows)
+
+
 def block_table(records: list[dict]) -> str:
     """One row per (S_local, mode): the ring's step entry points against the public launchers on one block."""
     cells: dict = {}
@@ -546,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
             records += bench_block(seqlen_local, args)
         write_json(args.out, env, merged(kept, records))
     print(ring_table(records))
+    if args.breakdown:
+        print()
+        print(breakdown_table(records))
     if not args.no_block:
         print()
         print(block_table(records))

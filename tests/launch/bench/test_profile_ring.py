@@ -1,18 +1,15 @@
 """launch/bench/profile_ring.py: interval unions and intersections on synthetic intervals, the overlap summary of
 synthetic GPU and CPU trace events, and the script through launch/torchrun.sh on 2 gloo ranks."""
 
-import importlib
 import json
 import os
-import pkgutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-import ringattn.kernels
-from ringattn.ops import capabilities
+from tests.utils import package_kernel_names
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "launch" / "bench"))
@@ -72,11 +69,7 @@ def test_overlap_summary_of_gpu_kernels():
 def test_every_kernel_of_the_package_counts_as_compute():
     """The GPU summary finds ringattn's kernels by name (profile_ring.KERNEL_NAME), not by importing them: every
     Triton kernel in ringattn/kernels, in every form (warp-specialised, Gluon), must match it, and nothing else."""
-    names = []
-    for module in pkgutil.walk_packages(ringattn.kernels.__path__, "ringattn.kernels."):
-        if module.name.endswith("sm90.attn_fwd") and not capabilities().gluon_hopper:
-            continue  # the Gluon kernel's module needs Gluon's Hopper ops to import
-        names += [name for name in vars(importlib.import_module(module.name)) if name.endswith("_kernel")]
+    names = package_kernel_names()
     assert {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_preprocess_kernel"} <= set(
         names
     )

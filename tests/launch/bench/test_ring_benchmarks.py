@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.utils import package_kernel_names
+
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "launch" / "bench"))
 import bench_simulated_ring  # noqa: E402 (scripts beside the package, found through launch/bench/)
@@ -110,6 +112,38 @@ def test_grid_error_sums_the_copies_of_a_kv_head():
     shares = [[w * kv.index_select(1, i) for i in idx] for w in (0.25, 0.75)]
     assert bench_simulated_ring.grid_error(shares, kv, idx, [range(0, 1)] * 2) < 1e-6  # compared in fp32
     assert bench_simulated_ring.grid_error(shares[:1], kv, idx, [range(0, 1)]) > 0.5  # one share is not the head's
+
+
+def test_kernel_groups_of_the_breakdown():
+    """--breakdown groups GPU kernels by name: each of the package's kernels into its attention group (the forwards,
+    the backward's row stats, the other backward kernels), PyTorch's and NCCL's into "other"."""
+    names = package_kernel_names()
+    assert {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_preprocess_kernel"} <= set(
+        names
+    )
+    for name in names:
+        expected = ("row stats" if "preprocess" in name else "attention forward" if name.startswith("_attn_fwd")
+                    else "attention backward")  # fmt: skip
+        assert bench_simulated_ring.kernel_group(f"{name}_0d1d2d") == expected, name
+    for other in ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+                  "ncclDevKernel_SendRecv", "triton_poi_fused_add_0"):  # fmt: skip
+        assert bench_simulated_ring.kernel_group(other) == "other", other
+
+
+def test_breakdown_table_gives_each_group_and_the_total():
+    kernels = {"attention forward": dict(ms=2.0, launches=8), "other": dict(ms=0.5, launches=3)}
+    record = dict(provider="simulated_ring", W=4, S_local=8, S=32, layout="zigzag", causal=True, kernels=kernels)
+    table = bench_simulated_ring.breakdown_table([record, dict(record, provider="fused", layout=None, kernels={})])
+    rows = [line for line in table.splitlines() if line.startswith("| 8 | 4 | 32 |")]
+    assert rows == ["| 8 | 4 | 32 | fused | - | yes | - | - | - | - | 0.00 |",
+                    "| 8 | 4 | 32 | simulated_ring | zigzag | yes | 2.00 (8) | - | - | 0.50 (3) | 2.50 |"]  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_bench_simulated_ring_breakdown_needs_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        bench_simulated_ring.parse_args(["--tiny", "--breakdown"])
+    assert "--breakdown profiles GPU kernels: it needs a GPU" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("ulysses", ["3", "0"])
