@@ -381,11 +381,14 @@ def describe_disagreement(headers: list[Header], cls: type | None) -> str | None
 _ON_EVERY_RANK = " (raised on every rank of the group)"
 
 
-def describe_refusals(headers: list[Header], messages: list[str]) -> tuple[type[Exception], str]:
+def describe_refusals(
+    headers: list[Header], messages: list[str], global_ranks: list[int] | None = None
+) -> tuple[type[Exception], str]:
     """The error every rank raises when some refused (headers and messages in group-rank order): the type the
-    first refusing rank raised, and each refusal's call, group ranks and message. A message that is already such a
-    description (header.described: a refusal shared on another group first, as grid.shared_grid_refusals does) is
-    kept as it is."""
+    first refusing rank raised, and each refusal's call, group ranks (with their global ranks, `global_ranks` of
+    each group rank, where the group is not the world in rank order: a ring or Ulysses group of a grid) and message.
+    A message that is already such a description (header.described: a refusal shared on another group first, as
+    grid.shared_grid_refusals does) is kept as it is."""
     by_refusal: dict[tuple[str, str, bool], list[int]] = {}
     for rank, (header, message) in enumerate(zip(headers, messages, strict=True)):
         if header.refusal is not None:
@@ -396,7 +399,10 @@ def describe_refusals(headers: list[Header], messages: list[str]) -> tuple[type[
             parts.append(message.removesuffix(_ON_EVERY_RANK))
             continue
         which = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        parts.append(f"{call} refused on group {which} of {len(headers)}: {message}")
+        which += f" of {len(headers)}"
+        if global_ranks is not None:
+            which += f" (global rank{'s' if len(ranks) > 1 else ''} {', '.join(str(global_ranks[r]) for r in ranks)})"
+        parts.append(f"{call} refused on group {which}: {message}")
     kind = next(h.refusal for h in headers if h.refusal is not None)
     return kind, "; ".join(parts) + _ON_EVERY_RANK
 
@@ -502,7 +508,9 @@ def _exchange(call: str, fields: tuple | None, refusal: Exception | None, group)
         local[: len(own_message)] = torch.tensor(list(own_message), dtype=torch.uint8)
         texts = [bytes(t[: h.message_bytes].tolist()).decode("utf-8", "replace") for t, h in
                  zip(_all_gather(local, group, timeout_s, what), headers, strict=True)]  # fmt: skip
-        kind, message = describe_refusals(headers, texts)
+        in_order = list(range(len(headers)))  # the world's group ranks are its global ranks
+        global_ranks = in_order if group is None else dist.get_process_group_ranks(group)
+        kind, message = describe_refusals(headers, texts, None if global_ranks == in_order else global_ranks)
         raise described_error(kind, message) from refusal
     message = describe_disagreement(headers, None if fields is None else type(fields))
     if message is not None:

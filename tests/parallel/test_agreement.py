@@ -140,6 +140,10 @@ def test_refusals_name_each_refusing_rank_with_the_first_ones_type():
         "ring_attn_func refused on group ranks 1, 3 of 4: q must be float16; ring_attn_func refused on group rank 2 "
         "of 4: bad cu_seqlens (raised on every rank of the group)"
     )
+    # on a group of a grid (global ranks 2, 3, 6, 7), each refusing rank's global rank too
+    _, message = describe_refusals(headers, ["" if e is None else str(e) for e in errors], [2, 3, 6, 7])
+    assert message.startswith("ring_attn_func refused on group ranks 1, 3 of 4 (global ranks 3, 7): q must be float16")
+    assert "ring_attn_func refused on group rank 2 of 4 (global rank 6): bad cu_seqlens" in message
 
 
 def test_a_refusal_shared_on_another_group_first_keeps_its_description():

@@ -300,7 +300,9 @@ BAD_GRID_EXPECTED = {
     "overlapping": "ulysses_group and ring_group must share only this rank",
     "not-a-grid": "disagree on rank in the other group",
     "mesh-names": "mesh must have dimensions named 'ulysses' and 'ring', got ('dp', 'cp')",
-    "one-rank-dtype": "refused on group rank 1 of 2: q must be float16, bfloat16 or float32, got torch.float64",
+    # the refusing rank by its global rank too: a group rank does not say which rank of the grid it is
+    "one-rank-dtype": "refused on group rank 1 of 2 (global rank 3): q must be float16, bfloat16 or float32, got "
+    "torch.float64",
     "one-rank-causal": "disagree on causal (rank 0: True, rank 1: False)",
     "one-rank-return-lse": "disagree on return_lse (rank 0: True, rank 1: False)",
     "shard-length": "x.shape[1] = 6 must be a multiple of the Ulysses degree 2 x the ring degree 2",
