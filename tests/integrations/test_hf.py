@@ -512,6 +512,50 @@ def test_compiled_llama_equals_eager_on_2_ranks():
     assert run_ranks(_compiled_llama_equals_eager, 2, timeout=140) == [True, True]
 
 
+def _checkpointed_llama_equals_plain(rank, world_size):
+    import ringattn
+    from ringattn.integrations import hf
+    from ringattn.testing import check_close
+
+    seqlen = 16 * world_size
+    input_ids, labels = _batch(seqlen, "cpu")
+    ref = _unsharded(_tiny_llama(0, seqlen), input_ids, labels, torch.float64)
+    name = hf.register("ringattn-checkpointed", layout="zigzag")
+    sp = ringattn.SequenceParallel(layout="zigzag")
+    batch = sp.shard_batch(input_ids, labels)
+    rows = batch.position_ids[0]  # this rank's global positions
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        loss = sp.cross_entropy(logits, batch.labels)
+        loss.backward()
+        sp.sync_gradients(model)
+        return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    plain = step(hf.prepare(_tiny_llama(0, seqlen), name))
+    for reentrant in (False, True):
+        model = hf.prepare(_tiny_llama(0, seqlen), name)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=reentrant))
+        logits, loss, grads = step(model)
+        where = f"checkpointed (use_reentrant={reentrant}) rank {rank}"
+        check_close(f"{where} loss", loss, plain[1], ref[1])
+        check_close(f"{where} logits", logits, plain[0], ref[0][:, rows])
+        for n, grad in grads.items():  # the same kernels on the same inputs: the same bits as without checkpoints
+            assert torch.equal(grad, plain[2][n]), f"{where} grad {n}"
+            check_close(f"{where} grad {n}", grad, plain[2][n], ref[2][n])
+    return True
+
+
+@pytest.mark.timeout(150)
+def test_gradient_checkpointing_recomputes_the_ring_in_the_backward():
+    """model.gradient_checkpointing_enable() (use_reentrant False and True) on a prepared Llama over 2 gloo ranks: each
+    layer's ring attention runs again inside the backward (its agreement, transfers and numbered backward check
+    among the recomputation's collectives), and the gradients are the bits of the same model without checkpoints,
+    the loss and logits within the tolerance rule of eager attention in float64."""
+    assert run_ranks(_checkpointed_llama_equals_plain, 2, timeout=140) == [True, True]
+
+
 def _hf_grid_matches_eager(rank, world_size):
     """A 2 x 2 Ulysses x ring grid (register(ulysses_group=..., group=...), SequenceParallel(mesh=...)): rows of
     one sequence each against eager attention on the whole sequence, eagerly and with the model and the loss
