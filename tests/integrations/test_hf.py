@@ -462,6 +462,17 @@ def test_calls_that_were_silently_wrong_raise_on_every_rank():
     assert run_ranks(_calls_that_were_silently_wrong_raise, 2, timeout=300) == [True, True]
 
 
+def _ring_step(model, call, sp, batch):
+    """One sequence-parallel step of `model` through `call` (the model, or a compiled or wrapped form of it) on this
+    rank's shard `batch`: logits, loss and every parameter's gradient summed over the ranks."""
+    model.zero_grad(set_to_none=True)
+    logits = call(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    loss = sp.cross_entropy(logits, batch.labels)
+    loss.backward()
+    sp.sync_gradients(model)
+    return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
 def _compiled_llama_equals_eager(rank, world_size):
     import ringattn
     from ringattn.integrations import hf
@@ -477,12 +488,7 @@ def _compiled_llama_equals_eager(rank, world_size):
     model = hf.prepare(_tiny_llama(0, seqlen, num_hidden_layers=1), name)
 
     def step(fn):
-        model.zero_grad(set_to_none=True)
-        logits = fn(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-        loss = sp.cross_entropy(logits, batch.labels)
-        loss.backward()
-        sp.sync_gradients(model)
-        return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+        return _ring_step(model, fn, sp, batch)
 
     eager = step(model)
     for where, options in (("fullgraph", dict(fullgraph=True)), ("default", dict(backend="aot_eager"))):
@@ -526,12 +532,7 @@ def _checkpointed_llama_equals_plain(rank, world_size):
     rows = batch.position_ids[0]  # this rank's global positions
 
     def step(model):
-        model.zero_grad(set_to_none=True)
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-        loss = sp.cross_entropy(logits, batch.labels)
-        loss.backward()
-        sp.sync_gradients(model)
-        return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+        return _ring_step(model, model, sp, batch)
 
     plain = step(hf.prepare(_tiny_llama(0, seqlen), name))
     for reentrant in (False, True):
