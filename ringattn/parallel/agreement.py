@@ -508,9 +508,11 @@ def _exchange(call: str, fields: tuple | None, refusal: Exception | None, group)
         local[: len(own_message)] = torch.tensor(list(own_message), dtype=torch.uint8)
         texts = [bytes(t[: h.message_bytes].tolist()).decode("utf-8", "replace") for t, h in
                  zip(_all_gather(local, group, timeout_s, what), headers, strict=True)]  # fmt: skip
-        in_order = list(range(len(headers)))  # the world's group ranks are its global ranks
+        # global ranks where they are not the group ranks (a subgroup), and only where they map the rows one to one
+        in_order = list(range(len(headers)))
         global_ranks = in_order if group is None else dist.get_process_group_ranks(group)
-        kind, message = describe_refusals(headers, texts, None if global_ranks == in_order else global_ranks)
+        named = len(global_ranks) == len(headers) and global_ranks != in_order
+        kind, message = describe_refusals(headers, texts, global_ranks if named else None)
         raise described_error(kind, message) from refusal
     message = describe_disagreement(headers, None if fields is None else type(fields))
     if message is not None:
