@@ -518,14 +518,18 @@ def _ring_attn_setup_context(ctx, inputs, output) -> None:
     out, lse, state, number = output
     # with sinks that need their gradient, the backward runs on the unrounded out (see _sink_outputs)
     kept = state if state.numel() and ctx.needs_input_grad[_SINK] else out
-    ctx.save_for_backward(q, k, v, kept, lse, number, cu_seqlens, sink)
+    ctx.save_for_backward(q, k, v, kept, lse, cu_seqlens, sink)
+    # the call's number kept on ctx, not saved: under activation checkpointing (without reentry) a saved one would be
+    # the recomputation's, a new call's, and the backward would agree on that instead of the call it differentiates
+    ctx.number = number
     ctx.options = options[:-2]  # softmax_scale .. layout, the backward's; not grads, call
     ctx.mark_non_differentiable(lse, state, number)
 
 
 def _ring_attn_backward(ctx, dout, _dlse, _dstate, _dnumber):
     _check_not_double_backward()  # on every rank alike, before the ring
-    q, k, v, out, lse, number, cu_seqlens, sink = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens, sink = ctx.saved_tensors
+    number = ctx.number
     dq = dk = dv = None
     if any(ctx.needs_input_grad[:3]):  # the ranks agreed on it (graph_grads): all run the ring, or none (sinks alone)
         dq, dk, dv = ring_attn_bwd_op(dout, q, k, v, out, lse, number, cu_seqlens, *ctx.options)

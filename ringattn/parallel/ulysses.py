@@ -154,14 +154,14 @@ def _seq_to_heads_backward(ctx, grad):
 
 
 def _heads_to_seq_setup(ctx, inputs, output) -> None:
-    ctx.group_name = inputs[1]
-    ctx.save_for_backward(output[1])
+    # the number kept on ctx, not saved: under activation checkpointing (without reentry) a saved one would be the
+    # recomputation's, a new exchange's, and the backward would agree on that instead of the call it differentiates
+    ctx.group_name, ctx.number = inputs[1], output[1]
     ctx.mark_non_differentiable(output[1])
 
 
 def _heads_to_seq_backward(ctx, grad, _dnumber):
-    (number,) = ctx.saved_tensors
-    checked = backward_check_op(number, ctx.group_name)
+    checked = backward_check_op(ctx.number, ctx.group_name)
     return seq_to_heads_op(grad.contiguous(), ctx.group_name, checked), None, None
 
 

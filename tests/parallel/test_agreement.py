@@ -2,6 +2,7 @@
 that call differently or refuse their input all raising the same clear error quickly, instead of hanging, aborting
 the process or returning a wrong result."""
 
+import functools
 import os
 import re
 import time
@@ -354,9 +355,18 @@ def test_ranks_calling_different_collectives_all_raise():
     assert all(elapsed < 1.0 for _, elapsed in results)
 
 
-def _backwards_in_another_order(rank, world_size, shapes):
-    """Two ring calls agreed forward; rank 1 runs their backwards in the other order."""
-    first, second = (_call(seqlen=n).sum() for n in shapes)
+def _backwards_in_another_order(rank, world_size, shapes, checkpointed=False):
+    """Two ring calls agreed forward (checkpointed: each under torch.utils.checkpoint without reentry, so that its
+    backward recomputes it first, a new call); rank 1 runs their backwards in the other order."""
+
+    def call(seqlen):
+        if not checkpointed:
+            return _call(seqlen=seqlen)
+        q, k, v = _qkv(seqlen, 1, torch.float32, True)
+        attention = functools.partial(ringattn.ring_attn_func, softmax_scale=0.25, causal=True, layout="zigzag")
+        return torch.utils.checkpoint.checkpoint(attention, q, k, v, use_reentrant=False)
+
+    first, second = (call(n).sum() for n in shapes)
     losses = (first, second) if rank == 0 else (second, first)
     start = time.monotonic()
     with pytest.raises(ValueError) as err:
@@ -365,15 +375,20 @@ def _backwards_in_another_order(rank, world_size, shapes):
     return str(err.value), time.monotonic() - start
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("shapes", [(8, 8), (8, 16)], ids=["same-shapes", "other-shapes"])
-def test_backwards_in_another_order_on_one_rank_raise_on_every_rank(shapes):
+def test_backwards_in_another_order_on_one_rank_raise_on_every_rank(shapes, checkpointed):
     """Regression: the backward exchanged no header, so a rank differentiating the ring calls in another order ran
     each backward against its peers' other call: silently wrong gradients (off by 5 to 9 here) with equal shapes, a
     gloo abort with others. Now the backward agrees on which forward call it differentiates, numbered in the
-    group's call order: the same ValueError on both ranks, within a second."""
-    results = run_ranks(_backwards_in_another_order, 2, shapes)
+    group's call order: the same ValueError on both ranks, within a second. Checkpointed (non-reentrant), the
+    number is the first forward's, not the recomputation's (which the ranks agreed on by shapes alone): before,
+    the recomputations of different calls paired up and the gradients were off by up to 3.9, without an error."""
+    results = run_ranks(_backwards_in_another_order, 2, shapes, checkpointed)
     assert results[0][0] == results[1][0], results
     expected = "ring attention backward: the ranks of the group disagree on the forward call whose backward this"
+    if checkpointed and shapes[0] != shapes[1]:  # the recomputations' own agreement sees it first
+        expected = "ring_attn_func: the ranks of the group disagree on local sequence length (q.shape[1])"
     assert expected in results[0][0], results
     assert all(elapsed < 1.0 for _, elapsed in results)
 

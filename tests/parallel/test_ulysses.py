@@ -2,6 +2,7 @@
 grids of spawned gloo ranks against float64 attention on the whole sequence; the 2-D layout's index map and the
 head split as pure functions; bad grids and bad inputs refused on every rank alike."""
 
+import functools
 import time
 from unittest import mock
 
@@ -373,15 +374,20 @@ def test_a_ulysses_group_of_one_rank_without_a_ring_is_a_grid_of_one():
     assert run_ranks(_grid_of_one_rank, 2) == [True, True]
 
 
-def _backwards_in_another_order(rank, world_size, lengths, ring_size):
-    """Two Ulysses calls agreed forward (pure Ulysses over the world, or U = 2 x R = 2); the second half of the ranks
-    (one rank of each Ulysses group; in the grid, a whole ring) runs their backwards in the other order."""
+def _backwards_in_another_order(rank, world_size, lengths, ring_size, checkpointed=False):
+    """Two Ulysses calls agreed forward (pure Ulysses over the world, or U = 2 x R = 2; checkpointed: each under
+    torch.utils.checkpoint without reentry); the second half of the ranks (one rank of each Ulysses group; in the
+    grid, a whole ring) runs their backwards in the other order."""
     grid = dict(mesh=_mesh(2, 2)) if ring_size == 2 else dict(ulysses_group=dist.group.WORLD, ring_group=None)
+    attention = functools.partial(ringattn.ulysses_ring_attn_func, causal=True, layout="zigzag", **grid)
     losses = []
     for seqlen in lengths:
         q, k, v, _ = make_qkv(1, seqlen, seqlen, 4, 2, 16, torch.float32, "cpu", seed=seqlen)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        losses.append(ringattn.ulysses_ring_attn_func(q, k, v, causal=True, layout="zigzag", **grid).sum())
+        if checkpointed:
+            losses.append(torch.utils.checkpoint.checkpoint(attention, q, k, v, use_reentrant=False).sum())
+        else:
+            losses.append(attention(q, k, v).sum())
     start = time.monotonic()
     with pytest.raises(ValueError) as err:
         for loss in losses if rank < world_size // 2 else losses[::-1]:
@@ -400,3 +406,12 @@ def test_backwards_in_another_order_on_some_ranks_raise_on_every_rank(lengths, r
     assert len({message for message, _ in results}) == 1, results
     assert "Ulysses backward: the ranks of the group disagree on the forward call whose backward this" in results[0][0]
     assert all(elapsed < 1.0 for _, elapsed in results)
+
+
+def test_checkpointed_backwards_in_another_order_raise_on_every_rank():
+    """Under torch.utils.checkpoint (without reentry) each backward recomputes its call first, a new exchange the
+    ranks agree on by shapes alone: the backward agrees on the first forward's number, not the recomputation's.
+    Regression: pure Ulysses paired the recomputations of different calls, without an error."""
+    results = run_ranks(_backwards_in_another_order, 2, (8, 8), 1, True)
+    assert len({message for message, _ in results}) == 1, results
+    assert "Ulysses backward: the ranks of the group disagree on the forward call whose backward this" in results[0][0]
