@@ -537,7 +537,9 @@ def _checkpointed_llama_equals_plain(rank, world_size):
     plain = step(hf.prepare(_tiny_llama(0, seqlen), name))
     for reentrant in (False, True):
         model = hf.prepare(_tiny_llama(0, seqlen), name)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=reentrant))
+        # transformers 5.25's name; gradient_checkpointing_enable, its deprecated alias, before (the same arguments)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable(dict(use_reentrant=reentrant))
         logits, loss, grads = step(model)
         where = f"checkpointed (use_reentrant={reentrant}) rank {rank}"
         check_close(f"{where} loss", loss, plain[1], ref[1])
@@ -549,9 +551,9 @@ def _checkpointed_llama_equals_plain(rank, world_size):
 
 
 @pytest.mark.timeout(150)
-def test_gradient_checkpointing_recomputes_the_ring_in_the_backward():
-    """model.gradient_checkpointing_enable() (use_reentrant False and True) on a prepared Llama over 2 gloo ranks: each
-    layer's ring attention runs again inside the backward (its agreement, transfers and numbered backward check
+def test_activation_checkpointing_recomputes_the_ring_in_the_backward():
+    """model.activation_checkpointing_enable() (use_reentrant False and True) on a prepared Llama over 2 gloo ranks:
+    each layer's ring attention runs again inside the backward (its agreement, transfers and numbered backward check
     among the recomputation's collectives), and the gradients are the bits of the same model without checkpoints,
     the loss and logits within the tolerance rule of eager attention in float64."""
     assert run_ranks(_checkpointed_llama_equals_plain, 2, timeout=140) == [True, True]
