@@ -529,10 +529,9 @@ def _ring_attn_setup_context(ctx, inputs, output) -> None:
 def _ring_attn_backward(ctx, dout, _dlse, _dstate, _dnumber):
     _check_not_double_backward()  # on every rank alike, before the ring
     q, k, v, out, lse, cu_seqlens, sink = ctx.saved_tensors
-    number = ctx.number
     dq = dk = dv = None
     if any(ctx.needs_input_grad[:3]):  # the ranks agreed on it (graph_grads): all run the ring, or none (sinks alone)
-        dq, dk, dv = ring_attn_bwd_op(dout, q, k, v, out, lse, number, cu_seqlens, *ctx.options)
+        dq, dk, dv = ring_attn_bwd_op(dout, q, k, v, out, lse, ctx.number, cu_seqlens, *ctx.options)
     # this rank's rows' share, as for any parameter the ranks hold alike (SequenceParallel.sync_gradients)
     dsink = sink_grad(dout, out, lse, sink) if sink is not None and ctx.needs_input_grad[_SINK] else None
     return dq, dk, dv, None, dsink, *(None,) * 10

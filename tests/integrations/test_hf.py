@@ -487,14 +487,11 @@ def _compiled_llama_equals_eager(rank, world_size):
     rows = batch.position_ids[0]  # this rank's global positions
     model = hf.prepare(_tiny_llama(0, seqlen, num_hidden_layers=1), name)
 
-    def step(fn):
-        return _ring_step(model, fn, sp, batch)
-
-    eager = step(model)
+    eager = _ring_step(model, model, sp, batch)
     for where, options in (("fullgraph", dict(fullgraph=True)), ("default", dict(backend="aot_eager"))):
         torch._dynamo.reset()
         compiled = torch.compile(model, **options)
-        logits, loss, grads = step(compiled)
+        logits, loss, grads = _ring_step(model, compiled, sp, batch)
         where = f"torch.compile {where} rank {rank}"
         check_close(f"{where} logits", logits, eager[0], ref[0][:, rows])
         check_close(f"{where} loss", loss, eager[1], ref[1])
@@ -531,16 +528,14 @@ def _checkpointed_llama_equals_plain(rank, world_size):
     batch = sp.shard_batch(input_ids, labels)
     rows = batch.position_ids[0]  # this rank's global positions
 
-    def step(model):
-        return _ring_step(model, model, sp, batch)
-
-    plain = step(hf.prepare(_tiny_llama(0, seqlen), name))
+    plain_model = hf.prepare(_tiny_llama(0, seqlen), name)
+    plain = _ring_step(plain_model, plain_model, sp, batch)
     for reentrant in (False, True):
         model = hf.prepare(_tiny_llama(0, seqlen), name)
         # transformers 5.25's name; gradient_checkpointing_enable, its deprecated alias, before (the same arguments)
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable(dict(use_reentrant=reentrant))
-        logits, loss, grads = step(model)
+        logits, loss, grads = _ring_step(model, model, sp, batch)
         where = f"checkpointed (use_reentrant={reentrant}) rank {rank}"
         check_close(f"{where} loss", loss, plain[1], ref[1])
         check_close(f"{where} logits", logits, plain[0], ref[0][:, rows])
