@@ -6,7 +6,7 @@ GPU: the check that a change keeps the kernels' speed.
 
 Each tree runs in its own process (a package can be imported once per process), in the order A B A B ... for
 --repeats rounds, so drift of the GPU's clocks falls on both; every process times the same cells (bf16, H = 32,
-B x S = 32768 tokens, the grid of --head-dims, --seqlens, K/V heads 32 and 8, causal or not) with
+B x S = 32768 tokens, the grid of --head-dims, --seqlens, K/V heads 32 and 8, causal or not, --softcaps) with
 triton.testing.do_bench (median), and records the sum of its forward's output, so that trees whose kernels round
 differently show it. Writes JSON (environment, one record per tree, round, cell and mode) and prints per cell the
 median over rounds of each tree and their ratio.
@@ -23,10 +23,10 @@ from pathlib import Path
 TOKENS, HEADS = 32768, 32
 
 
-def _cells(head_dims: list[int], seqlens: list[int]) -> list[dict]:
+def _cells(head_dims: list[int], seqlens: list[int], softcaps: list[float]) -> list[dict]:
     return [
-        dict(B=TOKENS // s, S=s, H=HEADS, Hkv=hkv, D=d, causal=causal)
-        for d in head_dims for s in seqlens for hkv in (HEADS, 8) for causal in (False, True)
+        dict(B=TOKENS // s, S=s, H=HEADS, Hkv=hkv, D=d, causal=causal, softcap=cap)
+        for d in head_dims for s in seqlens for hkv in (HEADS, 8) for causal in (False, True) for cap in softcaps
     ]  # fmt: skip
 
 
@@ -43,15 +43,15 @@ def _time_cell(cell: dict) -> list[dict]:
     k, v = (torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
             for _ in range(2))  # fmt: skip
     dout = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=gen)
-    causal = cell["causal"]
-    digest = float(ringattn.flash_attn_func(q, k, v, causal=causal).float().sum())
+    options = dict(causal=cell["causal"], softcap=cell["softcap"])
+    digest = float(ringattn.flash_attn_func(q, k, v, **options).float().sum())
 
     def fwd():
         with torch.no_grad():
-            ringattn.flash_attn_func(q, k, v, causal=causal)
+            ringattn.flash_attn_func(q, k, v, **options)
 
     def fwd_bwd():
-        ringattn.flash_attn_func(q, k, v, causal=causal).backward(dout)
+        ringattn.flash_attn_func(q, k, v, **options).backward(dout)
 
     return [
         dict(cell, mode=mode, ms=do_bench(fn, warmup=50, rep=300, return_mode="median"), out_sum=digest)
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--labels", nargs=2, default=("A", "B"), help="their names in the records")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--softcaps", type=float, nargs="+", default=[0.0], help="soft-caps (0: none)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of A B")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -101,22 +102,22 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("compare_trees.py times CUDA kernels: no GPU here")
-    cells = _cells(args.head_dims, args.seqlens)
+    cells = _cells(args.head_dims, args.seqlens, args.softcaps)
     records = []
     for round_ in range(args.repeats):
         for tree, label in zip(args.trees, args.labels, strict=True):
             records += [dict(r, tree=label, round=round_) for r in _worker(tree, cells)]
     args.out.write_text(json.dumps(dict(environment=_environment(), command=sys.argv, records=records), indent=1))
     a, b = args.labels
-    print(f"| D | S | Hkv | causal | mode | {a} ms | {b} ms | {b} / {a} |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    keys = sorted({(r["D"], r["S"], r["Hkv"], r["causal"], r["mode"]) for r in records}, reverse=True)
+    print(f"| D | S | Hkv | causal | softcap | mode | {a} ms | {b} ms | {b} / {a} |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    fields = ("D", "S", "Hkv", "causal", "softcap", "mode")
+    keys = sorted({tuple(r[f] for f in fields) for r in records}, reverse=True)
     for key in keys:
-        ms = {label: statistics.median(r["ms"] for r in records if r["tree"] == label
-                                       and (r["D"], r["S"], r["Hkv"], r["causal"], r["mode"]) == key)
+        ms = {label: statistics.median(r["ms"] for r in records
+                                       if r["tree"] == label and tuple(r[f] for f in fields) == key)
               for label in args.labels}  # fmt: skip
-        print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {key[4]} | {ms[a]:.3f} | {ms[b]:.3f} | "
-              f"{ms[b] / ms[a]:.3f} |")  # fmt: skip
+        print("| " + " | ".join(map(str, key)) + f" | {ms[a]:.3f} | {ms[b]:.3f} | {ms[b] / ms[a]:.3f} |")
 
 
 if __name__ == "__main__":
