@@ -85,10 +85,12 @@ alone, under torch.compile without token_type_ids; the bidirectional patterns of
 use_bidirectional_attention, EmbeddingGemma's, and Unlimited OCR's reference-sliding layers without a cache are read in
 eager calls: hf_masks.MODEL_PATTERNS), layers that attend bidirectionally over a causal eager mask
 (use_bidirectional_attention in Gemma 2 and PaliGemma's text models), a KV cache holding earlier tokens or an empty one
-passed in (generation), output_attentions, position_ids that are not this rank's positions in the registered layout
-(e.g. sharded in another layout, rows that differ, packed documents without their boundaries, or fewer rows than the
-boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different from it, and boundaries of a batch whose row starts
-are not among them.
+passed in (generation), logits_to_keep other than 0 (generate's 1: each rank's last tokens), output_attentions,
+input_ids (inputs_embeds) and position_ids of different lengths, position_ids that are not this rank's positions in
+the registered layout (e.g. sharded in another layout, rows that differ, packed documents without their boundaries, or
+fewer rows than the boundaries hold), cu_seq_lens_q without cu_seq_lens_k or different from it, and boundaries of a
+batch whose row starts are not among them. The tokens themselves are not checked: shard them with the positions, in one
+shard_batch call.
 """
 
 import functools
@@ -277,9 +279,11 @@ class RingAttentionForTransformers:
         cu_seqlens_q: torch.Tensor | None,
         cu_seqlens_k: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
+        tokens: int = -1,
     ) -> torch.Tensor:
         """position_ids (batch or 1, S_local), checked by ringattn::hf_checked_position_ids on this group (grid),
         layout and name: a copy, for the model to use in their place, so that the check stays in a compiled graph.
+        tokens: the call's tokens a row (input_ids' or inputs_embeds' dim 1), -1 where unknown.
 
         Raises:
             RuntimeError: torch.distributed not initialised.
@@ -291,11 +295,11 @@ class RingAttentionForTransformers:
             attention_mask = None  # a 4-D mask reaches the attention function, which refuses it
         if self.grid is not None:  # the grid's groups by name, "" for a dimension of degree 1
             ring, ulysses = (g.group_name if g is not None else "" for g in (self.grid.ring, self.grid.ulysses))
-            return checked_position_ids_op(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, ring,
+            return checked_position_ids_op(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, tokens, ring,
                                            self.layout, self.name, ulysses)  # fmt: skip
         group = self.group if self.group is not None else dist.group.WORLD
-        return checked_position_ids_op(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, group.group_name,
-                                       self.layout, self.name)  # fmt: skip
+        return checked_position_ids_op(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, tokens,
+                                       group.group_name, self.layout, self.name)  # fmt: skip
 
 
 @torch.library.custom_op("ringattn::hf_checked_position_ids", mutates_args=())
@@ -304,6 +308,7 @@ def checked_position_ids_op(
     cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
+    tokens: int,
     group_name: str,
     layout: str,
     name: str,
@@ -314,6 +319,7 @@ def checked_position_ids_op(
     `group_name` (with `ulysses_group_name`, on the grid of that Ulysses group and that ring, "" naming a dimension
     of degree 1), that
 
+    - the call's tokens a row (`tokens`, -1 where unknown) are as many as position_ids';
     - every row holds this rank's positions in `layout` (over a grid, its 2-D layout, grid_shard_indices): its
       global positions (one sequence per row), or, with cu_seqlens_q and cu_seqlens_k (packed documents), the
       positions inside their documents;
@@ -327,7 +333,7 @@ def checked_position_ids_op(
     Raises:
         ValueError, TypeError: as above, naming the attention implementation `name`.
     """
-    args = (position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask)
+    args = (position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, tokens)
     if ulysses_group_name is not None:
         grid = Grid(*(_resolve_process_group(n) if n else None for n in (ulysses_group_name, group_name)))
 
@@ -369,7 +375,8 @@ class _GridPlace:
         return grid_shard_indices(seqlen, g.ulysses_rank, g.ulysses_size, g.ring_rank, g.ring_size, layout)
 
 
-def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, place, layout: str, name: str):
+def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, tokens: int, place, layout: str,
+                       name: str):  # fmt: skip
     where = f"attn_implementation={name!r}"
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(f"ring attention takes no padding mask in the model call: {_PADDING_HOWTO}")
@@ -377,6 +384,11 @@ def _check_call_values(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask,
         raise TypeError(f"{where}: position_ids must be integers (batch, S_local), got {position_ids.dtype} of "
                         f"shape {tuple(position_ids.shape)}")  # fmt: skip
     seqlen_local = position_ids.shape[-1]
+    if tokens not in (-1, seqlen_local):
+        raise ValueError(
+            f"{where}: input_ids (or inputs_embeds) hold {tokens} tokens a row and position_ids {seqlen_local}: pass "
+            "each rank its shard of both (SequenceParallel.shard_batch(...).input_ids and .position_ids)"
+        )
     # a ring rank holds U pieces of the local length (one, without a grid)
     what = "the local sequence length" if place.pieces == 1 else f"the Ulysses degree {place.pieces} x local length"
     check_local_seqlen(place.pieces * seqlen_local, layout, name=what)
@@ -520,6 +532,13 @@ def _check_call(model: torch.nn.Module, check_values: bool):
                 "others' in one call, and each rank's last token is a different one; generate with the unsharded "
                 "model, and call this one with use_cache=False"
             )
+        keep = call.get("logits_to_keep")
+        if isinstance(keep, int) and not isinstance(keep, bool) and keep != 0:
+            raise ValueError(
+                f"{where}: logits_to_keep={keep} keeps the last {keep} of each rank's own tokens, not the sequence's "
+                "(generate passes 1, and without a KV cache each rank would continue from a different token): "
+                "generate with the unsharded model, and call this one with logits_to_keep=0 (all positions)"
+            )
         if call.get("position_ids") is None:
             raise ValueError(
                 f"{where} needs position_ids in every call: each rank's tokens' positions "
@@ -538,9 +557,10 @@ def _check_call(model: torch.nn.Module, check_values: bool):
             )
         if not check_values:
             return None
-        checked = fn.checked_position_ids(
-            call["position_ids"], call.get("cu_seq_lens_q"), call.get("cu_seq_lens_k"), call.get("attention_mask")
-        )
+        tokens = next((t for t in (call.get("input_ids"), call.get("inputs_embeds")) if t is not None), None)
+        row_tokens = tokens.shape[1] if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else -1
+        bounds = (call.get("cu_seq_lens_q"), call.get("cu_seq_lens_k"))
+        checked = fn.checked_position_ids(call["position_ids"], *bounds, call.get("attention_mask"), row_tokens)
         if "position_ids" in kwargs:
             return args, {**kwargs, "position_ids": checked}
         i = positional.index("position_ids")

@@ -445,6 +445,14 @@ def _calls_that_were_silently_wrong_raise(rank, world_size):
         for given in (dict(labels=batch.labels), dict(labels=batch.labels, shift_labels=batch.labels)):
             with pytest.raises(ValueError, match=r"with labels= alone .* Compute the loss with sp.cross_entropy"):
                 llama(input_ids=ids, position_ids=pos, use_cache=False, **given)
+        # generate without a cache: each rank continued from its own last token (logits_to_keep=1)
+        with pytest.raises(ValueError, match=r"logits_to_keep=1 keeps the last 1 of each rank's own tokens"):
+            llama.generate(input_ids=ids, position_ids=pos, max_new_tokens=1, do_sample=False, use_cache=False)
+        # every token on one rank, its positions sharded: RoPE's shape error before, naming nothing
+        tokens = input_ids if dist.get_rank() == 1 else ids
+        lengths = rf"input_ids \(or inputs_embeds\) hold {seqlen} tokens a row and position_ids {seqlen // world_size}"
+        with pytest.raises(ValueError, match=rf"refused on group rank 1 of 2: .* {lengths}: pass each rank its shard"):
+            llama(input_ids=tokens, position_ids=pos, use_cache=False)
         bert = hf.prepare(_model("modernbert", 0, seqlen), name)  # an encoder: no position_ids reach its attention
         with pytest.raises(ValueError, match="needs position_ids in every call"):
             bert(input_ids=ids)
@@ -458,7 +466,9 @@ def test_calls_that_were_silently_wrong_raise_on_every_rank():
     """Regression: without position_ids the model numbered each rank's shard from 0, and in the contiguous layout
     with batch 1 the ring read each shard as a document of its own (rank 1's logits off by 0.40, no error); an
     encoder without position_ids (ModernBERT, which hands none to its attention layers) was wrong in both layouts;
-    model(labels=...) gave the loss of each rank's shard alone, slightly wrong, without a word."""
+    model(labels=...) gave the loss of each rank's shard alone, slightly wrong, without a word; generate without a
+    cache gave each rank but one a different wrong token; unsharded input_ids with sharded positions failed in RoPE
+    without naming them."""
     assert run_ranks(_calls_that_were_silently_wrong_raise, 2, timeout=300) == [True, True]
 
 
