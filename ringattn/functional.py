@@ -23,7 +23,9 @@ from .ops import KERNEL_OPS, add_sink_, capped_ops, kernel_ops, kernel_override,
 from .ops.custom_ops import attn_bwd_op, attn_fwd_op
 from .ops.validation import (
     LSE_DTYPE,
+    as_int,
     check_attn_inputs,
+    check_flag,
     check_flash_attn_options,
     check_kernel_device,
     check_sink,
@@ -157,8 +159,9 @@ def flash_attn_func(
         causal: bottom-right aligned causal mask (row i sees keys j <= i + seqlen_k - seqlen_q);
             rows that see no key give zeros.
         window_size: (left, right) sliding window, -1 for no limit on a side: row i sees keys j with
-            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (with causal, right is 0).
-            Key tiles outside every row's window are skipped.
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (with causal, right is 0),
+            also past the sequence (as FlashAttention-3 and 4; docs/api.md says where FlashAttention-2 differs).
+            Sides are ints or what operator.index takes. Key tiles outside every row's window are skipped.
         softcap: scores -> softcap * tanh(scores / softcap), after the scale (Gemma 2's logit soft-capping);
             0 for none.
         alibi_slopes: None (no ALiBi).
@@ -173,8 +176,8 @@ def flash_attn_func(
         out (batch, seqlen_q, nheads, headdim) in q's dtype; with return_lse also
         lse (batch, nheads, seqlen_q) fp32, natural log (-inf for rows that see no key; with sinks, counting them).
     Raises:
-        ValueError, TypeError: bad shapes, dtypes, devices, scale, window or softcap; a causal or deterministic
-            that is not a bool; dropout_p, alibi_slopes or return_attn_probs other than their no-op values.
+        ValueError, TypeError: bad shapes, dtypes, devices, scale, window or softcap; a causal, deterministic or
+            return_lse that is not a bool; dropout_p, alibi_slopes or return_attn_probs other than their no-op values.
         RuntimeError: CPU tensors without TRITON_INTERPRET=1; in the backward, create_graph=True (no double
             backward).
     Meta tensors give meta outputs (and gradients) of these shapes, computing nothing: the custom ops' fake
@@ -183,6 +186,7 @@ def flash_attn_func(
     causal, window, softcap, deterministic = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
     )
+    return_lse = check_flag(return_lse, "return_lse")
     check_attn_inputs(q, k, v)
     sink = check_sink(learnable_sink, q)
     scale = default_softmax_scale(softmax_scale, q.shape[-1])
@@ -220,7 +224,8 @@ def flash_attn_varlen_func(
         q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); as flash_attn_func's otherwise.
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 or int64 sequence boundaries: 0 first, total_q (total_k)
             last, nondecreasing (a sequence may be empty, as in flash-attn), the same number of sequences.
-        max_seqlen_q, max_seqlen_k: the longest sequence of each (ints; checked against the boundaries).
+        max_seqlen_q, max_seqlen_k: the longest sequence of each (ints, or what operator.index takes; checked against
+            the boundaries).
         causal, window_size: per sequence, as flash_attn_func's; they need cu_seqlens_q equal to cu_seqlens_k
             (each sequence's queries and keys the same tokens, as in training).
         dropout_p, softmax_scale, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse,
@@ -235,6 +240,7 @@ def flash_attn_varlen_func(
     causal, window, softcap, deterministic = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
     )
+    return_lse = check_flag(return_lse, "return_lse")
     _check_3d(q, k, v, "total_tokens")
     check_attn_inputs(q[None], k[None], v[None])
     sink = check_sink(learnable_sink, q[None])
@@ -264,15 +270,15 @@ def _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
         check_cu_seqlens_tensor(cu, name)
         if cu.device != t.device:
             raise ValueError(f"{name} must be on {t.device}, got {cu.device}")
-        if isinstance(max_len, bool) or not isinstance(max_len, int):
+        if as_int(max_len) is None:
             raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got {cu_seqlens_q.numel() - 1} "
             f"and {cu_seqlens_k.numel() - 1}"
         )
-    return varlen_doc_ids_op(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0],
-                             same_bounds)  # fmt: skip
+    return varlen_doc_ids_op(cu_seqlens_q, cu_seqlens_k, as_int(max_seqlen_q), as_int(max_seqlen_k), q.shape[0],
+                             k.shape[0], same_bounds)  # fmt: skip
 
 
 @torch.library.custom_op("ringattn::varlen_doc_ids", mutates_args=())
@@ -634,6 +640,7 @@ def ring_attn_func(
         causal, window, softcap, deterministic = check_flash_attn_options(
             dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
         )
+        return_lse = check_flag(return_lse, "return_lse")
         scale, group_name = check_ring_inputs(q, k, v, group, layout, softmax_scale, learnable_sink)
     out, lse = _ring_attn("ring_attn_func", q, k, v, None, learnable_sink, scale, causal, window, softcap,
                           deterministic, group_name, layout)  # fmt: skip
@@ -701,6 +708,7 @@ def ring_attn_varlen_func(
         causal, window, softcap, deterministic = check_flash_attn_options(
             dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
         )
+        return_lse = check_flag(return_lse, "return_lse")
         rows = _check_varlen_ring_dims(q, k, v)
         if rows:
             q, k, v = q[None], k[None], v[None]

@@ -25,7 +25,7 @@ from .functional import (
     ring_attn_func,
     ring_attn_varlen_func,
 )
-from .ops.validation import check_flash_attn_options
+from .ops.validation import check_flag, check_flash_attn_options
 from .parallel.agreement import ring_signature
 from .parallel.documents import check_cu_seqlens_tensor, checked_fingerprint
 from .parallel.grid import Grid, UlyssesRingSignature, agree_across_grid, grid_groups, shared_grid_refusals
@@ -106,6 +106,7 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
             options["dropout_p"], options["causal"], options["window_size"], options["softcap"],
             options["alibi_slopes"], options["deterministic"], options["return_attn_probs"],
         )  # fmt: skip
+        return_lse = check_flag(return_lse, "return_lse")
         check_layout(layout)
         # the ring's length rule applies to the ring's local length U x L, checked below
         scale, _ = check_ring_inputs(q, k, v, None, "contiguous", options["softmax_scale"], sink, call)

@@ -87,6 +87,32 @@ def test_varlen_bad_arguments_raise(change, error, match):
         ringattn.flash_attn_varlen_func(**args)
 
 
+def test_integers_as_flash_attn_takes_them():
+    """flash-attn's C++ arguments take anything Python reads as an integer (operator.index): max_seqlen and window
+    sides as integer 0-d tensors or objects with __index__ (numpy's integers) give the ints' bits; bools and floats
+    stay TypeErrors."""
+    q, k, v, _ = (t[0] for t in make_qkv(1, 16, 16, 2, 1, 32, DTYPE, seed=7))
+    cu = torch.tensor([0, 5, 13, 16], dtype=torch.int32, device=DEVICE)
+    want = ringattn.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, window_size=(3, 0))
+
+    class Index:  # as numpy's integers: an int through __index__ alone
+        def __init__(self, value):
+            self.value = value
+
+        def __index__(self):
+            return self.value
+
+    for integer in (Index, torch.tensor, lambda n: torch.tensor(n, dtype=torch.int32)):
+        got = ringattn.flash_attn_varlen_func(q, k, v, cu, cu, integer(8), integer(8),
+                                              window_size=(integer(3), integer(0)))  # fmt: skip
+        assert torch.equal(got, want), integer
+    for bad in (True, 8.0, torch.tensor(8.0), torch.tensor(True)):
+        with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
+            ringattn.flash_attn_varlen_func(q, k, v, cu, cu, bad, 8)
+        with pytest.raises(TypeError, match=r"window_size must be a \(left, right\) pair of ints"):
+            ringattn.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, window_size=(bad, 0))
+
+
 def test_varlen_compiles_with_fullgraph_and_checks_values_at_every_call():
     """Regression: torch.compile(fullgraph=True) of flash_attn_varlen_func failed ("Could not guard on
     data-dependent expression"): the boundaries' values were read in Python. They are read in the custom op

@@ -196,6 +196,23 @@ def test_causal_that_is_not_a_bool_raises_naming_causal(causal, ring_of_two_with
         ringattn.nn.RingAttention(causal=causal, layout="contiguous")
 
 
+def test_return_lse_that_is_not_a_bool_raises_naming_it(ring_of_two_without_communication):
+    """Regression: return_lse="False" (or [0]) returned (out, lse), read as bool(return_lse), in every public
+    function."""
+    q, k, v, _ = _inputs({})
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32, device=DEVICE)
+    calls = (
+        lambda flag: ringattn.flash_attn_func(q, k, v, return_lse=flag),
+        lambda flag: ringattn.flash_attn_varlen_func(q[0], k[0], v[0], cu[:2], cu[:2], 8, 8, return_lse=flag),
+        lambda flag: ringattn.ring_attn_func(q, k, v, layout="contiguous", return_lse=flag),
+        lambda flag: ringattn.ring_attn_varlen_func(q[0], k[0], v[0], cu, layout="contiguous", return_lse=flag),
+    )
+    for call in calls:
+        for flag in ("False", [0]):
+            with pytest.raises(TypeError, match=re.escape(f"return_lse must be a bool, got {flag!r}")):
+                call(flag)
+
+
 def test_positional_varlen_call_cannot_set_softmax_scale():
     """Regression: ring_attn_varlen_func(q, k, v, cu_seqlens, 44), a flash-attn varlen call's max_seqlen in
     position 5, took 44 as the softmax scale; every argument after cu_seqlens is keyword-only."""

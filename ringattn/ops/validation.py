@@ -1,6 +1,7 @@
 """Input checks shared by the launchers and the public functions: clear errors, raised early."""
 
 import math
+import operator
 import os
 import sys
 
@@ -203,6 +204,19 @@ def check_flag(value, name: str) -> bool:
     raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
 
+def as_int(value) -> int | None:
+    """value as an int where Python reads it as an integer (an int, a numpy integer, an integer 0-d tensor: what
+    operator.index takes, as flash-attn's C++ arguments do), else None (bools too)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_flash_attn_options(
     dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
 ) -> tuple[bool, tuple[int | None, int | None], float, bool]:
@@ -229,13 +243,13 @@ def check_flash_attn_options(
         )
     if not isinstance(window_size, tuple | list) or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair of ints (-1: no limit), got {window_size!r}")
-    for side in window_size:
-        if isinstance(side, bool) or not isinstance(side, int):
-            raise TypeError(f"window_size must be a (left, right) pair of ints (-1: no limit), got {window_size!r}")
-        if side < -1:
-            raise ValueError(f"window_size's sides must be >= 0, or -1 for no limit, got {tuple(window_size)}")
+    sides = tuple(as_int(side) for side in window_size)
+    if None in sides:
+        raise TypeError(f"window_size must be a (left, right) pair of ints (-1: no limit), got {window_size!r}")
+    if min(sides) < -1:
+        raise ValueError(f"window_size's sides must be >= 0, or -1 for no limit, got {sides}")
     # a side no sequence reaches is no limit (past 2**63 - 1 it would not fit the kernels' int64 arguments)
-    window = tuple(None if side == -1 or side >= sys.maxsize else side for side in window_size)
+    window = tuple(None if side == -1 or side >= sys.maxsize else side for side in sides)
     return check_flag(causal, "causal"), window, check_softcap(softcap), check_flag(deterministic, "deterministic")
 
 
