@@ -506,11 +506,11 @@ def _ring(implementation) -> RingAttentionForTransformers | None:
 
 def _check_call(model: torch.nn.Module, check_values: bool):
     """prepare's forward pre-hook for `model` (a transformers model): raises ValueError, while ring attention is
-    selected, for a call with a KV cache holding earlier tokens, without position_ids, or with labels but without
-    shift_labels and num_items_in_batch; with
+    selected, for a call with a KV cache holding earlier tokens, with logits_to_keep other than 0, without
+    position_ids, or with labels but without shift_labels and num_items_in_batch; with
     `check_values` (a model holding no other transformers model: the one that hands the attention layers their
-    arguments) it then checks the call's values with RingAttentionForTransformers.checked_position_ids and hands the
-    model the checked position_ids."""
+    arguments) it then checks the call's values (and its tokens' count a row) with
+    RingAttentionForTransformers.checked_position_ids and hands the model the checked position_ids."""
     positional = [
         p.name
         for p in inspect.signature(model.forward).parameters.values()
