@@ -42,6 +42,7 @@ from .functional import ring_attn_func, ring_attn_varlen_func
 from .parallel.agreement import (
     CrossEntropySignature,
     ShardBatchSignature,
+    SyncGradientsSignature,
     check_agreement,
     gather_on_cpu,
     shared_refusals,
@@ -57,6 +58,7 @@ from .parallel.grid import (
     Grid,
     GridCrossEntropySignature,
     GridShardBatchSignature,
+    GridSyncGradientsSignature,
     agree_across_grid,
     grid_all_gather,
     grid_arguments,
@@ -261,7 +263,7 @@ def _cross_entropy(logits, labels, place, ignore_index: int, grad_reduction: str
     else:
         group = dist.group.WORLD if place is None else place
         names, ranks = [group.group_name], dist.get_world_size(group)
-    totals = cross_entropy_totals_op(stats, names, agree, ignore_index, grad_reduction)
+    totals = cross_entropy_totals_op(stats, names, agree, ignore_index, grad_reduction, list(logits.shape))
     total, count = totals[0], totals[1].clamp(min=1.0)
     grad_scale = float(ranks) if grad_reduction == "mean" else 1.0
     return _GlobalMean.apply(local_sum, total, count, grad_scale)
@@ -269,14 +271,16 @@ def _cross_entropy(logits, labels, place, ignore_index: int, grad_reduction: str
 
 @torch.library.custom_op(
     "ringattn::cross_entropy_totals", mutates_args=(),
-    schema="(Tensor stats, str[] group_names, str agree, int ignore_index, str grad_reduction) -> Tensor",
+    schema="(Tensor stats, str[] group_names, str agree, int ignore_index, str grad_reduction, SymInt[] shape) -> "
+    "Tensor",
 )  # fmt: skip
-def cross_entropy_totals_op(stats, group_names, agree, ignore_index, grad_reduction):
+def cross_entropy_totals_op(stats, group_names, agree, ignore_index, grad_reduction, shape):
     """stats (2,) float64, this rank's loss sum and counted tokens, summed over the group named in `group_names`
     (one name), or over a grid's (two: its Ulysses group and its ring, "" for a dimension of degree 1), after the
-    ranks' agreement on call `agree`'s signature (ignore_index, grad_reduction; over a grid, agree_across_grid).
+    ranks' agreement on call `agree`'s signature (ignore_index, grad_reduction, the logits' shape; over a grid,
+    agree_across_grid).
     One custom op, so that torch.compile traces neither the exchanges nor the all-reduces."""
-    signature = CrossEntropySignature(ignore_index, grad_reduction)
+    signature = CrossEntropySignature(ignore_index, grad_reduction, tuple(int(n) for n in shape))
     if len(group_names) == 1:
         groups = [_resolve_process_group(group_names[0])]
         check_agreement(agree, signature, groups[0])
@@ -304,56 +308,59 @@ def sync_gradients(parameters, group: Group = None) -> None:
     leaves equal gradients as they are). A parameter without a gradient on some ranks only (a layer no token of
     their shards reached, an MoE expert no token was routed to) counts as zeros there, and gets the sum as its .grad
     on every rank; one without a gradient on every rank is left without. Two small exchanges on the group's CPU
-    channel (parameters and which have gradients), then one all-reduce per dtype and device.
+    channel (the call's agreement, on the parameters; which have gradients), then one all-reduce per dtype and
+    device.
 
     Args:
         parameters: an nn.Module or an iterable of parameters, the same on every rank, in the same order.
         group: the sequence-parallel group (default: the world), or a 1-D DeviceMesh.
     Raises:
-        ValueError: the ranks passed different parameters (their number, shapes or dtypes), on every rank.
+        ValueError: the ranks passed different parameters (their number, shapes or dtypes), or some rank makes
+            another collective call of ringattn's, on every rank.
         TypeError: a sparse gradient on some rank, on every rank.
         RuntimeError: a rank did not take part within the P2P timeout.
     """
-    _sync_gradients(parameters, [ring_group(group)])
+    _sync_gradients(parameters, ring_group(group), "sync_gradients")
 
 
 def _gradients_present(params: list, groups: list) -> list[bool]:
-    """Which of `params` have a gradient on some rank of `groups` (in turn, so every rank of a grid), once every
-    rank is known to pass the same parameters: the headers (count, a CRC of the shapes and dtypes, and whether a
-    mismatch was seen) travel the groups, then the Ulysses group again for a grid, so that a mismatch seen by any
-    ring reaches every rank."""
-    layout = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
-    sparse = any(p.grad is not None and p.grad.layout != torch.strided for p in params)
-    header = torch.tensor([len(params), zlib.crc32(layout), 0, int(sparse)], dtype=torch.int64)
-    for group in groups + groups[:-1]:
-        rows = gather_on_cpu(header, group, "sync_gradients' check of the parameters")
-        header[2] = int(bool(rows[:, 2].any()) or not bool((rows[:, :2] == header[:2]).all()))
-        header[3] = int(bool(rows[:, 3].any()))
-    if header[2]:
-        raise ValueError(
-            "sync_gradients needs the same parameters on every rank, in the same order: their number, shapes or "
-            "dtypes differ between ranks"
-        )
-    if header[3]:
-        raise TypeError(
-            "sync_gradients sums dense gradients: a parameter has a sparse .grad on some rank (nn.Embedding("
-            "sparse=True)); use dense gradients"
-        )
-    if not params:
-        return []
+    """Which of `params` (the same on every rank, agreed) have a gradient on some rank of `groups`, exchanged over
+    each group in turn (so over every rank of a grid)."""
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int64)
     for group in groups:
         present = gather_on_cpu(present, group, "sync_gradients' exchange of the gradients present").amax(0)
     return present.bool().tolist()
 
 
-def _sync_gradients(parameters, groups: list) -> None:
-    """sync_gradients summing over each group of `groups` in turn (None: the world)."""
+def _sync_gradients(parameters, place, call: str) -> None:
+    """sync_gradients as `call`, summing over `place`: a group (None: the world), or a Grid (its Ulysses group, then
+    its ring). The ranks agree on the call and its parameters first (check_agreement, agree_across_grid), so that
+    another parameter list, or a rank in another collective call, raises the same error on every rank."""
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     params = list(parameters)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sync_gradients is a collective: it needs torch.distributed initialised")
+
+    def checks() -> tuple[int, int]:
+        if any(p.grad is not None and p.grad.layout != torch.strided for p in params):
+            raise TypeError(
+                "sync_gradients sums dense gradients: a parameter has a sparse .grad on this rank (nn.Embedding("
+                "sparse=True)); use dense gradients"
+            )
+        layout = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
+        return len(params), zlib.crc32(layout)
+
+    if isinstance(place, Grid):
+        agree_across_grid(call, place, checks, GridSyncGradientsSignature)
+        groups = [g for g in (place.ulysses, place.ring) if g is not None]
+    else:
+        with shared_refusals(call, place):
+            fields = SyncGradientsSignature(*checks())
+        check_agreement(call, fields, place)
+        groups = [place]
+    if not params:
+        return
     grads = []
     for p, present in zip(params, _gradients_present(params, groups), strict=True):
         if present and p.grad is None:
@@ -623,19 +630,19 @@ class SequenceParallel:
         counts as a value).
 
         One all_gather over the group (over a grid, one over the Ulysses group and one over the ring) of (numel,
-        batch, seqlen, digest) int64 per tensor: a data pipeline that gives each rank its own samples would otherwise
-        mix them in one sequence and train on the mix silently.
+        batch, seqlen, dtype, digest) int64 per tensor: a data pipeline that gives each rank its own samples would
+        otherwise mix them in one sequence and train on the mix silently.
         """
         if self.world_size == 1:
             return
         device = tensors["input_ids"].device
-        local = torch.stack([self._fingerprint(t, device) for t in tensors.values()])  # (n_tensors, 4) int64
+        local = torch.stack([self._fingerprint(t, device) for t in tensors.values()])  # (n_tensors, 5) int64
         if self.grid is None:
             gathered = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local, group=self.group)
-            gathered = torch.stack(gathered).cpu()  # (W, n_tensors, 4)
+            gathered = torch.stack(gathered).cpu()  # (W, n_tensors, 5)
         else:
-            gathered = grid_all_gather(local, self.grid).cpu()  # (U R, n_tensors, 4) in the order of Grid.rank
+            gathered = grid_all_gather(local, self.grid).cpu()  # (U R, n_tensors, 5) in the order of Grid.rank
         differ = (gathered != gathered[:1]).any(dim=2)  # (W, n_tensors): differs from rank 0's
         if bool(differ.any()):
             names = [name for name, d in zip(tensors, differ.any(dim=0).tolist(), strict=True) if d]
@@ -652,17 +659,18 @@ class SequenceParallel:
 
     @staticmethod
     def _fingerprint(x: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """int64 (4,) on `device`: numel, sizes of dims 0 and 1, and a position-weighted sum of x's values (of their
-        bit patterns for floats; wrapping int64 arithmetic: exact, so equal on every rank for equal tensors); -1s for
-        None."""
+        """int64 (5,) on `device`: numel, sizes of dims 0 and 1, a CRC32 of the dtype's name, and a position-weighted
+        sum of x's values (of their bit patterns for floats; wrapping int64 arithmetic: exact, so equal on every rank
+        for equal tensors); -1s for None."""
         if x is None:
-            return torch.full((4,), -1, dtype=torch.int64, device=device)
+            return torch.full((5,), -1, dtype=torch.int64, device=device)
         flat = x.detach().reshape(-1)
         if flat.is_floating_point():
             flat = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
         weights = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) * 2654435761 + 1  # (numel,)
         digest = (flat.to(torch.int64) * weights).sum().reshape(1)
-        dims = torch.tensor([x.numel(), *(tuple(x.shape) + (1, 1))[:2]], dtype=torch.int64, device=device)
+        dims = torch.tensor([x.numel(), *(tuple(x.shape) + (1, 1))[:2], zlib.crc32(str(x.dtype).encode())],
+                            dtype=torch.int64, device=device)  # fmt: skip
         return torch.cat([dims, digest.to(device)])
 
     @staticmethod
@@ -774,10 +782,5 @@ class SequenceParallel:
 
     def sync_gradients(self, parameters) -> None:
         """Sum gradients over the group, or over every rank of the grid (module-level sync_gradients)."""
-        _sync_gradients(parameters, self._groups())
-
-    def _groups(self) -> list:
-        """The groups to sum over, in turn, for a sum over every rank (None: the world)."""
-        if self.grid is None:
-            return [self.group]
-        return [g for g in (self.grid.ulysses, self.grid.ring) if g is not None]
+        place = self.grid if self.grid is not None else self.group
+        _sync_gradients(parameters, place, "SequenceParallel.sync_gradients")

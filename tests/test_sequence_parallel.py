@@ -422,6 +422,11 @@ def _toolkit_refusals_on_one_rank(rank, world_size):
         "cross_entropy-labels": lambda: sp.cross_entropy(logits, labels[:, : 5 if rank == 1 else 6]),
         "cross_entropy-vocab": lambda: cross_entropy(logits, out_of_vocab),
         "sync_gradients-parameters": lambda: sp.sync_gradients(params),
+        "sync_gradients-or-cross_entropy": lambda: (
+            cross_entropy(logits, labels) if rank == 1 else sp.sync_gradients(params)
+        ),
+        "cross_entropy-vocab-size": lambda: cross_entropy(torch.zeros(2, 6, 6 if rank == 1 else 5), labels),
+        "shard_batch-labels-dtype": lambda: sp.shard_batch(input_ids, input_ids.int() if rank == 1 else input_ids),
     }
     results = raised_errors(cases)
     float_labels = labels.double() if rank == 1 else labels
@@ -436,7 +441,8 @@ def test_a_refusal_of_the_toolkit_on_one_rank_is_raised_by_every_rank():
     """Regression: SequenceParallel.shard_batch's and attention's input checks raised only on the rank whose input
     was bad (labels of another length, a q without its batch dim), while its peers waited in the next collective
     until the timeout; so did cross_entropy's (labels of another shape or dtype, a label outside the vocab), and
-    sync_gradients with another parameter list aborted gloo. Now every rank raises the same error, naming the
+    sync_gradients with another parameter list aborted gloo, as did sync_gradients on a rank whose peer made another
+    call; cross_entropy over logits of different shapes ran. Now every rank raises the same error, naming the
     refusing rank, within a second."""
     results = run_ranks(_toolkit_refusals_on_one_rank, 2)
     expected = {
@@ -450,11 +456,22 @@ def test_a_refusal_of_the_toolkit_on_one_rank_is_raised_by_every_rank():
         "logits' leading shape (2, 6), got (2, 5)",
         "cross_entropy-vocab": "cross_entropy refused on group rank 1 of 2: labels must be in [0, 5) (logits' "
         "vocab) or ignore_index (-100), got 5",
-        "sync_gradients-parameters": "sync_gradients needs the same parameters on every rank, in the same order",
+        "sync_gradients-parameters": "SequenceParallel.sync_gradients: the ranks of the group disagree on the number "
+        "of parameters (rank 0: 2, rank 1: 3)",
+        # regression: gloo aborted the process ("Received data size doesn't match expected size")
+        "sync_gradients-or-cross_entropy": "make different collective calls (rank 0: SequenceParallel.sync_gradients, "
+        "rank 1: cross_entropy)",
+        # regression: a loss over rows and vocabularies the ranks do not share, silently
+        "cross_entropy-vocab-size": "cross_entropy: the ranks of the group disagree on logits.shape (rank 0: (2, 6, "
+        "5), rank 1: (2, 6, 6))",
+        # regression: named shard's argument x, not labels
+        "shard_batch-labels-dtype": "shard_batch needs the same full batch on every rank of the group: labels of "
+        "group ranks [1] differ",
         "cross_entropy-dtype": "cross_entropy refused on group rank 1 of 2: labels must be an integer tensor, got "
         "torch.float64 of shape (2, 6)",
         # regression: "reshape is not implemented for sparse tensors"
-        "sync_gradients-sparse": "sync_gradients sums dense gradients: a parameter has a sparse .grad on some rank",
+        "sync_gradients-sparse": "SequenceParallel.sync_gradients refused on group rank 1 of 2: sync_gradients sums "
+        "dense gradients: a parameter has a sparse .grad on this rank",
     }
     for name, text in expected.items():
         assert results[0][name][0] == results[1][name][0] and text in results[0][name][0], results

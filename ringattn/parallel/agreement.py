@@ -120,13 +120,28 @@ class ShardBatchSignature(NamedTuple):
 
 
 class CrossEntropySignature(NamedTuple):
-    """What every rank of cross_entropy must agree on: its scalar options."""
+    """What every rank of cross_entropy must agree on: its scalar options and the logits' shape (each rank's shard
+    of the same rows, over the same vocab)."""
 
     ignore_index: int
     grad_reduction: str
+    shape: Shape
 
-    labels = {"ignore_index": "ignore_index", "grad_reduction": "grad_reduction"}
-    expected = "Every rank must pass the same ignore_index and grad_reduction."
+    labels = {"ignore_index": "ignore_index", "grad_reduction": "grad_reduction", "shape": "logits.shape"}
+    expected = (
+        "Every rank must pass logits of the same shape (its shard of the same rows, over the same vocab) and the same "
+        "ignore_index and grad_reduction."
+    )
+
+
+class SyncGradientsSignature(NamedTuple):
+    """What every rank of sync_gradients must agree on: its parameters."""
+
+    parameters: int
+    layout: int  # CRC32 of the parameters' shapes and dtypes, in order
+
+    labels = {"parameters": "the number of parameters", "layout": "the parameters' shapes and dtypes (their CRC32)"}
+    expected = "Every rank must pass the same parameters, in the same order."
 
 
 class BackwardSignature(NamedTuple):

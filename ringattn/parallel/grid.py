@@ -27,6 +27,7 @@ from .agreement import (
     RingSignature,
     ShardBatchSignature,
     ShardSignature,
+    SyncGradientsSignature,
     UnshardSignature,
     check_agreement,
     cpu_channel,
@@ -212,6 +213,7 @@ UlyssesRingSignature = _grid_signature(
 GridSignature = _grid_signature(_NoFields, "GridSignature")  # a call whose checks return () (agree_across_grid)
 GridShardBatchSignature = _grid_signature(ShardBatchSignature, "GridShardBatchSignature")
 GridCrossEntropySignature = _grid_signature(CrossEntropySignature, "GridCrossEntropySignature")
+GridSyncGradientsSignature = _grid_signature(SyncGradientsSignature, "GridSyncGradientsSignature")
 GridShardSignature = _grid_signature(ShardSignature, "GridShardSignature")
 GridUnshardSignature = _grid_signature(UnshardSignature, "GridUnshardSignature")
 
