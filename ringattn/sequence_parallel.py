@@ -263,7 +263,7 @@ def _cross_entropy(logits, labels, place, ignore_index: int, grad_reduction: str
     else:
         group = dist.group.WORLD if place is None else place
         names, ranks = [group.group_name], dist.get_world_size(group)
-    totals = cross_entropy_totals_op(stats, names, agree, ignore_index, grad_reduction, list(logits.shape))
+    totals = cross_entropy_totals_op(stats, names, agree, ignore_index, grad_reduction, logits.shape[-1])
     total, count = totals[0], totals[1].clamp(min=1.0)
     grad_scale = float(ranks) if grad_reduction == "mean" else 1.0
     return _GlobalMean.apply(local_sum, total, count, grad_scale)
@@ -271,16 +271,16 @@ def _cross_entropy(logits, labels, place, ignore_index: int, grad_reduction: str
 
 @torch.library.custom_op(
     "ringattn::cross_entropy_totals", mutates_args=(),
-    schema="(Tensor stats, str[] group_names, str agree, int ignore_index, str grad_reduction, SymInt[] shape) -> "
+    schema="(Tensor stats, str[] group_names, str agree, int ignore_index, str grad_reduction, SymInt vocab) -> "
     "Tensor",
 )  # fmt: skip
-def cross_entropy_totals_op(stats, group_names, agree, ignore_index, grad_reduction, shape):
+def cross_entropy_totals_op(stats, group_names, agree, ignore_index, grad_reduction, vocab):
     """stats (2,) float64, this rank's loss sum and counted tokens, summed over the group named in `group_names`
     (one name), or over a grid's (two: its Ulysses group and its ring, "" for a dimension of degree 1), after the
-    ranks' agreement on call `agree`'s signature (ignore_index, grad_reduction, the logits' shape; over a grid,
+    ranks' agreement on call `agree`'s signature (ignore_index, grad_reduction, the vocab; over a grid,
     agree_across_grid).
     One custom op, so that torch.compile traces neither the exchanges nor the all-reduces."""
-    signature = CrossEntropySignature(ignore_index, grad_reduction, tuple(int(n) for n in shape))
+    signature = CrossEntropySignature(ignore_index, grad_reduction, int(vocab))
     if len(group_names) == 1:
         groups = [_resolve_process_group(group_names[0])]
         check_agreement(agree, signature, groups[0])

@@ -120,18 +120,15 @@ class ShardBatchSignature(NamedTuple):
 
 
 class CrossEntropySignature(NamedTuple):
-    """What every rank of cross_entropy must agree on: its scalar options and the logits' shape (each rank's shard
-    of the same rows, over the same vocab)."""
+    """What every rank of cross_entropy must agree on: its scalar options and the vocab (the rows may differ: over a
+    data-parallel group each ring has its own batches)."""
 
     ignore_index: int
     grad_reduction: str
-    shape: Shape
+    vocab: int
 
-    labels = {"ignore_index": "ignore_index", "grad_reduction": "grad_reduction", "shape": "logits.shape"}
-    expected = (
-        "Every rank must pass logits of the same shape (its shard of the same rows, over the same vocab) and the same "
-        "ignore_index and grad_reduction."
-    )
+    labels = {"ignore_index": "ignore_index", "grad_reduction": "grad_reduction", "vocab": "logits.shape[-1] (vocab)"}
+    expected = "Every rank must pass logits over the same vocab, and the same ignore_index and grad_reduction."
 
 
 class SyncGradientsSignature(NamedTuple):
