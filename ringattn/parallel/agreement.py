@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .comm import p2p_timeout_s, wait_all
+from .comm import CommunicationError, p2p_timeout_s, wait_all
 
 AGREEMENT_ENV = "RINGATTN_AGREEMENT"
 AGREEMENT_MODES = ("always", "off")
@@ -562,7 +562,7 @@ def shared_refusals(call: str, group: dist.ProcessGroup | None):
     try:
         yield
     except REFUSALS as refusal:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or isinstance(refusal, CommunicationError):  # no exchange after a failed one
             raise
         try:
             exchanges = _exchanges(group)

@@ -51,11 +51,17 @@ def p2p_timeout_s(
     return float(timeout_s)
 
 
+class CommunicationError(RuntimeError):
+    """An exchange of a group failed or did not finish in time (wait_all). What the group's peers have pending is
+    then unknown, so no further exchange on it may follow: it could pair with a pending one of another size, which
+    gloo answers by aborting the process."""
+
+
 def wait_all(works: list, timeout_s: float, what: str, peers: list[str] | None = None) -> None:
     """Wait for `works` (the Work objects of a gloo batch or collective), all within one deadline of `timeout_s`.
 
     Raises:
-        RuntimeError: one of them failed (e.g. a peer's connection closed) or did not finish in time;
+        CommunicationError: one of them failed (e.g. a peer's connection closed) or did not finish in time;
             the message says `what` was waited for and, when given, the peer of the failing work.
     """
     deadline = time.monotonic() + timeout_s
@@ -67,7 +73,7 @@ def wait_all(works: list, timeout_s: float, what: str, peers: list[str] | None =
             peer = f", {peers[i]}" if peers is not None and i < len(peers) else ""
             timed_out = time.monotonic() >= deadline - 0.05  # gloo's wait may return a few ms before it
             why = f"did not complete within {timeout_s:g} s" if timed_out else "failed"
-            raise RuntimeError(
+            raise CommunicationError(
                 f"{what}{peer}: {why}; a peer died, raised, or is not running the same ring call. "
                 f"Raise the limit with ${P2P_TIMEOUT_ENV} if it is only slow. Backend error: {err}"
             ) from err

@@ -33,7 +33,7 @@ from .agreement import (
     cpu_channel,
 )
 from .agreement import shared_refusals as _shared_refusals
-from .comm import p2p_timeout_s, wait_all
+from .comm import CommunicationError, p2p_timeout_s, wait_all
 from .groups import Group, ring_group
 
 MESH_DIMS = ("ulysses", "ring")  # the dimension names a 2-D DeviceMesh must have
@@ -245,19 +245,26 @@ def shared_grid_refusals(call: str, grid: Grid):
     try:
         yield
     except REFUSALS as refusal:
-        if torch.compiler.is_compiling():  # a trace runs no collective: raised on this rank (shared_refusals)
+        # a trace runs no collective: raised on this rank (shared_refusals); nor does any follow a failed exchange
+        if torch.compiler.is_compiling() or isinstance(refusal, CommunicationError):
             raise
         carried: Exception = refusal
         for group in (grid.ulysses, grid.ring):
             try:
                 with _refusals(call, group):
                     raise carried
+            except CommunicationError as err:  # no further exchange (agree_across_grid)
+                raise err from refusal
             except REFUSALS as err:
                 carried = err
         if _grid_key(grid) not in _checked.get(dist.group.WORLD, ()):  # as agree_across_grid's first call
             for group in (grid.ulysses, grid.ring):
-                with contextlib.suppress(*REFUSALS):
+                try:
                     _agree(GRID_CHECK, None, group)
+                except CommunicationError as err:
+                    raise err from refusal
+                except REFUSALS:
+                    pass
         raise carried from refusal
 
 
@@ -336,6 +343,8 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
         _agree(call, fields, grid.ulysses)
         if first:
             rows = _gather_ranks(_members(grid.ring), grid.ulysses, call)
+    except CommunicationError:  # the peers' pending exchanges are unknown: no further one on the grid
+        raise
     except REFUSALS as err:
         carried = err
     try:
@@ -346,6 +355,8 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
         if first:
             text = _grid_problem(rows, _gather_ranks(_members(grid.ulysses), grid.ring, call))
             problem = None if text is None else ValueError(text)
+    except CommunicationError:
+        raise
     except REFUSALS as err:
         carried = err
     if first:  # a problem seen by some ranks only reaches the others through two more exchanges
@@ -355,6 +366,8 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
                     if problem is not None:
                         raise problem
                 _agree(GRID_CHECK, None, group)
+            except CommunicationError:
+                raise
             except REFUSALS as err:
                 problem = carried = err
     if carried is not None:

@@ -80,7 +80,7 @@ def test_dead_peer_makes_the_others_raise_and_the_harness_report_it():
     """3 ranks; rank 2 exits in the middle of the ring (os._exit during step 0). The ranks left waiting for
     it raise a RuntimeError naming this rank, the peer and the step, uncaught, and run_ranks reports it
     at once (not at its own timeout)."""
-    pattern = r"rank [01] failed:[\s\S]*RuntimeError: ring P2P of group rank [01] \(of 3\) at forward step [01] "
+    pattern = r"rank [01] failed:[\s\S]*CommunicationError: ring P2P of group rank [01] \(of 3\) at forward step [01] "
     pattern += r"\(K/V\), (receiving from|sending to) global rank \d[^:]*: failed; a peer died"
     start = time.monotonic()
     with pytest.raises(AssertionError, match=pattern):

@@ -360,6 +360,27 @@ def test_a_refusal_at_a_grids_first_call_reaches_every_rank_in_step():
         assert messages.pop().startswith("hf attention mask refused on group rank")
 
 
+def _a_late_rank(rank, world_size):
+    from ringattn.parallel.comm import CommunicationError
+
+    q, mesh = torch.zeros(1, 8, 4, 16), _mesh(2, 2)
+    if rank == 3:
+        time.sleep(3.0)  # past the P2P timeout: its peers' first exchange fails while it is away
+    with pytest.raises(CommunicationError, match=r"did not complete within 1\.5 s|failed"):
+        ringattn.ulysses_ring_attn_func(q, q, q, causal=True, mesh=mesh, layout="zigzag")
+    time.sleep(3.0)  # no rank leaves before the others are done: no error from a peer's exit
+    return True
+
+
+def test_a_rank_past_the_timeout_gets_a_timeout_on_every_rank_not_an_abort(monkeypatch):
+    """Regression: on a 2 x 2 grid a rank arriving after its peers' timeout made gloo abort a process ("op.preamble.
+    length <= op.nbytes", SIGABRT): after the failed exchange the others went on to the grid's next exchanges on the
+    same groups, whose sizes the late rank's pending one did not match. A failed exchange now ends the call on each
+    rank (CommunicationError, a RuntimeError), with no exchange after it."""
+    monkeypatch.setenv("RINGATTN_P2P_TIMEOUT_S", "1.5")
+    assert run_ranks(_a_late_rank, 4, timeout=90, barrier=False) == [True] * 4
+
+
 def _grid_of_one_rank(rank, world_size):
     own = [dist.new_group([r]) for r in range(world_size)][rank]  # every process creates every group
     q, k, v, _ = make_qkv(1, 8, 8, 4, 2, 16, torch.float32, "cpu", seed=rank)  # each rank its own sequence
