@@ -142,7 +142,7 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
                                               row, row, **inner)  # fmt: skip
         out_h = out_h.view(q_h.shape)  # (B, S / R, h, D)
         lse_h = lse_h.reshape(lse_h.shape[0], batch, -1).transpose(0, 1)  # (h, B S / R) -> (B, h, S / R)
-    out = heads_to_seq(out_h, grid.ulysses, heads_q)  # (B, L, Hq, D)
+    out = heads_to_seq(out_h, grid.ulysses, heads_q, grid.ring)  # (B, L, Hq, D)
     if not return_lse:
         return out, None
     lse = heads_to_seq(lse_h.detach().transpose(1, 2)[..., None], grid.ulysses, heads_q)  # (B, L, Hq, 1)

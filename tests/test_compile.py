@@ -231,11 +231,11 @@ def _ring_ops_pass_opcheck(rank, world_size):
         x = torch.randn(3, 4, heads, 8, requires_grad=True)
         torch.library.opcheck(seq_to_heads_op, (x, world, None), test_utils=checks)
         y = torch.randn(3, 8, 1, 8, requires_grad=True)
-        torch.library.opcheck(heads_to_seq_op, (y, world, heads), test_utils=checks)
+        torch.library.opcheck(heads_to_seq_op, (y, world, heads, ""), test_utils=checks)
     q, k, v = (t.detach() for t in (q, k, v))
     agreement = (q, k, v, cu_seqlens, *options[:5], True, "zigzag", "none", False, "ulysses", world, None)
     torch.library.opcheck(ulysses_ring_agreement_op, agreement, test_utils=checks)
-    torch.library.opcheck(backward_check_op, (heads_to_seq_op(y, world, 1)[1], world), test_utils=checks)
+    torch.library.opcheck(backward_check_op, (heads_to_seq_op(y, world, 1)[1], world, ""), test_utils=checks)
     return True
 
 

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from .agreement import check_backward, number_call
-from .comm import p2p_timeout_s, wait_all
+from .agreement import REFUSALS, check_backward, number_call, shared_refusals
+from .comm import CommunicationError, p2p_timeout_s, wait_all
 
 _EXCHANGES = "ulysses:"  # heads_to_seq's numbers are counted apart from the ring calls on the same group
 
@@ -113,34 +113,47 @@ def _seq_to_heads_fake(x, group_name, after=None):
 
 
 @torch.library.custom_op("ringattn::ulysses_heads_to_seq", mutates_args=())
-def heads_to_seq_op(y: torch.Tensor, group_name: str, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def heads_to_seq_op(
+    y: torch.Tensor, group_name: str, heads: int, ring_group_name: str = ""
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, U * L, h, D) -> (B, L, heads, D) over the Ulysses group named `group_name`, summing the copies of a head
     held by several ranks (module docstring), and the exchange's number on the group (number_call: a 0-dim
-    int64 CPU tensor); differentiable: the backward first agrees on that number (ringattn::ulysses_backward_check),
-    so that a rank running the backward of another call raises on every rank, then runs
-    ringattn::ulysses_seq_to_heads."""
+    int64 CPU tensor); differentiable: the backward first agrees on that number (ringattn::ulysses_backward_check,
+    sharing a mismatch over the grid's ring named `ring_group_name`, "" for none), so that a rank running the
+    backward of another call raises on every rank, then runs ringattn::ulysses_seq_to_heads."""
     number = number_call(_EXCHANGES + group_name)
     return _heads_to_seq(y, _resolve_process_group(group_name), heads), number
 
 
 @heads_to_seq_op.register_fake
-def _heads_to_seq_fake(y, group_name, heads):
+def _heads_to_seq_fake(y, group_name, heads, ring_group_name=""):
     size = dist.get_world_size(_resolve_process_group(group_name))
     batch, total, _, dim = y.shape
     return y.new_empty(batch, total // size, heads, dim), torch.empty((), dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("ringattn::ulysses_backward_check", mutates_args=())
-def backward_check_op(number: torch.Tensor, group_name: str) -> torch.Tensor:
+def backward_check_op(number: torch.Tensor, group_name: str, ring_group_name: str) -> torch.Tensor:
     """The ranks of the Ulysses group named `group_name` agree that they differentiate the same exchange (its
     number, from ringattn::ulysses_heads_to_seq), else all raise (agreement.check_backward); at every call, compiled
-    or not. Returns an empty int64 CPU tensor, for the backward's exchange to take as `after`."""
-    check_backward("Ulysses backward", number, _resolve_process_group(group_name))
+    or not. A grid's ranks that raise also share the error over their ring (named `ring_group_name`, "" for none),
+    where the ranks of other Ulysses groups, whose own check passed, meet it in their ring backward's agreement: so
+    every rank of the grid raises it. Returns an empty int64 CPU tensor, for the backward's exchange to take as
+    `after`."""
+    try:
+        check_backward("Ulysses backward", number, _resolve_process_group(group_name))
+    except CommunicationError:  # no exchange after a failed one
+        raise
+    except REFUSALS as err:
+        if not ring_group_name:
+            raise
+        with shared_refusals("Ulysses backward", _resolve_process_group(ring_group_name)):
+            raise err from None
     return torch.empty(0, dtype=torch.int64)
 
 
 @backward_check_op.register_fake
-def _backward_check_fake(number, group_name):
+def _backward_check_fake(number, group_name, ring_group_name):
     return torch.empty(0, dtype=torch.int64)
 
 
@@ -156,13 +169,13 @@ def _seq_to_heads_backward(ctx, grad):
 def _heads_to_seq_setup(ctx, inputs, output) -> None:
     # the number kept on ctx, not saved: under activation checkpointing (without reentry) a saved one would be the
     # recomputation's, a new exchange's, and the backward would agree on that instead of the call it differentiates
-    ctx.group_name, ctx.number = inputs[1], output[1]
+    ctx.group_name, ctx.number, ctx.ring_group_name = inputs[1], output[1], inputs[3]
     ctx.mark_non_differentiable(output[1])
 
 
 def _heads_to_seq_backward(ctx, grad, _dnumber):
-    checked = backward_check_op(ctx.number, ctx.group_name)
-    return seq_to_heads_op(grad.contiguous(), ctx.group_name, checked), None, None
+    checked = backward_check_op(ctx.number, ctx.group_name, ctx.ring_group_name)
+    return seq_to_heads_op(grad.contiguous(), ctx.group_name, checked), None, None, None
 
 
 seq_to_heads_op.register_autograd(_seq_to_heads_backward, setup_context=_seq_to_heads_setup)
@@ -176,6 +189,7 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, after: torch.Tensor 
     return seq_to_heads_op(x.contiguous(), group.group_name, after)
 
 
-def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, heads: int) -> torch.Tensor:
-    """The inverse exchange: (B, U * L, h, D) -> (B, L, heads, D). A collective on `group`; differentiable."""
-    return heads_to_seq_op(y.contiguous(), group.group_name, heads)[0]
+def heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, heads: int, ring: dist.ProcessGroup | None = None):
+    """The inverse exchange: (B, U * L, h, D) -> (B, L, heads, D). A collective on `group`; differentiable (a
+    grid's `ring`: where the backward's check shares a mismatch, backward_check_op)."""
+    return heads_to_seq_op(y.contiguous(), group.group_name, heads, "" if ring is None else ring.group_name)[0]

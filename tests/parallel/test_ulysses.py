@@ -395,10 +395,11 @@ def test_a_ulysses_group_of_one_rank_without_a_ring_is_a_grid_of_one():
     assert run_ranks(_grid_of_one_rank, 2) == [True, True]
 
 
-def _backwards_in_another_order(rank, world_size, lengths, ring_size, checkpointed=False):
+def _backwards_in_another_order(rank, world_size, lengths, ring_size, checkpointed=False, reversed_ranks=None):
     """Two Ulysses calls agreed forward (pure Ulysses over the world, or U = 2 x R = 2; checkpointed: each under
-    torch.utils.checkpoint without reentry); the second half of the ranks (one rank of each Ulysses group; in the
-    grid, a whole ring) runs their backwards in the other order."""
+    torch.utils.checkpoint without reentry); `reversed_ranks` (default: the second half of the ranks, one rank of each
+    Ulysses group; in the grid, a whole ring) run their backwards in the other order."""
+    reversed_ranks = range(world_size // 2, world_size) if reversed_ranks is None else reversed_ranks
     grid = dict(mesh=_mesh(2, 2)) if ring_size == 2 else dict(ulysses_group=dist.group.WORLD, ring_group=None)
     attention = functools.partial(ringattn.ulysses_ring_attn_func, causal=True, layout="zigzag", **grid)
     losses = []
@@ -411,7 +412,7 @@ def _backwards_in_another_order(rank, world_size, lengths, ring_size, checkpoint
             losses.append(attention(q, k, v).sum())
     start = time.monotonic()
     with pytest.raises(ValueError) as err:
-        for loss in losses if rank < world_size // 2 else losses[::-1]:
+        for loss in losses[::-1] if rank in reversed_ranks else losses:
             loss.backward()
     return str(err.value), time.monotonic() - start
 
@@ -427,6 +428,17 @@ def test_backwards_in_another_order_on_some_ranks_raise_on_every_rank(lengths, r
     assert len({message for message, _ in results}) == 1, results
     assert "Ulysses backward: the ranks of the group disagree on the forward call whose backward this" in results[0][0]
     assert all(elapsed < 1.0 for _, elapsed in results)
+
+
+def test_one_rank_of_a_grid_backwarding_in_another_order_raises_on_every_rank():
+    """Regression: with one rank of a 2 x 2 grid reversed, only its Ulysses group's check failed; the other group's
+    ranks went on into the ring's backward and waited there for the P2P timeout. Those that fail now share the error
+    over their rings, where the others meet it in the ring backward's agreement: a ValueError on every rank, at
+    once."""
+    results = run_ranks(_backwards_in_another_order, 4, (8, 8), 2, False, (3,))
+    for message, elapsed in results:
+        assert "Ulysses backward: the ranks of the group disagree on the forward call whose backward this" in message
+        assert elapsed < 1.0, results
 
 
 def test_checkpointed_backwards_in_another_order_raise_on_every_rank():
