@@ -35,8 +35,8 @@ from .comm import CommunicationError, p2p_timeout_s, wait_all
 AGREEMENT_ENV = "RINGATTN_AGREEMENT"
 AGREEMENT_MODES = ("always", "off")
 MAGIC = 0x52_49_4E_47  # "RING": a vector that does not start with it did not come from encode_header
-VERSION = 5
-HEADER_LEN = 32  # int64, the same for every call
+VERSION = 6
+HEADER_LEN = 40  # int64, the same for every call
 NAME_SLOTS = 4  # the call's name: up to 32 bytes of UTF-8
 FIELD_SLOTS = HEADER_LEN - 4 - NAME_SLOTS  # after magic, version, the name, the refusal and its message's length
 MAX_DIMS = 16  # a shape field: its number of dims, then up to MAX_DIMS sizes

@@ -168,15 +168,17 @@ def check_grid_ranks(grid: Grid) -> None:
         )
 
 
-_GRID_FIELDS = (("grid_rank", int), ("ulysses_size", int), ("ring_size", int))
+_GRID_FIELDS = (("grid_rank", int), ("ulysses_size", int), ("ring_size", int), ("dimension", str))
 _GRID_LABELS = {
     "grid_rank": "rank in the other group (ring rank among a Ulysses group's ranks, Ulysses rank among a ring's)",
     "ulysses_size": "Ulysses degree (ulysses_group's size)",
     "ring_size": "ring degree (ring_group's size)",
+    "dimension": "the group's dimension (passed as ulysses_group or as ring_group)",
 }
 _GRID_EXPECTED = (
     " The ranks of a Ulysses group must hold the same ring rank, those of a ring the same Ulysses rank, and the "
-    "groups' sizes must be the same on every rank (ulysses_group and ring_group tiling the ranks as a U x R grid)."
+    "groups' sizes must be the same on every rank (ulysses_group and ring_group tiling the ranks as a U x R grid), "
+    "each group passed as the same dimension on every rank."
 )
 
 
@@ -339,7 +341,7 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
     try:
         with _refusals(call, grid.ulysses):
             check_grid_ranks(grid)
-            fields = signature(*checks(), grid.ring_rank, grid.ulysses_size, grid.ring_size)
+            fields = signature(*checks(), grid.ring_rank, grid.ulysses_size, grid.ring_size, "ulysses")
         _agree(call, fields, grid.ulysses)
         if first:
             rows = _gather_ranks(_members(grid.ring), grid.ulysses, call)
@@ -351,7 +353,7 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
         with _refusals(call, grid.ring):
             if carried is not None:
                 raise carried
-        _agree(call, fields._replace(grid_rank=grid.ulysses_rank), grid.ring)
+        _agree(call, fields._replace(grid_rank=grid.ulysses_rank, dimension="ring"), grid.ring)
         if first:
             text = _grid_problem(rows, _gather_ranks(_members(grid.ulysses), grid.ring, call))
             problem = None if text is None else ValueError(text)

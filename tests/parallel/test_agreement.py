@@ -96,7 +96,7 @@ def test_encode_rejects_what_cannot_travel():
         b: tuple[int, ...]
         labels = {"a": "a", "b": "b"}
 
-    with pytest.raises(ValueError, match=r"Wide takes 34 slots of a header's 24"):
+    with pytest.raises(ValueError, match=r"Wide takes 34 slots of a header's 32"):
         encode_header("wide", Wide((1,), (2,)))
 
 

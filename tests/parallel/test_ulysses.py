@@ -269,6 +269,10 @@ def _bad_grids_and_inputs(rank, world_size):
         "overlapping": attn(ulysses_group=world, ring_group=world),
         "not-a-grid": attn(ulysses_group=crossed_ulysses[rank // 2], ring_group=crossed_rings[rank in (1, 2)]),
         "mesh-names": attn(mesh=named_wrong),
+        # rank 0 passes the mesh's groups the other way round
+        "swapped-on-one-rank": attn(
+            ulysses_group=ring if rank == 0 else u_group, ring_group=u_group if rank == 0 else ring
+        ),  # fmt: skip
         "one-rank-dtype": lambda: ringattn.ulysses_ring_attn_func(
             *(torch.zeros(1, 6, 4, 16, dtype=torch.float64 if rank == 3 else torch.float32),) * 3,
             mesh=mesh,
@@ -301,6 +305,8 @@ BAD_GRID_EXPECTED = {
     "overlapping": "ulysses_group and ring_group must share only this rank",
     "not-a-grid": "disagree on rank in the other group",
     "mesh-names": "mesh must have dimensions named 'ulysses' and 'ring', got ('dp', 'cp')",
+    # regression: the exchanges paired and agreed; the ranks then waited out the P2P timeout in the data's
+    "swapped-on-one-rank": "disagree on the group's dimension (passed as ulysses_group or as ring_group)",
     # the refusing rank by its global rank too: a group rank does not say which rank of the grid it is
     "one-rank-dtype": "refused on group rank 1 of 2 (global rank 3): q must be float16, bfloat16 or float32, got "
     "torch.float64",
@@ -313,14 +319,16 @@ BAD_GRID_EXPECTED = {
 
 def test_bad_grids_and_inputs_raise_on_every_rank():
     """U not dividing the query heads, U and the K/V heads not dividing one another, overlapping groups, groups that
-    do not form a grid, a mesh without the dimension names, one rank's bad dtype, different causal or return_lse,
-    bad lengths for shard / unshard: the same error on every rank of the 2 x 2 grid, naming the argument (a refusal
-    described once), within seconds."""
+    do not form a grid, a mesh without the dimension names, groups swapped on one rank, one rank's bad dtype,
+    different causal or return_lse, bad lengths for shard / unshard: the same error on every rank of the 2 x 2 grid
+    (groups that are no grid: an error of the kind on every rank), naming the argument (a refusal described once),
+    within seconds."""
     results = run_ranks(_bad_grids_and_inputs, 4)
     for name, expected in BAD_GRID_EXPECTED.items():
         messages = {r[name][0] for r in results}
         # groups that are no grid: each ring says what its ranks disagree on
-        assert len(messages) == 1 or name == "not-a-grid", f"{name}: ranks raised different errors: {messages}"
+        different = name in ("not-a-grid", "swapped-on-one-rank")
+        assert len(messages) == 1 or different, f"{name}: ranks raised different errors: {messages}"
         assert all(expected in m for m in messages), f"{name}: {messages}"
         # shared on the Ulysses group, then on the ring: described once, not nested
         assert all(m.count("(raised on every rank of the group)") <= 1 for m in messages), f"{name}: {messages}"
