@@ -52,9 +52,9 @@ def p2p_timeout_s(
 
 
 class CommunicationError(RuntimeError):
-    """An exchange of a group failed or did not finish in time (wait_all). What the group's peers have pending is
-    then unknown, so no further exchange on it may follow: it could pair with a pending one of another size, which
-    gloo answers by aborting the process."""
+    """An exchange of a group failed or did not finish in time (wait_all, RingComm.commit). What the group's peers
+    have pending is then unknown, so no further exchange on it may follow: it could pair with a pending one of
+    another size, which gloo answers by aborting the process."""
 
 
 def wait_all(works: list, timeout_s: float, what: str, peers: list[str] | None = None) -> None:
@@ -136,7 +136,7 @@ class RingComm:
         except Exception as err:  # noqa: BLE001 - gloo can refuse to post at once when a peer's connection is gone
             self._ops = []
             peers = ", ".join(sorted(set(self._peers)))
-            raise RuntimeError(
+            raise CommunicationError(
                 f"{self._what()}, {peers}: failed; a peer died, raised, or is not running the same ring call. "
                 f"Backend error: {err}"
             ) from err
