@@ -263,6 +263,7 @@ def _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
     """The (total_q,) and (total_k,) int32 sequence ids of flash_attn_varlen_func's rows, after checking its
     boundaries and max lengths; same_bounds (causal or a window) needs cu_seqlens_q equal to cu_seqlens_k. The checks
     of metadata run here (traced by torch.compile), those of values in ringattn::varlen_doc_ids."""
+    max_lens = []
     for name, cu, max_name, max_len, t in (
         ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q),
         ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, k),
@@ -270,15 +271,15 @@ def _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k
         check_cu_seqlens_tensor(cu, name)
         if cu.device != t.device:
             raise ValueError(f"{name} must be on {t.device}, got {cu.device}")
-        if as_int(max_len) is None:
+        max_lens.append(as_int(max_len))
+        if max_lens[-1] is None:
             raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got {cu_seqlens_q.numel() - 1} "
             f"and {cu_seqlens_k.numel() - 1}"
         )
-    return varlen_doc_ids_op(cu_seqlens_q, cu_seqlens_k, as_int(max_seqlen_q), as_int(max_seqlen_k), q.shape[0],
-                             k.shape[0], same_bounds)  # fmt: skip
+    return varlen_doc_ids_op(cu_seqlens_q, cu_seqlens_k, *max_lens, q.shape[0], k.shape[0], same_bounds)
 
 
 @torch.library.custom_op("ringattn::varlen_doc_ids", mutates_args=())

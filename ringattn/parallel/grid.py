@@ -255,18 +255,13 @@ def shared_grid_refusals(call: str, grid: Grid):
             try:
                 with _refusals(call, group):
                     raise carried
-            except CommunicationError as err:  # no further exchange (agree_across_grid)
-                raise err from refusal
             except REFUSALS as err:
                 carried = err
-        if _grid_key(grid) not in _checked.get(dist.group.WORLD, ()):  # as agree_across_grid's first call
+        first = _grid_key(grid) not in _checked.get(dist.group.WORLD, ())
+        if first and not isinstance(carried, CommunicationError):  # as agree_across_grid's first call
             for group in (grid.ulysses, grid.ring):
-                try:
+                with contextlib.suppress(*REFUSALS):
                     _agree(GRID_CHECK, None, group)
-                except CommunicationError as err:
-                    raise err from refusal
-                except REFUSALS:
-                    pass
         raise carried from refusal
 
 
@@ -345,8 +340,6 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
         _agree(call, fields, grid.ulysses)
         if first:
             rows = _gather_ranks(_members(grid.ring), grid.ulysses, call)
-    except CommunicationError:  # the peers' pending exchanges are unknown: no further one on the grid
-        raise
     except REFUSALS as err:
         carried = err
     try:
@@ -357,19 +350,17 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
         if first:
             text = _grid_problem(rows, _gather_ranks(_members(grid.ulysses), grid.ring, call))
             problem = None if text is None else ValueError(text)
-    except CommunicationError:
-        raise
     except REFUSALS as err:
         carried = err
-    if first:  # a problem seen by some ranks only reaches the others through two more exchanges
+    # a problem seen by some ranks only reaches the others through two more exchanges; none follows a failed one
+    # (shared_refusals raises a CommunicationError without exchanging it)
+    if first and not isinstance(carried, CommunicationError):
         for group in (grid.ulysses, grid.ring):
             try:
                 with _refusals(call, group):
                     if problem is not None:
                         raise problem
                 _agree(GRID_CHECK, None, group)
-            except CommunicationError:
-                raise
             except REFUSALS as err:
                 problem = carried = err
     if carried is not None:

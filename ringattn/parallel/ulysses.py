@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .agreement import REFUSALS, check_backward, number_call, shared_refusals
-from .comm import CommunicationError, p2p_timeout_s, wait_all
+from .comm import p2p_timeout_s, wait_all
 
 _EXCHANGES = "ulysses:"  # heads_to_seq's numbers are counted apart from the ring calls on the same group
 
@@ -142,11 +142,10 @@ def backward_check_op(number: torch.Tensor, group_name: str, ring_group_name: st
     `after`."""
     try:
         check_backward("Ulysses backward", number, _resolve_process_group(group_name))
-    except CommunicationError:  # no exchange after a failed one
-        raise
     except REFUSALS as err:
         if not ring_group_name:
             raise
+        # every rank of the ring raises it (a CommunicationError: raised as it is, with no exchange after it)
         with shared_refusals("Ulysses backward", _resolve_process_group(ring_group_name)):
             raise err from None
     return torch.empty(0, dtype=torch.int64)
