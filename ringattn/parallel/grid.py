@@ -178,7 +178,9 @@ _GRID_LABELS = {
 _GRID_EXPECTED = (
     " The ranks of a Ulysses group must hold the same ring rank, those of a ring the same Ulysses rank, and the "
     "groups' sizes must be the same on every rank (ulysses_group and ring_group tiling the ranks as a U x R grid), "
-    "each group passed as the same dimension on every rank."
+    "each group passed as the same dimension on every rank. A DeviceMesh whose rank tensor does not increase along "
+    "each dimension (such as [[0, 1], [3, 2]]) tiles no such grid: each of its groups numbers its ranks in "
+    "increasing global rank."
 )
 
 

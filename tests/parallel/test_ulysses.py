@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import ringattn
 import ringattn.ulysses as ulysses_impl
@@ -256,6 +256,8 @@ def _bad_grids_and_inputs(rank, world_size):
     crossed_ulysses = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every process creates every group
     crossed_rings = [dist.new_group([0, 3]), dist.new_group([1, 2])]
     named_wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    # the crossed groups as a mesh: its row [3, 2] is Ulysses group {2, 3}, where rank 3 is group rank 1
+    out_of_order = DeviceMesh("cpu", torch.tensor([[0, 1], [3, 2]]), mesh_dim_names=("ulysses", "ring"))
 
     def attn(heads_q=4, heads_k=2, **kw):
         q = torch.zeros(1, 6, heads_q, 16)
@@ -269,6 +271,7 @@ def _bad_grids_and_inputs(rank, world_size):
         "overlapping": attn(ulysses_group=world, ring_group=world),
         "not-a-grid": attn(ulysses_group=crossed_ulysses[rank // 2], ring_group=crossed_rings[rank in (1, 2)]),
         "mesh-names": attn(mesh=named_wrong),
+        "mesh-out-of-order": attn(mesh=out_of_order),
         # rank 0 passes the mesh's groups the other way round
         "swapped-on-one-rank": attn(
             ulysses_group=ring if rank == 0 else u_group, ring_group=u_group if rank == 0 else ring
@@ -305,6 +308,7 @@ BAD_GRID_EXPECTED = {
     "overlapping": "ulysses_group and ring_group must share only this rank",
     "not-a-grid": "disagree on rank in the other group",
     "mesh-names": "mesh must have dimensions named 'ulysses' and 'ring', got ('dp', 'cp')",
+    "mesh-out-of-order": "A DeviceMesh whose rank tensor does not increase along each dimension",
     # regression: the exchanges paired and agreed; the ranks then waited out the P2P timeout in the data's
     "swapped-on-one-rank": "disagree on the group's dimension (passed as ulysses_group or as ring_group)",
     # the refusing rank by its global rank too: a group rank does not say which rank of the grid it is
@@ -327,7 +331,7 @@ def test_bad_grids_and_inputs_raise_on_every_rank():
     for name, expected in BAD_GRID_EXPECTED.items():
         messages = {r[name][0] for r in results}
         # groups that are no grid: each ring says what its ranks disagree on
-        different = name in ("not-a-grid", "swapped-on-one-rank")
+        different = name in ("not-a-grid", "mesh-out-of-order", "swapped-on-one-rank")
         assert len(messages) == 1 or different, f"{name}: ranks raised different errors: {messages}"
         assert all(expected in m for m in messages), f"{name}: {messages}"
         # shared on the Ulysses group, then on the ring: described once, not nested
