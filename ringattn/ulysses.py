@@ -247,10 +247,12 @@ def ulysses_ring_attn_varlen_func(
     ring shard (Ulysses boundaries) and ring shards (ring boundaries) alike.
 
     Args:
-        q: (S_local, nheads, headdim), this rank's shard (2-D layout) of the packed queries.
-        k, v: (S_local, nheads_k, headdim).
-        cu_seqlens: (n_docs + 1,) int32 or int64 global document boundaries, any device: 0, ..., S_local x U x R,
-            nondecreasing (a repeated boundary is an empty document); the same on every rank.
+        q: (S_local, nheads, headdim), this rank's shard (2-D layout) of the packed queries; or (B, S_local,
+            nheads, headdim), its shard of each of B packed rows, each holding its own documents.
+        k, v: (S_local, nheads_k, headdim), or (B, S_local, nheads_k, headdim).
+        cu_seqlens: (n_docs + 1,) int32 or int64 global document boundaries, any device: 0, ..., B x S with
+            S = S_local x U x R (B = 1 for 3-D inputs), every row start b x S among them, nondecreasing (a
+            repeated boundary is an empty document); the same on every rank.
         causal: causal inside each document (default True).
         the rest: as ulysses_ring_attn_func's.
     Returns:

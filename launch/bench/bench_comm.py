@@ -12,10 +12,11 @@ this script measures them on the machine it runs on, every rank taking part:
 - all_to_all (W >= 2): all_to_all_single of a tensor of that many bytes per rank, as the Ulysses all-to-alls
   trade heads for tokens; gb_s = bytes (W - 1) / W / time: what leaves each rank, per second.
 - copy (every W): a device-to-device copy of that many bytes on rank 0's device (read + write counted, as
-  shared/BENCHMARKING.md's ceiling). With one GPU this is all the memory system says: it is no NVLink figure.
+  the usual copy-bandwidth ceiling). With one GPU this is all the memory system says: it is no NVLink figure.
 - attention (every W, rank 0 while the others wait): ringattn.flash_attn_func (bf16, B = 1, D = --head-dim, causal)
   on the blocks a ring step computes, n x n for n in --block-seqlens, with Hq / U query and max(Hkv / U, 1) K/V
-  heads for U in --ulysses (Hq, Hkv = --heads, --kv-heads); fwd and fwd+bwd TFLOP/s (FLOPs as BENCHMARKING.md).
+  heads for U in --ulysses (Hq, Hkv = --heads, --kv-heads); fwd and fwd+bwd TFLOP/s (FLOPs as
+  docs/performance.md counts them).
   The output's last 1024 rows are checked against ringattn.ops.attn_fwd_ref first (relative L2 error < 1e-2).
 
 Timing: each measurement runs --warmup untimed calls, then a barrier, then --iters calls back to back, the device

@@ -51,7 +51,7 @@ CPU's default), --warmup-ms of untimed calls, a barrier, then --rep-ms of back-t
 CUDA events; ms is the slowest rank's median. Not
 triton.testing.do_bench: it picks its repetition count from each rank's own estimate, and ranks making different
 numbers of ring calls would hang. fwd runs under torch.no_grad; fwd+bwd takes the gradients of q, k and v with
-torch.autograd.grad. tflops: the global FLOPs (shared/BENCHMARKING.md) / W / ms, per GPU.
+torch.autograd.grad. tflops: the global FLOPs (counted as docs/performance.md does) / W / ms, per GPU.
 
 Output (rank 0): a line per measurement, a markdown table, a PNG per Hkv beside --out ({stem}_hkv{Hkv}.png:
 efficiency vs S_local, a panel per mode and case, a line per provider and W; none without matplotlib), and --out

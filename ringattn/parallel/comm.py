@@ -87,9 +87,9 @@ class RingComm:
 
     Args:
         group: the ring's process group (default: the world).
-        timeout_s: how long wait() waits on CPU (gloo) tensors before raising; default
-            $RINGATTN_P2P_TIMEOUT_S, else 300 s. CUDA (NCCL) waits are governed by the process
-            group's timeout instead (see the module docstring).
+        timeout_s: how long wait() waits on CPU (gloo) tensors before raising; default as p2p_timeout_s
+            ($RINGATTN_P2P_TIMEOUT_S, else $RINGATTN_TIMEOUT, else 300 s). CUDA (NCCL) waits are governed by the
+            process group's timeout instead (see the module docstring).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None):

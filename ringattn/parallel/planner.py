@@ -25,7 +25,7 @@ W = U R ranks, each holding S / W tokens of a global sequence of S, B sequences,
   group every U-th rank.
 
 The ring hides its transfer when c >= x: for U = 1, bf16 and no mask that is S / R >= F_rate / (g B_link),
-g = Hq / Hkv (ring_hiding_seqlen), the rule in shared/BENCHMARKING.md.
+g = Hq / Hkv (ring_hiding_seqlen): a block's compute against its K/V block's transfer.
 """
 
 from __future__ import annotations

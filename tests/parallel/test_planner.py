@@ -1,6 +1,7 @@
 """ringattn.parallel.planner: the valid (U, R) splits, the cost model's sanity (more bandwidth or compute never
 predicts slower; no ring cost at R = 1, no all-to-all at U = 1), the ring's hiding threshold against the rule
-S_local >= F / (g B_link) of shared/BENCHMARKING.md, bad arguments refused by name, and the command line.
+S_local >= F / (g B_link) (a block's compute against its K/V transfer), bad arguments refused by name, and the
+command line.
 Pure Python: no process group, no GPU."""
 
 import dataclasses
@@ -122,7 +123,7 @@ def test_faster_compute_or_lower_latency_never_predicts_slower():
 @pytest.mark.parametrize("hq, hkv", [(32, 32), (32, 8), (32, 1), (12, 4)])
 @pytest.mark.parametrize("link", ["nvlink", "internode"])
 def test_ring_hides_its_transfer_from_the_benchmarking_threshold_on(hq, hkv, link):
-    """BENCHMARKING.md: one K/V block hides behind one block of compute when S_local >= F / (g B_link), g = Hq / Hkv
+    """One K/V block hides behind one block of compute when S_local >= F / (g B_link), g = Hq / Hkv
     (bf16, no mask; a causal block does half the work, so twice the tokens). Checked on a pure ring (U = 1, so the
     ring's block is S_local), without latencies: no exposed forward transfer just above the threshold, some just
     below."""
