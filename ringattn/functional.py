@@ -393,11 +393,12 @@ def _sink_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: t
     keeps when the sinks need their gradient (it sums P_sink * rowsum(dout * out) over every row, where out's
     rounding would cost it up to twice plain PyTorch's error); state is an empty tensor without sinks, and where out
     is already unrounded (fp32 inputs: _keeps_state), so that no output aliases another."""
+    none = out.new_empty(0, dtype=state_dtype(q))  # the fake implementations' (_fake_outputs)
     if sink is None:
-        return out, lse, out.new_empty(0)
+        return out, lse, none
     lse = lse.clone()
     add_sink_(out, lse, sink)
-    return out.to(q.dtype), lse, out if _keeps_state(q, sink) else out.new_empty(0)
+    return out.to(q.dtype), lse, out if _keeps_state(q, sink) else none
 
 
 def _fake_outputs(q: torch.Tensor, sink: torch.Tensor | None):

@@ -220,6 +220,8 @@ def _ring_ops_pass_opcheck(rank, world_size):
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")  # AOT dispatch: the compiled tests
     fwd_args = (q, k, v, cu_seqlens, sink, *options, "q,k,v,sink", "ring")  # every input requires grad
     torch.library.opcheck(ring_attn_fwd_op, fwd_args, test_utils=checks)
+    no_sink = (q, k, v, cu_seqlens, None, *options, "q,k,v", "ring")  # an empty fp32 state
+    torch.library.opcheck(ring_attn_fwd_op, no_sink, test_utils=checks)
     out, lse, _, number = ring_attn_fwd_op(*fwd_args)
     q, k, v, out, lse = (t.detach() for t in (q, k, v, out, lse))
     bwd_args = (dout, q, k, v, out, lse, number, cu_seqlens, *options)
@@ -242,9 +244,10 @@ def _ring_ops_pass_opcheck(rank, world_size):
 @pytest.mark.timeout(60)
 def test_ring_custom_ops_pass_opcheck_on_2_ranks():
     """ringattn::ring_attn_fwd (fp16, with documents and sinks that need their gradient: the op also returns the fp32
-    out), ringattn::ring_attn_bwd, the Ulysses exchanges, the 2-D call's agreement and the Ulysses backward's check
-    pass torch.library.opcheck's schema, autograd-registration and fake-tensor checks: the fake implementations give
-    the real shapes, dtypes and strides (AOT dispatch is what the compiled tests run; a regression: the exchange back
-    to the sequence split returned a view of other strides with one head a rank, and a compiled backward failed).
-    Every rank runs the same checks, so the collectives pair up."""
+    out; and without sinks: an empty fp32 state, where the real op's was fp16), ringattn::ring_attn_bwd, the
+    Ulysses exchanges, the 2-D call's agreement and the Ulysses backward's check pass torch.library.opcheck's schema,
+    autograd-registration and fake-tensor checks: the fake implementations give the real shapes, dtypes and strides
+    (AOT dispatch is what the compiled tests run; a regression: the exchange back to the sequence split returned a
+    view of other strides with one head a rank, and a compiled backward failed). Every rank runs the same checks, so
+    the collectives pair up."""
     assert run_ranks(_ring_ops_pass_opcheck, 2, timeout=50) == [True, True]

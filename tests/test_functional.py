@@ -331,13 +331,14 @@ def test_flash_attn_func_compiles_with_fullgraph_one_tensor_as_k_and_v_and_sinks
 
 def test_flash_attn_fwd_op_passes_opcheck():
     """ringattn::flash_attn_fwd's schema, fake implementation and autograd registration (fp16 with sinks that need
-    their gradient: the op also returns the fp32 out; and packed documents), as torch.library.opcheck checks them."""
+    their gradient: the op also returns the fp32 out; without sinks, where it returns an empty fp32 state (a
+    regression: the real op's was fp16); and packed documents), as torch.library.opcheck checks them."""
     from ringattn.functional import flash_attn_fwd_op
 
     q, k, v, _ = make_qkv(1, 16, 16, 4, 2, 16, torch.float16, seed=3)
     q, k, v, sink = (t.requires_grad_() for t in (q, k, v, torch.tensor([-1.0, 0.5, 2.0, 4.0], device=DEVICE)))
     ids = torch.tensor([[0] * 5 + [1] * 11], dtype=torch.int32, device=DEVICE)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    for doc_ids in (None, ids):
-        args = (q, k, v, sink, 0.25, True, None, None, 0.0, False, doc_ids, doc_ids)
+    for doc_ids, learnable_sink in ((None, sink), (ids, sink), (None, None)):
+        args = (q, k, v, learnable_sink, 0.25, True, None, None, 0.0, False, doc_ids, doc_ids)
         torch.library.opcheck(flash_attn_fwd_op, args, test_utils=checks)
