@@ -50,6 +50,8 @@ def _inputs(args: dict):
 OTHER_DTYPE = torch.float16 if DTYPE != torch.float16 else torch.float32
 CASES = [
     Case("q-not-tensor", dict(q_tensor=[[0.0]]), TypeError, "q must be a torch.Tensor, got list"),
+    Case("k-sparse", dict(k_tensor=torch.zeros(1, 8, 2, 32).to_sparse()), TypeError,
+         "k must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"),
     Case("q-3d", dict(q_shape=(8, 4, 32)), ValueError, r"q must have 4 dimensions .* got shape \(8, 4, 32\)"),
     Case("k-5d", dict(k_shape=(1, 8, 2, 32, 1)), ValueError, "k must have 4 dimensions"),
     Case("q-int", dict(q_dtype=torch.int32), TypeError, "q must be float16, bfloat16 or float32, got torch.int32"),

@@ -21,13 +21,16 @@ def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
     """Check q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D) for the attention ops.
 
     Raises:
-        TypeError: a non-tensor, a dtype that is not fp16/bf16/fp32, or dtypes that differ.
+        TypeError: a non-tensor, a tensor that is not dense (strided: a sparse one), a dtype that is not
+            fp16/bf16/fp32, or dtypes that differ.
         ValueError: wrong ranks, mismatched batch/length/head/dim sizes, Hq not divisible by Hkv,
             an empty sequence, a head dim that is not a multiple of 8 up to 256, or devices that differ.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dim() != 4:
             raise ValueError(
                 f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}"
@@ -111,27 +114,36 @@ def check_kernel_device(t: torch.Tensor) -> None:
     )
 
 
+def _as_float(value, name: str, expected: str) -> float:
+    """A real-number argument as a float: anything float() takes (a Python or numpy number, a one-element tensor)
+    but a bool or a string.
+
+    Raises:
+        TypeError: anything else, naming `name` and what it must be (`expected`); a tensor that requires grad (no
+            gradient flows to it).
+    """
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        raise TypeError(
+            f"{name} must not require grad: ringattn computes no gradient for it (pass a float, or a detached tensor)"
+        )
+    try:
+        if isinstance(value, bool | str | bytes):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}") from None
+
+
 def check_softmax_scale(softmax_scale) -> float | None:
     """softmax_scale as a float, or None (the default, 1 / sqrt(headdim)).
 
     Raises:
-        TypeError: not a number (a bool, a string, a tensor of more than one element, or one that requires grad:
-            no gradient flows to the scale).
+        TypeError: not a number (_as_float).
         ValueError: not positive and finite, or outside the float32 range of the kernels (check_float32_factor).
     """
     if softmax_scale is None:
         return None
-    if isinstance(softmax_scale, torch.Tensor) and softmax_scale.requires_grad:
-        raise TypeError(
-            "softmax_scale must not require grad: ringattn computes no gradient for it (pass a float, or a "
-            "detached tensor)"
-        )
-    try:
-        if isinstance(softmax_scale, bool | str | bytes):
-            raise TypeError
-        scale = float(softmax_scale)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"softmax_scale must be a number or None, got {type(softmax_scale).__name__}") from None
+    scale = _as_float(softmax_scale, "softmax_scale", "a number or None")
     if not (scale > 0.0 and scale != float("inf")):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
     check_float32_factor(scale, "softmax_scale")
@@ -177,13 +189,11 @@ def check_softcap(softcap) -> float:
     """softcap as a float: 0 (none) or a positive finite number.
 
     Raises:
-        TypeError: not a real number.
+        TypeError: not a number (_as_float, as softmax_scale).
         ValueError: negative, NaN or infinite, or positive outside the float32 range of the kernels
             (check_float32_factor).
     """
-    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
-        raise TypeError(f"softcap must be a number (0 for none), got {type(softcap).__name__}")
-    value = float(softcap)
+    value = _as_float(softcap, "softcap", "a number (0 for none)")
     if not (value >= 0.0 and value != float("inf")):
         raise ValueError(f"softcap must be 0 (none) or a positive finite number, got {softcap}")
     if value:

@@ -142,6 +142,7 @@ def _q():
         (dict(softcap=-1.0), ValueError, "softcap must be 0 .none. or a positive finite number, got -1.0"),
         (dict(softcap=float("inf")), ValueError, "softcap must be 0 .none. or a positive finite number"),
         (dict(softcap="30"), TypeError, "softcap must be a number"),
+        (dict(softcap=torch.tensor(2.0, requires_grad=True)), TypeError, "softcap must not require grad"),
         (dict(alibi_slopes=torch.ones(2)), ValueError, "alibi_slopes must be None"),
         (dict(return_attn_probs=True), ValueError, "return_attn_probs must be False.*return_lse=True"),
     ],
@@ -163,6 +164,15 @@ def test_positional_flash_attn_call_is_read_as_flash_attn_reads_it():
     positional = ringattn.flash_attn_func(q, k, v, 0.0, 0.3, True, (4, 0), 2.0)
     keywords = ringattn.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, window_size=(4, 0), softcap=2.0)
     assert torch.equal(positional, keywords)
+
+
+def test_softcap_is_taken_as_softmax_scale_is():
+    """softcap as a one-element tensor (or any number float() takes) gives the bits of the float, as softmax_scale
+    does (a regression: a 0-d tensor or a numpy float was a TypeError for softcap alone)."""
+    q, k, v, _ = make_qkv(1, 19, 19, 2, 2, 32, DTYPES[0], seed=6)
+    expected = ringattn.flash_attn_func(q, k, v, softmax_scale=0.25, causal=True, softcap=2.0)
+    given = ringattn.flash_attn_func(q, k, v, softmax_scale=torch.tensor(0.25), causal=True, softcap=torch.tensor(2.0))
+    assert torch.equal(given, expected)
 
 
 def test_keys_after_a_fully_masked_tile_keep_their_precision():
