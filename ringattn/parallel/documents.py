@@ -91,7 +91,8 @@ def checked_fingerprint(cu_seqlens: torch.Tensor | None, batch: int, row: int) -
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """(total,) int32 document id of every global token, on cu_seqlens' device."""
     tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return (torch.searchsorted(cu_seqlens[1:], tokens, right=True)).to(torch.int32)
+    # contiguous: searchsorted copies (and warns about) a strided sorted sequence
+    return (torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True)).to(torch.int32)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
