@@ -189,7 +189,7 @@ def flash_attn_func(
     return_lse = check_flag(return_lse, "return_lse")
     check_attn_inputs(q, k, v)
     sink = check_sink(learnable_sink, q)
-    scale = default_softmax_scale(softmax_scale, q.shape[-1])
+    scale = default_softmax_scale(softmax_scale, q.shape[-1], softcap)
     out, lse, _ = flash_attn_fwd_op(q, k, v, sink, scale, causal, *window, softcap, deterministic, None, None)
     return (out, public_lse(lse)) if return_lse else out
 
@@ -246,7 +246,7 @@ def flash_attn_varlen_func(
     sink = check_sink(learnable_sink, q[None])
     same_bounds = causal or window != (None, None)
     q_doc_ids, k_doc_ids = _varlen_doc_ids(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, same_bounds)
-    scale = default_softmax_scale(softmax_scale, q.shape[-1])
+    scale = default_softmax_scale(softmax_scale, q.shape[-1], softcap)
     out, lse, _ = flash_attn_fwd_op(q[None], k[None], v[None], sink, scale, causal, *window, softcap, deterministic,
                                     q_doc_ids, k_doc_ids)  # fmt: skip
     return (out[0], public_lse(lse[0])) if return_lse else out[0]
@@ -327,10 +327,11 @@ def check_ring_inputs(
     softmax_scale: float | None = None,
     sink: torch.Tensor | None = None,
     call: str = "ring_attn_func",
+    softcap: float = 0.0,
 ) -> tuple[float, str]:
     """The local checks of a ring call that read only Python values and tensor metadata (shapes, dtypes, devices,
-    layout, scale, sinks, the group's type, torch.distributed initialised); returns the softmax
-    scale to use and the name of the group (the world's for None), which the ring's custom op takes.
+    layout, scale (with the checked softcap), sinks, the group's type, torch.distributed initialised); returns the
+    softmax scale to use and the name of the group (the world's for None), which the ring's custom op takes.
 
     The ring functions run them, and check_flash_attn_options, under agreement.shared_refusals before calling the
     custom op ringattn::ring_attn_fwd (under torch.compile: while tracing). The op runs, at every call, the checks
@@ -354,7 +355,7 @@ def check_ring_inputs(
             f"q, k and v must hold the same local sequence length in a ring, got q {q.shape[1]}, k/v {k.shape[1]}"
         )
     check_local_seqlen(q.shape[1], layout, name="q.shape[1]")
-    scale = default_softmax_scale(softmax_scale, q.shape[-1])
+    scale = default_softmax_scale(softmax_scale, q.shape[-1], softcap)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"{call} needs torch.distributed initialised (dist.init_process_group); for one device use flash_attn_func"
@@ -643,7 +644,7 @@ def ring_attn_func(
             dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
         )
         return_lse = check_flag(return_lse, "return_lse")
-        scale, group_name = check_ring_inputs(q, k, v, group, layout, softmax_scale, learnable_sink)
+        scale, group_name = check_ring_inputs(q, k, v, group, layout, softmax_scale, learnable_sink, softcap=softcap)
     out, lse = _ring_attn("ring_attn_func", q, k, v, None, learnable_sink, scale, causal, window, softcap,
                           deterministic, group_name, layout)  # fmt: skip
     return (out, public_lse(lse)) if return_lse else out
@@ -714,7 +715,7 @@ def ring_attn_varlen_func(
         rows = _check_varlen_ring_dims(q, k, v)
         if rows:
             q, k, v = q[None], k[None], v[None]
-        scale, group_name = check_ring_inputs(q, k, v, group, layout, softmax_scale, learnable_sink, call)
+        scale, group_name = check_ring_inputs(q, k, v, group, layout, softmax_scale, learnable_sink, call, softcap)
         check_cu_seqlens_tensor(cu_seqlens)  # its values: in the op, at every call
     out, lse = _ring_attn(call, q, k, v, cu_seqlens, learnable_sink, scale, causal, window, softcap, deterministic,
                           group_name, layout)  # fmt: skip

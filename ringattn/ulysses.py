@@ -109,7 +109,7 @@ def _ulysses_ring(call, grid: Grid, q, k, v, cu_seqlens, options: dict, layout, 
         return_lse = check_flag(return_lse, "return_lse")
         check_layout(layout)
         # the ring's length rule applies to the ring's local length U x L, checked below
-        scale, _ = check_ring_inputs(q, k, v, None, "contiguous", options["softmax_scale"], sink, call)
+        scale, _ = check_ring_inputs(q, k, v, None, "contiguous", options["softmax_scale"], sink, call, softcap)
         check_ulysses_heads(q.shape[2], k.shape[2], size)
         if size * q.shape[1] % chunks_per_rank(layout):
             raise ValueError(

@@ -80,7 +80,7 @@ def attn_fwd(
     check_runnable_device(q)
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
     check_final_rows(final, q)
-    window, softcap = check_window(window), check_softcap(softcap)
+    window, softcap = check_window(window), check_softcap(softcap, softmax_scale)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=LSE_DTYPE, device=q.device)
@@ -124,7 +124,7 @@ def attn_fwd_merge_(
     check_attn_state(out, lse, q)
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
     check_final_rows(final, q)
-    window, softcap = check_window(window), check_softcap(softcap)
+    window, softcap = check_window(window), check_softcap(softcap, softmax_scale)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     call = FwdCall(q, k, v, softmax_scale, bool(causal), out, lse, q_doc_ids, k_doc_ids, not fresh, final, window,
                    softcap)  # fmt: skip
@@ -200,7 +200,7 @@ def attn_bwd(
     check_attn_inputs(q, k, v)
     check_runnable_device(q)
     q_doc_ids, k_doc_ids = check_doc_ids(q_doc_ids, k_doc_ids, q, k)
-    window, softcap = check_window(window), check_softcap(softcap)
+    window, softcap = check_window(window), check_softcap(softcap, softmax_scale)
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     stats = attn_bwd_preprocess(out, dout, lse) if stats is None else check_bwd_stats(stats, q)
     accumulate = dq_acc is not None

@@ -150,10 +150,13 @@ def check_softmax_scale(softmax_scale) -> float | None:
     return scale
 
 
-def default_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
-    """softmax_scale checked (check_softmax_scale), or 1 / sqrt(head_dim) when None."""
+def default_softmax_scale(softmax_scale: float | None, head_dim: int, softcap: float = 0.0) -> float:
+    """softmax_scale checked (check_softmax_scale), or 1 / sqrt(head_dim) when None; with a (checked) softcap, the
+    two checked together (check_softcap)."""
     scale = check_softmax_scale(softmax_scale)
-    return head_dim**-0.5 if scale is None else scale
+    scale = head_dim**-0.5 if scale is None else scale
+    check_softcap(softcap, scale)
+    return scale
 
 
 # The kernels take softmax_scale and softcap as float32 factors, times log2(e) (their softmax is base 2). Outside
@@ -185,19 +188,23 @@ def check_window(window) -> tuple[int | None, int | None]:
     return tuple(window)
 
 
-def check_softcap(softcap) -> float:
-    """softcap as a float: 0 (none) or a positive finite number.
+def check_softcap(softcap, softmax_scale: float | None = None) -> float:
+    """softcap as a float: 0 (none) or a positive finite number; with softmax_scale, the two together: the kernels
+    take softmax_scale / softcap as a float32 factor too.
 
     Raises:
         TypeError: not a number (_as_float, as softmax_scale).
         ValueError: negative, NaN or infinite, or positive outside the float32 range of the kernels
-            (check_float32_factor).
+            (check_float32_factor); softmax_scale / softcap outside it (in float32 it would be inf, and a score of
+            0 capped NaN, or 0 or subnormal, and the capped scores lose their digits).
     """
     value = _as_float(softcap, "softcap", "a number (0 for none)")
     if not (value >= 0.0 and value != float("inf")):
         raise ValueError(f"softcap must be 0 (none) or a positive finite number, got {softcap}")
     if value:
         check_float32_factor(value, "softcap")
+        if softmax_scale is not None:
+            check_float32_factor(softmax_scale / value, "softmax_scale / softcap")
     return value
 
 

@@ -143,6 +143,9 @@ def _q():
         (dict(softcap=float("inf")), ValueError, "softcap must be 0 .none. or a positive finite number"),
         (dict(softcap="30"), TypeError, "softcap must be a number"),
         (dict(softcap=torch.tensor(2.0, requires_grad=True)), TypeError, "softcap must not require grad"),
+        # each in range, their ratio not: inf in float32 (a score of 0 capped NaN), or subnormal
+        (dict(softmax_scale=1e20, softcap=1e-20), ValueError, r"softmax_scale / softcap must be from .*got 1e\+40"),
+        (dict(softcap=1e38), ValueError, "softmax_scale / softcap must be from"),
         (dict(alibi_slopes=torch.ones(2)), ValueError, "alibi_slopes must be None"),
         (dict(return_attn_probs=True), ValueError, "return_attn_probs must be False.*return_lse=True"),
     ],
