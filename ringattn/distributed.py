@@ -85,8 +85,9 @@ def init_distributed(
         RuntimeError: NCCL without enough GPUs for LOCAL_RANK; gloo while ringattn's kernels were not
             imported for the interpreter (TRITON_INTERPRET=1, or another value Triton reads as on, before ringattn
             is imported).
-        ValueError: an unknown backend; a bad $RINGATTN_NCCL_HIGH_PRIORITY, $RANK, $WORLD_SIZE or $LOCAL_RANK; a
-            timeout_s or $RINGATTN_TIMEOUT that is not a positive finite number of seconds (naming which).
+        ValueError: an unknown backend; a bad $RINGATTN_NCCL_HIGH_PRIORITY, $RANK, $WORLD_SIZE or $LOCAL_RANK
+            (WORLD_SIZE other than 1 without RANK, a launcher's leftover, too); a
+            timeout_s or $RINGATTN_TIMEOUT that is not a number of seconds from 0.001 to 1e9 (naming which).
         TypeError: a timeout_s that is not a number.
     """
     os.environ.update(MULTICAST_OFF)
@@ -96,6 +97,11 @@ def init_distributed(
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
     high_priority = nccl_high_priority(high_priority)
     if "RANK" not in os.environ:  # a plain `python script.py`: a group of one
+        if os.environ.get("WORLD_SIZE", "1") != "1":  # a launcher's leftover, which the script may have read
+            raise ValueError(
+                f"WORLD_SIZE is {os.environ['WORLD_SIZE']!r} but RANK is not set: launch the ranks with torchrun "
+                "(which sets both), or unset WORLD_SIZE for a plain run of one process"
+            )
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
@@ -105,7 +111,7 @@ def init_distributed(
     if not local_rank.isdigit():
         raise ValueError(f"LOCAL_RANK must be this process's rank on its node, an int >= 0, got {local_rank!r}")
     local_rank = int(local_rank)
-    timeout_s = p2p_timeout_s(timeout_s, variables=(GROUP_TIMEOUT_ENV,))  # checked: a positive number of seconds
+    timeout_s = p2p_timeout_s(timeout_s, variables=(GROUP_TIMEOUT_ENV,))  # checked: seconds in TIMEOUT_RANGE_S
 
     if backend == "nccl":
         if local_rank >= torch.cuda.device_count():

@@ -10,7 +10,6 @@ peers and the step. On CUDA tensors (NCCL) a timed wait would block the host at 
 so `wait` only orders the streams and the process group's own timeout and watchdog apply.
 """
 
-import math
 import os
 import time
 from datetime import timedelta
@@ -21,6 +20,9 @@ import torch.distributed as dist
 P2P_TIMEOUT_ENV = "RINGATTN_P2P_TIMEOUT_S"
 GROUP_TIMEOUT_ENV = "RINGATTN_TIMEOUT"  # ringattn.distributed's process-group timeout, the fallback
 DEFAULT_P2P_TIMEOUT_S = 300.0
+# gloo counts a timeout in milliseconds, and torch passes it on in int64 nanoseconds: under 1 ms it is 0 (at once),
+# past 9.2e9 s it overflows (every wait fails at once)
+TIMEOUT_RANGE_S = (0.001, 1e9)
 
 
 def p2p_timeout_s(
@@ -31,7 +33,7 @@ def p2p_timeout_s(
     `variables`: the environment variables read, in turn (init_distributed reads $RINGATTN_TIMEOUT alone).
 
     Raises:
-        ValueError: a value (argument or environment) that is not a positive finite number.
+        ValueError: a value (argument or environment) that is not a number of seconds in TIMEOUT_RANGE_S.
         TypeError: a `timeout_s` that is not a number.
     """
     source = "timeout_s"
@@ -43,11 +45,13 @@ def p2p_timeout_s(
         try:
             timeout_s = float(raw)
         except ValueError:
-            raise ValueError(f"{source} must be a positive number of seconds, got {raw!r}") from None
+            low, high = TIMEOUT_RANGE_S
+            raise ValueError(f"{source} must be a number of seconds from {low:g} to {high:g}, got {raw!r}") from None
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
         raise TypeError(f"{source} must be a number of seconds, got {type(timeout_s).__name__}")
-    if not (timeout_s > 0 and math.isfinite(timeout_s)):
-        raise ValueError(f"{source} must be a positive finite number of seconds, got {timeout_s}")
+    low, high = TIMEOUT_RANGE_S
+    if not low <= timeout_s <= high:
+        raise ValueError(f"{source} must be a number of seconds from {low:g} to {high:g}, got {timeout_s}")
     return float(timeout_s)
 
 
