@@ -19,7 +19,8 @@
 #   DEVICE=cpu        CPU ranks over gloo even where there are GPUs (hides them from the ranks)
 #   LOG_RANKS         local ranks whose output is shown: "0" (default) or a list "0,1", or "all";
 #                     the others' output goes to log files, whose last lines are shown if the job fails
-#   TIMEOUT           seconds the whole job may run before it is stopped (default: no limit)
+#   TIMEOUT           how long the whole job may run before it is stopped: seconds, or a number
+#                     with a suffix s, m, h or d (coreutils timeout's); default: no limit
 #   RINGATTN_TIMEOUT  seconds a collective may wait in scripts that use ringattn.distributed
 #                     (default 300): a hang becomes an error on every rank
 set -euo pipefail
@@ -45,6 +46,11 @@ case "${DEVICE:-}" in
   cpu) export CUDA_VISIBLE_DEVICES="" ;;
   *) echo "torchrun.sh: DEVICE must be cpu (or unset), got '$DEVICE'" >&2; exit 2 ;;
 esac
+
+if [[ -n "${TIMEOUT:-}" ]] && ! [[ "$TIMEOUT" =~ ^[0-9]*\.?[0-9]+[smhd]?$ && "$TIMEOUT" =~ [1-9] ]]; then
+  echo "torchrun.sh: TIMEOUT must be a positive duration (seconds, or with a suffix s, m, h or d), got '$TIMEOUT'" >&2
+  exit 2
+fi
 
 # the script's --help needs no ranks: print it from one plain process
 for arg in "${@:2}"; do
@@ -114,7 +120,7 @@ status=0
 "${run[@]}" "$@" || status=$?
 
 if [[ "$status" -eq 124 && -n "${TIMEOUT:-}" ]]; then
-  echo "torchrun.sh: stopped after TIMEOUT=${TIMEOUT}s" >&2
+  echo "torchrun.sh: stopped after TIMEOUT=${TIMEOUT}" >&2
 fi
 if [[ -n "$log_dir" ]]; then
   if [[ "$status" -ne 0 ]]; then

@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(
 def _launch(tmp_path, fail_rank, **env_vars):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, TIMEOUT="120", **env_vars)
+    env = dict(os.environ, **{"TIMEOUT": "120", **env_vars})
     cmd = ["bash", "launch/torchrun.sh", str(script), str(fail_rank)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 
@@ -66,7 +66,10 @@ def test_all_ranks_shown_and_bad_settings_refused(tmp_path):
     # both ranks write to one stream at the same moment: their lines may interleave, so count the messages
     assert proc.stdout.count("rank 0 says hello") == 1 and proc.stdout.count("rank 1 says hello") == 1
     for bad, message in (({"NPROC": "0"}, "NPROC must be a positive integer"), ({"DEVICE": "tpu"}, "DEVICE must"),
-                         ({"LOG_RANKS": "0,5"}, "LOG_RANKS lists local rank 5, but NPROC=2 ranks run")):  # fmt: skip
+                         ({"LOG_RANKS": "0,5"}, "LOG_RANKS lists local rank 5, but NPROC=2 ranks run"),
+                         # regression: coreutils' error (status 125), pointing at an empty log directory
+                         ({"TIMEOUT": "abc"}, "TIMEOUT must be a positive duration"),
+                         ({"TIMEOUT": "-1"}, "TIMEOUT must be a positive duration")):  # fmt: skip
         proc = _launch(tmp_path, -1, **{"NPROC": "2", **bad})
         assert proc.returncode == 2 and message in proc.stderr
 
