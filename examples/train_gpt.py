@@ -57,6 +57,7 @@ from torch import nn  # noqa: E402
 import ringattn  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 from ringattn.ops import attn_fwd_ref  # noqa: E402
+from ringattn.ops.validation import MAX_GRID_DIM, MAX_HEAD_DIM  # noqa: E402
 from ringattn.sequence_parallel import IGNORE_INDEX, shift_labels  # noqa: E402
 from ringattn.testing import check_close, max_abs_error, tolerance  # noqa: E402
 
@@ -196,9 +197,11 @@ def parse_args(world_size: int, on_gpu: bool, argv: list[str] | None = None) -> 
     if args.seqlen < 4 or args.seqlen % multiple:
         problems.append(f"--seqlen {args.seqlen} must be a multiple of 2 x ranks = {multiple} (zigzag), at least 4")
     if min(args.dim, args.heads, args.kv_heads) >= 1 and (
-        args.dim % args.heads or (args.dim // args.heads) % 8 or args.heads % args.kv_heads
-    ):
-        problems.append("--dim / --heads must be a multiple of 8 and --heads a multiple of --kv-heads")
+        args.dim % args.heads or (args.dim // args.heads) % 8 or args.dim // args.heads > MAX_HEAD_DIM
+        or args.heads % args.kv_heads or max(args.heads, args.batch) > MAX_GRID_DIM
+    ):  # fmt: skip
+        problems.append(f"--dim / --heads must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, --heads a multiple of "
+                        f"--kv-heads, --heads and --batch at most {MAX_GRID_DIM}")  # fmt: skip
     if args.warmup < 0 or not args.lr > 0:
         problems.append(f"--warmup {args.warmup} must be at least 0 and --lr {args.lr} positive")
     if args.vocab < 3 or args.steps < 1:

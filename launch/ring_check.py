@@ -46,6 +46,7 @@ import triton  # noqa: E402
 import ringattn  # noqa: E402
 from ringattn.benchmark import DTYPES, attention_flops, attention_inputs  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
+from ringattn.ops.validation import MAX_GRID_DIM, MAX_HEAD_DIM  # noqa: E402
 from ringattn.testing import check_close, max_abs_error, reference, tolerance  # noqa: E402
 
 CHECKED = ("out", "lse", "dq", "dk", "dv")
@@ -77,10 +78,13 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     problems = []
     if args.seqlen <= 0 or args.seqlen % world_size:
         problems.append(f"--seqlen {args.seqlen} must be a positive multiple of the world size {world_size}")
-    if args.batch <= 0:
-        problems.append(f"--batch {args.batch} must be positive")
-    if args.heads <= 0 or args.kv_heads <= 0 or args.heads % args.kv_heads:
-        problems.append(f"--heads {args.heads} must be a positive multiple of --kv-heads {args.kv_heads}")
+    if not 0 < args.batch <= MAX_GRID_DIM:
+        problems.append(f"--batch {args.batch} must be from 1 to {MAX_GRID_DIM}")
+    if args.heads <= 0 or args.kv_heads <= 0 or args.heads % args.kv_heads or args.heads > MAX_GRID_DIM:
+        problems.append(f"--heads {args.heads} must be a positive multiple of --kv-heads {args.kv_heads}, at most "
+                        f"{MAX_GRID_DIM}")  # fmt: skip
+    if args.head_dim % 8 or not 8 <= args.head_dim <= MAX_HEAD_DIM:
+        problems.append(f"--head-dim {args.head_dim} must be a multiple of 8 from 8 to {MAX_HEAD_DIM}")
     if args.iters <= 0 or args.warmup < 0:
         problems.append("--iters must be positive and --warmup non-negative")
     if args.dtype == "bf16" and not on_gpu:
