@@ -64,33 +64,28 @@ def main() -> int:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # Triton kernels on the CPU; set before ringattn is imported
+    import ringattn
+    from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed
+    from ringattn.ops import attn_fwd_ref
+    from ringattn.testing import check_close, max_abs_error
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlen", type=int, default=None, help="global sequence length (a multiple of the ranks)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16" if on_gpu else "fp32")
     args = parser.parse_args()
-    if args.dtype == "bf16" and not on_gpu:
-        raise SystemExit("--dtype bf16 needs a GPU (Triton's interpreter computes bf16 wrongly); use fp32 or fp16")
-
-    if on_gpu:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-
-    import ringattn
-    from ringattn.distributed import destroy
-    from ringattn.ops import attn_fwd_ref
-    from ringattn.testing import check_close, max_abs_error
-
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; checked by init_distributed
     # sizes: small on the CPU, where the kernels run in the interpreter
     batch, dim, heads, kv_heads, head_dim = (2, 1024, 16, 4, 64) if on_gpu else (2, 128, 4, 2, 32)
     seqlen = (1024 if on_gpu else 64) * world_size if args.seqlen is None else args.seqlen
+    problems = []
+    if args.dtype == "bf16" and not on_gpu:
+        problems.append("--dtype bf16 needs a GPU (Triton's interpreter computes bf16 wrongly); use fp32 or fp16")
     if seqlen <= 0 or seqlen % world_size:
-        raise SystemExit(f"--seqlen {seqlen} must be a positive multiple of the number of ranks {world_size}")
+        problems.append(f"--seqlen {seqlen} must be a positive multiple of the number of ranks {world_size}")
+    exit_on_bad_arguments(parser, problems)  # status 2 on every rank, before any process group
+    env = init_distributed()  # NCCL on GPUs (one rank a GPU), gloo on the CPU; a plain run is a group of one
+    device, rank = env.device, env.rank
+
     local = seqlen // world_size
     shard = slice(rank * local, (rank + 1) * local)  # this rank's tokens
     dtype = DTYPES[args.dtype]
