@@ -202,8 +202,8 @@ def parse_args(world_size: int, on_gpu: bool, argv: list[str] | None = None) -> 
     ):  # fmt: skip
         problems.append(f"--dim / --heads must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, --heads a multiple of "
                         f"--kv-heads, --heads and --batch at most {MAX_GRID_DIM}")  # fmt: skip
-    if args.warmup < 0 or not args.lr > 0:
-        problems.append(f"--warmup {args.warmup} must be at least 0 and --lr {args.lr} positive")
+    if args.warmup < 0 or not 0 < args.lr < math.inf:
+        problems.append(f"--warmup {args.warmup} must be at least 0 and --lr {args.lr} positive and finite")
     if args.vocab < 3 or args.steps < 1:
         problems.append("--vocab must be at least 3 and --steps at least 1")
     if args.dtype == "bf16" and not on_gpu:

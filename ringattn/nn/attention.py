@@ -19,6 +19,8 @@ from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
 def in_autocast_dtype(t: torch.Tensor) -> torch.Tensor:
     """t in autocast's dtype where autocast is on for its device, else t: q, k and v as SDPA takes them under
     autocast (where RoPE in fp32 leaves q and k in fp32 beside a 16-bit v)."""
+    if not isinstance(t, torch.Tensor) or not torch.amp.is_autocast_available(t.device.type):
+        return t  # left to the attention's checks (a meta tensor, or no tensor, refused there by name)
     device = t.device.type
     return t.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else t
 

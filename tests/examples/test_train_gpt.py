@@ -41,12 +41,14 @@ def _train_gpt():
         (["--batch", "0"], "--batch 0 must be positive"),
         (["--warmup", "-1"], "--warmup -1 must be at least 0"),
         (["--dim", "512", "--heads", "1", "--kv-heads", "1"], "--dim / --heads must be a multiple of 8 from 8 to 256"),
+        (["--lr", "inf"], "--lr inf positive and finite"),
     ],
-    ids=["kv-heads", "heads", "log-every", "batch", "warmup", "head-dim-512"],
+    ids=["kv-heads", "heads", "log-every", "batch", "warmup", "head-dim-512", "lr-inf"],
 )
 def test_train_gpt_bad_arguments_are_named(argv, message, capsys, monkeypatch):
     """Regression: --kv-heads 0 or --heads 0 divided by zero in the check, --log-every 0 after the first step, and
-    --batch 0 and a head dim of 512 reached the kernels' checks; each is now a usage error naming the argument."""
+    --batch 0 and a head dim of 512 reached the kernels' checks, --lr inf trained to NaN; each is now a usage error
+    naming the argument."""
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as exc:
         _train_gpt().parse_args(2, False, argv)

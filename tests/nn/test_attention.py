@@ -53,6 +53,17 @@ def test_under_autocast_q_k_v_reach_the_ring_in_its_dtype(monkeypatch):
     assert seen == [(torch.float16,) * 3, (torch.float32,) * 3]
 
 
+def test_meta_tensors_and_non_tensors_get_the_rings_errors():
+    """Regression: the autocast cast failed first on a meta tensor ("unknown device type for autocast") and on a
+    list (no .device); the ring's own checks name them."""
+    layer = ringattn.nn.RingAttention(causal=True, layout="zigzag")
+    q = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="q, k and v must be on one device, got q cpu, k meta"):
+        layer(q, q.to("meta"), q)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        layer([[0.0]], q, q)
+
+
 @pytest.mark.parametrize("backend,dtype", RING_BACKENDS)
 def test_layer_matches_reference_on_2_ranks(backend, dtype):
     """Zigzag, causal, GQA (4 q heads, 2 kv heads), head dim 24, an explicit softmax_scale."""
