@@ -24,7 +24,7 @@ def live_tensors() -> tuple[int, int]:
     for obj in gc.get_objects():
         if type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
             count += 1
-            if obj.device.type != "meta":
+            if obj.device.type != "meta" and obj.layout == torch.strided:  # a sparse tensor has no one storage
                 storage = obj.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return count, sum(storages.values())

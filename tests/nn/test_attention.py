@@ -6,7 +6,10 @@ import torch
 import ringattn
 from ringattn.testing import check_close, magnitude
 from tests.distributed import RING_BACKENDS, rank_device, run_ranks, skip_without_gpus
-from tests.utils import make_qkv, reference_attention
+from tests.utils import DEVICE, make_qkv, reference_attention
+
+# the gloo ranks of the CPU-only tests run the interpreted kernels: not on a GPU machine
+cpu_only = pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks run the interpreted kernels on the CPU")
 
 
 def test_extra_repr_and_bad_layout():
@@ -97,6 +100,7 @@ def _layer_with_boundaries_matches_reference(rank, world_size):
     return True
 
 
+@cpu_only
 def test_layer_takes_the_boundaries_of_a_padded_batch():
     """RingAttention(..., causal=False) with cu_seqlens: an encoder's real tokens never attend to the padding."""
     assert run_ranks(_layer_with_boundaries_matches_reference, 2) == [True, True]
@@ -136,6 +140,7 @@ def _grid_layer_matches_reference(rank, world_size):
     return True
 
 
+@cpu_only
 def test_layer_over_a_ulysses_ring_grid_matches_reference():
     """RingAttention(mesh=...) and RingAttention(ulysses_group=...) run ulysses_ring_attn_func: causal zigzag, GQA,
     head dim 24, an explicit softmax_scale; out, lse, dq, dk, dv against float64 (tolerance rule); bad meshes raise

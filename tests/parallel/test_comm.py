@@ -26,11 +26,11 @@ def test_timeout_comes_from_argument_then_environment_then_default(monkeypatch):
     monkeypatch.setenv(P2P_TIMEOUT_ENV, "12.5")
     assert p2p_timeout_s() == 12.5
     assert p2p_timeout_s(2) == 2.0
-    for bad in ("soon", "0", "-3", "inf"):
+    for bad in ("soon", "0", "-3", "inf", "1e10", "0.0001"):
         monkeypatch.setenv(P2P_TIMEOUT_ENV, bad)
         with pytest.raises(ValueError, match=P2P_TIMEOUT_ENV):
             p2p_timeout_s()
-    with pytest.raises(ValueError, match="timeout_s must be a positive finite number"):
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds from 0.001 to 1e[+]09"):
         p2p_timeout_s(0.0)
     with pytest.raises(TypeError, match="timeout_s must be a number"):
         p2p_timeout_s("5")
