@@ -89,8 +89,8 @@ CASES = [
          "group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got str", ring_only=True),
     Case("ring-agreement-env", dict(), ValueError, r"\$RINGATTN_AGREEMENT must be one of", ring_only=True,
          env={AGREEMENT_ENV: "sometimes"}),
-    Case("ring-timeout-env", dict(), ValueError, r"\$RINGATTN_P2P_TIMEOUT_S must be a number of seconds", ring_only=True,
-         env={P2P_TIMEOUT_ENV: "soon"}),
+    Case("ring-timeout-env", dict(), ValueError, r"\$RINGATTN_P2P_TIMEOUT_S must be a number of seconds",
+         ring_only=True, env={P2P_TIMEOUT_ENV: "soon"}),
     Case("kernels-env", dict(), ValueError, r"\$RINGATTN_KERNELS must be one of auto, portable \(or unset\), got 'on'",
          env={KERNELS_ENV: "on"}),
 ]  # fmt: skip

@@ -1,7 +1,9 @@
 """Helpers shared by the tests: devices, dtypes, inputs and the reference attention."""
 
 import importlib
+import importlib.util
 import pkgutil
+from pathlib import Path
 
 import torch
 
@@ -12,6 +14,18 @@ from ringattn.testing import RESULTS, check_results
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # The interpreter runs fp32; on a GPU the kernels are checked in the training dtypes.
 DTYPES = [torch.float32] if DEVICE.type == "cpu" else [torch.bfloat16, torch.float16]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: str):
+    """The script at `path` (relative to the repository) as a module, for tests of its functions: its import only
+    defines things (main runs under `if __name__ == "__main__"`)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def dtype_id(dtype: torch.dtype) -> str:

@@ -1,13 +1,14 @@
 """examples/train_gpt.py --check through launch/torchrun.sh on 2 CPU ranks: the first training steps,
 ring-sharded (zigzag) vs single-device, within the tolerance rule."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.utils import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,14 +23,6 @@ def test_train_gpt_check_two_steps_on_two_cpu_ranks(tmp_path):
     assert "check: passed" in output, output
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().endswith(" ok")]
     assert [r[0] for r in rows] == ["0", "1"], output  # one checked row per step
-
-
-def _train_gpt():
-    """examples/train_gpt.py as a module (its import only defines things)."""
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(
@@ -51,5 +44,5 @@ def test_train_gpt_bad_arguments_are_named(argv, message, capsys, monkeypatch):
     naming the argument."""
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as exc:
-        _train_gpt().parse_args(2, False, argv)
+        load_script("examples/train_gpt.py").parse_args(2, False, argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -1,21 +1,11 @@
 """launch/ring_check.py's options: bad values are usage errors (status 2) naming the option, before any rank
 starts."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _ring_check():
-    """launch/ring_check.py as a module (its import only defines things)."""
-    spec = importlib.util.spec_from_file_location("ring_check", ROOT / "launch" / "ring_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.utils import load_script
 
 
 @pytest.mark.parametrize(
@@ -34,5 +24,5 @@ def test_ring_check_bad_arguments_are_named(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(sys, "argv", ["ring_check.py", *argv])
     with pytest.raises(SystemExit) as exc:
-        _ring_check().parse_args(2, False)
+        load_script("launch/ring_check.py").parse_args(2, False)
     assert exc.value.code == 2 and message in capsys.readouterr().err
