@@ -387,6 +387,9 @@ def describe_disagreement(headers: list[Header], cls: type | None) -> str | None
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {_show(v)}" for r, v in enumerate(values))
             parts.append(f"{cls.labels[field]} ({per_rank})")
+    if not parts:  # the slots past this call's fields differ: another rank's signature is longer, a grid's
+        parts.append("the call's form (some ranks call it over a Ulysses x ring grid, some not: every rank must "
+                     "pass the same ulysses_group, or a mesh)")  # fmt: skip
     return f"{calls[0]}: the ranks of the group disagree on " + "; ".join(parts) + ". " + cls.expected
 
 

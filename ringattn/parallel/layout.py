@@ -47,7 +47,10 @@ def chunks_per_rank(layout: str) -> int:
 
 def check_seqlen(seqlen: int, world_size: int, layout: str, name: str = "seqlen") -> None:
     """Raise ValueError unless the global length `seqlen` splits evenly over `world_size` ranks in `layout`:
-    divisible by W ("contiguous") or 2W ("zigzag"). `name` is the argument named in the message."""
+    divisible by W ("contiguous") or 2W ("zigzag"). `name` is the argument named in the message; a world_size
+    that is not a positive int is refused too."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     multiple = chunks_per_rank(layout) * world_size
     if seqlen < 0 or seqlen % multiple != 0:
         how = f"2 x world size {world_size}" if layout == "zigzag" else f"world size {world_size}"

@@ -14,6 +14,7 @@ and timing what the decomposition itself costs against one fused call, without a
 import torch
 
 from ..ops import AttnOps, capped_ops
+from ..ops.validation import check_window
 from ..parallel.layout import check_layout, check_local_seqlen, check_seqlen, shard_indices
 from ..parallel.schedule import held_blocks, ring_streams
 from ..parallel.steps import (
@@ -193,9 +194,12 @@ def simulate_ring_attn(
         (out (B, S, Hq, D), lse (B, Hq, S)), and with dout also (dq, dk, dv), all in fp32
         (float64 for float64 inputs).
     Raises:
-        ValueError: an unknown layout, S not divisible, mismatched shapes.
+        ValueError: an unknown layout, a world_size that is not a positive int, S not divisible, mismatched
+            shapes, a window side below 0.
     """
     check_layout(layout)
+    if any(side is not None and side < 0 for side in check_window(window)):
+        raise ValueError(f"window's sides must be >= 0, or None for no limit, got {tuple(window)}")
     seqlen = q.shape[1]
     check_seqlen(seqlen, world_size, layout, name="q.shape[1]")
     if k.shape[1] != seqlen or v.shape[1] != seqlen or (dout is not None and dout.shape != q.shape):

@@ -24,11 +24,20 @@ RESULTS = ("out", "lse", "dq", "dk", "dv")  # an attention call's results, forwa
 
 
 def max_abs_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |x - ref| over finite reference entries; inf if x is non-finite where ref is finite,
-    or finite where ref is infinite (an lse of -inf must stay -inf)."""
+    """max |x - ref| over finite reference entries; inf if x is non-finite (NaN too) where ref is finite, or other
+    than ref where ref is not (an lse of -inf must stay -inf, a NaN stay NaN).
+
+    Raises:
+        ValueError: x and ref of different shapes (no broadcasting: it would compare other entries).
+    """
+    if x.shape != ref.shape:
+        raise ValueError(f"max_abs_error needs x and ref of one shape, got {tuple(x.shape)} and {tuple(ref.shape)}")
     x, ref = x.detach().to(torch.float64), ref.detach().to(torch.float64)
     finite = torch.isfinite(ref)
-    if not torch.equal(x[~finite], ref[~finite]):
+    x_off, ref_off = x[~finite], ref[~finite]
+    if not ((x_off == ref_off) | (x_off.isnan() & ref_off.isnan())).all():
+        return float("inf")
+    if not torch.isfinite(x[finite]).all():
         return float("inf")
     if not finite.any():
         return 0.0
@@ -58,8 +67,9 @@ def check_close(
     gradients pass the largest of the three gradients' magnitudes: a gradient that is zero by
     structure (dq, dk with one key) is still a sum of O(dv)-sized fp32 terms.
     """
-    if ours.shape != ref.shape:
-        raise AssertionError(f"{name}: shape {tuple(ours.shape)} != reference shape {tuple(ref.shape)}")
+    for label, t in (("", ours), ("plain result's ", pt)):
+        if t.shape != ref.shape:
+            raise AssertionError(f"{name}: {label}shape {tuple(t.shape)} != reference shape {tuple(ref.shape)}")
     err, allowed = max_abs_error(ours, ref), tolerance(pt, ref, scale)
     if not err <= allowed:
         raise AssertionError(

@@ -248,6 +248,24 @@ def test_ulysses_degree_one_is_ring_attn_func():
     assert run_ranks(_ulysses_of_one_is_the_ring, 2) == [True, True]
 
 
+def _grid_beside_plain_call(rank, world_size):
+    x = torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(2, 8, 3)
+    ringattn.shard(x, ulysses_group=dist.group.WORLD)  # the grid's first call, agreed
+    try:
+        ringattn.shard(x, ulysses_group=dist.group.WORLD) if rank == 0 else ringattn.shard(x)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_grid_call_beside_a_plain_one_is_refused_on_both_ranks():
+    """One rank shards over a Ulysses group, the other over the plain group: both raise, the plain rank naming the
+    call's form (a regression: its message read "disagree on ." with nothing named)."""
+    grid_message, plain_message = run_ranks(_grid_beside_plain_call, 2)
+    assert "disagree on Ulysses degree (ulysses_group's size) (rank 0: 2, rank 1: 0)" in grid_message
+    assert "disagree on the call's form (some ranks call it over a Ulysses x ring grid, some not" in plain_message
+
+
 def _bad_grids_and_inputs(rank, world_size):
     """Each case raises on every rank; returns {case: (message, seconds)}."""
     mesh = _mesh(2, 2)  # rank = 2 u + r

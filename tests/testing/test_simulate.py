@@ -44,12 +44,19 @@ def test_simulated_ring_with_windows_and_softcap_is_exact_in_float64(layout, win
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"W={world_size} causal={causal} {name}")
 
 
-def test_simulate_rejects_mismatched_shard_lists():
+def test_simulate_rejects_bad_arguments():
     q = torch.zeros(1, 4, 1, 8)
     with pytest.raises(ValueError, match="k_shards must hold one shard per virtual rank"):
         simulate_ring_forward(REFERENCE_OPS, [q, q], [q], [q, q], 1.0, False)
     with pytest.raises(ValueError, match=r"q.shape\[1\] = 6 must be a non-negative multiple of 4"):
         simulate_ring_attn(REFERENCE_OPS, q[:, :3].repeat(1, 2, 1, 1), q, q, 1.0, False, 2, "zigzag")
+    # regressions: 0 ranks divided by zero and -2 indexed out of range; a negative window side gave rows that see
+    # no key uninitialised memory (the public functions refuse it)
+    for world_size in (0, -2):
+        with pytest.raises(ValueError, match=f"world_size must be a positive int, got {world_size}"):
+            simulate_ring_attn(REFERENCE_OPS, q, q, q, 1.0, False, world_size, "zigzag")
+    with pytest.raises(ValueError, match="window's sides must be >= 0, or None for no limit"):
+        simulate_ring_attn(REFERENCE_OPS, q, q, q, 1.0, False, 2, "zigzag", window=(-1, 0))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -4,7 +4,7 @@ launch/ring_error_growth.py equals the unchunked reference ops under autograd.""
 import pytest
 import torch
 
-from ringattn.testing import RESULTS, check_results, reference
+from ringattn.testing import RESULTS, check_close, check_results, max_abs_error, reference
 from tests.utils import make_qkv, reference_attention
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -39,3 +39,21 @@ def test_check_results_judges_gradients_at_the_largest_and_names_the_tensor():
         check_results("call", {"dq": torch.full((4,), 1.0)}, pt, ref)
     with pytest.raises(AssertionError, match="call out"):  # out at its own magnitude (0): no such allowance
         check_results("call", {"out": torch.full((4,), 1e-3)}, pt, ref)
+
+
+def test_non_finite_entries_and_shapes_are_judged_strictly():
+    """Regressions: a NaN in the reference (and the plain result) made the allowed error inf, so anything passed;
+    a NaN result where the reference is finite gave an error of NaN, not inf; a plain result of another shape
+    broadcast into an inf allowance. Now the reference's NaN, inf and -inf must be matched, a non-finite result
+    where it is finite is an inf error, and shapes must agree."""
+    ref = torch.tensor([1.0, float("nan"), float("-inf")], dtype=torch.float64)
+    assert max_abs_error(ref, ref) == 0.0
+    assert max_abs_error(torch.tensor([float("nan"), float("nan"), float("-inf")]), ref) == float("inf")
+    assert max_abs_error(torch.tensor([1.0, 0.0, float("-inf")]), ref) == float("inf")
+    assert check_close("t", ref.float(), ref.float(), ref)[0] == 0.0
+    with pytest.raises(AssertionError, match="t: max abs error inf"):
+        check_close("t", torch.tensor([5.0, 5.0, 5.0]), ref.float(), ref)
+    with pytest.raises(AssertionError, match=r"t: plain result's shape \(3, 1\) != reference shape \(3,\)"):
+        check_close("t", ref.float(), ref.float()[:, None], ref)
+    with pytest.raises(ValueError, match="max_abs_error needs x and ref of one shape"):
+        max_abs_error(ref[:, None], ref)
