@@ -77,6 +77,13 @@ def check_dim(dim: int, ndim: int, name: str = "dim") -> int:
     return dim % ndim
 
 
+def check_tensor_dim(x, dim: int, name: str) -> int:
+    """`dim` of the tensor `x` as an index (check_dim). Raises TypeError, naming `name`, unless x is a tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return check_dim(dim, x.dim())
+
+
 def check_rank(rank: int, world_size: int, name: str = "rank") -> None:
     """Raise ValueError unless rank and world_size are integers (not bools), world_size >= 1 and 0 <= rank <
     world_size."""
@@ -119,8 +126,9 @@ def check_grid_seqlen(seqlen: int, ulysses_size: int, ring_size: int, layout: st
     check_seqlen(seqlen, ring_size, layout, name)
     if ulysses_size < 1 or (seqlen // ring_size) % ulysses_size != 0:
         raise ValueError(
-            f"{name} = {seqlen} must be a multiple of the Ulysses degree {ulysses_size} x the ring degree {ring_size} "
-            f"(and of 2 x ring degree for layout {layout!r}); pad the sequence with ringattn.pad_to_multiple"
+            f"{name} = {seqlen} must be a multiple of the Ulysses degree {ulysses_size} x the ring degree {ring_size}"
+            + (f" (and of 2 x ring degree for layout {layout!r})" if chunks_per_rank(layout) == 2 else "")
+            + "; pad the sequence with ringattn.pad_to_multiple"
         )
 
 
@@ -209,7 +217,7 @@ def shard(x: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zig
     with shared_refusals("shard", group):
         check_layout(layout)
         rank, world_size = _group_rank_and_size(group)
-        dim = check_dim(dim, x.dim())
+        dim = check_tensor_dim(x, dim, "x")
         check_seqlen(x.shape[dim], world_size, layout, name=f"x.shape[{dim}]")
     check_agreement("shard", ShardSignature(tuple(x.shape), x.dtype, dim, layout), group)
     pieces = [x.narrow(dim, r.start, len(r)) for r in shard_ranges(x.shape[dim], rank, world_size, layout)]
@@ -248,7 +256,7 @@ def unshard(
     with shared_refusals("unshard", group):
         check_layout(layout)
         rank, world_size = _group_rank_and_size(group)
-        dim = check_dim(dim, x_local.dim())
+        dim = check_tensor_dim(x_local, dim, "x_local")
         check_local_seqlen(x_local.shape[dim], layout, name=f"x_local.shape[{dim}]")
     check_agreement("unshard", UnshardSignature(tuple(x_local.shape), x_local.dtype, dim, layout), group)
     return _unshard_ring(x_local, dim, group, world_size, layout)
@@ -305,7 +313,7 @@ def _grid_shard(x: torch.Tensor, dim: int, grid, layout: str) -> torch.Tensor:
 
     def checks():
         check_layout(layout)
-        d = check_dim(dim, x.dim())
+        d = check_tensor_dim(x, dim, "x")
         check_grid_seqlen(x.shape[d], grid.ulysses_size, grid.ring_size, layout, name=f"x.shape[{d}]")
         return ShardSignature(tuple(x.shape), x.dtype, d, layout)
 
@@ -321,7 +329,7 @@ def _grid_unshard(x_local: torch.Tensor, dim: int, grid, layout: str) -> torch.T
 
     def checks():
         check_layout(layout)
-        d = check_dim(dim, x_local.dim())
+        d = check_tensor_dim(x_local, dim, "x_local")
         check_local_seqlen(grid.ulysses_size * x_local.shape[d], layout, name=f"U x x_local.shape[{d}]")
         return UnshardSignature(tuple(x_local.shape), x_local.dtype, d, layout)
 
@@ -331,8 +339,8 @@ def _grid_unshard(x_local: torch.Tensor, dim: int, grid, layout: str) -> torch.T
         pieces = [torch.empty_like(ring_shard) for _ in range(grid.ulysses_size)]
         dist.all_gather(pieces, ring_shard, group=grid.ulysses)
         ring_shard = torch.cat(pieces, dim)
-    if grid.ring is None:
-        return ring_shard
+    if grid.ring is None:  # a new tensor, as every other path's (with no exchange at all, x_local's memory)
+        return ring_shard if grid.ulysses is not None else ring_shard.clone()
     return _unshard_ring(ring_shard, dim, grid.ring, grid.ring_size, layout)
 
 
@@ -362,7 +370,7 @@ def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) 
         ValueError: multiple not an int >= 1; dim not in [-x.dim(), x.dim()).
     """
     multiple = check_multiple(multiple)
-    dim = check_dim(dim, x.dim())
+    dim = check_tensor_dim(x, dim, "x")
     length = x.shape[dim]
     extra = -length % multiple
     if extra == 0:

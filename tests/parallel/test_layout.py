@@ -113,6 +113,12 @@ def _shard_unshard_round_trip(rank, world_size):
     with pytest.raises(ValueError, match=r"dim must be in \[-4, 4\) for a tensor of 4 dims, got -5"):
         ringattn.unshard(ringattn.shard(x), dim=-5)
     assert torch.equal(ringattn.shard(x, dim=-3), ringattn.shard(x, dim=1))
+    # a 1 x 1 grid (this rank's own group as the Ulysses group, no ring) exchanges nothing: unshard still returns a
+    # new tensor, as every other path does (it returned x_local's own memory)
+    alone = [torch.distributed.new_group([r]) for r in range(world_size)]  # every process makes every group
+    x_local = ringattn.shard(x, ulysses_group=alone[rank])
+    whole = ringattn.unshard(x_local, ulysses_group=alone[rank])
+    assert torch.equal(whole, x) and whole.data_ptr() != x_local.data_ptr()
     return True
 
 
@@ -134,7 +140,9 @@ def _helpers_that_disagree(rank, world_size):
         "gather-lengths": lambda: sp.gather(torch.zeros(2, 6 if rank == 1 else 8, 97)),
         "shard-or-unshard": lambda: (ringattn.unshard if rank == 1 else ringattn.shard)(torch.zeros(1, 8)),
     }
-    return raised_errors(cases)
+    # a regression: an AttributeError on rank 1 alone, the other waiting out the timeout
+    not_tensors = {"shard-not-a-tensor": lambda: ringattn.shard([[0.0] * 8] if rank == 1 else torch.zeros(1, 8))}
+    return raised_errors(cases) | raised_errors(not_tensors, TypeError)
 
 
 EXPECTED = {
@@ -147,6 +155,7 @@ EXPECTED = {
     "shard-dim": "shard refused on group rank 1 of 2: dim must be in [-3, 3) for a tensor of 3 dims, got 9",
     "gather-lengths": "x_local.shape (rank 0: (2, 8, 97), rank 1: (2, 6, 97))",
     "shard-or-unshard": "different collective calls (rank 0: shard, rank 1: unshard)",
+    "shard-not-a-tensor": "shard refused on group rank 1 of 2: x must be a torch.Tensor, got list",
 }
 
 
