@@ -22,7 +22,7 @@ W = U R ranks, each holding S / W tokens of a global sequence of S, B sequences,
 - links: a group whose ranks all sit on one node uses NVLink (`nvlink_gb_s` x `nvlink_efficiency` per GPU and
   direction), otherwise the network (`internode_gb_s` x `internode_efficiency` per GPU and direction, the slowest
   hop setting the ring's pace). Ranks are numbered node by node; a Ulysses group is U consecutive ranks, a ring
-  group every U-th rank.
+  group every U-th rank; the slowest rank of any group sets the pace of every step.
 
 The ring hides its transfer when c >= x: for U = 1, bf16 and no mask that is S / R >= F_rate / (g B_link),
 g = Hq / Hkv (ring_hiding_seqlen): a block's compute against its K/V block's transfer.
@@ -199,6 +199,17 @@ def ring_hiding_seqlen(
     return dtype_bytes * nheads_k * tflops * 1e12 / (2 * nheads * link_bytes_s) * (2.0 if causal else 1.0)
 
 
+def _a2a_time(rank: int, group: range, gpus_per_node: int, per_peer: float, o: dict) -> float:
+    """Seconds of one forward's four all-to-alls for `rank` of its Ulysses `group`: per_peer bytes to each peer,
+    those in its node over NVLink and the others over the network at once, and each collective's latency."""
+    same_node = sum(1 for p in group if p != rank and p // gpus_per_node == rank // gpus_per_node)
+    other_nodes = len(group) - 1 - same_node
+    nvl = o["nvlink_gb_s"] * 1e9 * o["nvlink_efficiency"]
+    net = o["internode_gb_s"] * 1e9 * o["internode_efficiency"]
+    latency = (o["internode_latency_us"] if other_nodes else o["nvlink_latency_us"]) * 1e-6
+    return max(per_peer * same_node / nvl, per_peer * other_nodes / net) + 4 * latency
+
+
 def _link(ranks, gpus_per_node: int, o: dict) -> tuple[str, float, float]:
     """(name, bytes/s, latency s) of the slowest link between `ranks`."""
     if len(_nodes_of(ranks, gpus_per_node)) == 1:
@@ -239,29 +250,26 @@ def cost(
     rate_bwd = 2.5 / (3.5 / (o["fwd_bwd_tflops"] * 1e12) - 1 / rate_fwd)
     compute_fwd, compute_bwd = flops_fwd / rate_fwd, 2.5 * flops_fwd / rate_bwd
 
-    # Ulysses all-to-alls: group 0 (ranks 0..u-1) stands for every group
+    # Ulysses all-to-alls: the slowest rank of any group sets the pace (with ulysses_across_nodes, groups sit
+    # differently across the nodes)
     tokens_rank = batch * seqlen / world_size
     a2a_link, a2a_fwd, a2a_bytes = "none", 0.0, 0.0
     if u > 1:
         peer_heads = 2 * nheads / u + 2 * kv_local  # q and out (or dout and dq); k and v (or dk and dv), per peer
         per_peer = tokens_rank * headdim * elem * peer_heads
-        same_node = sum(1 for p in range(1, u) if p // gpus_per_node == 0)
-        other_nodes = u - 1 - same_node
         a2a_bytes = per_peer * (u - 1)
-        a2a_link, _, _ = _link(range(u), gpus_per_node, o)
-        nvl = o["nvlink_gb_s"] * 1e9 * o["nvlink_efficiency"]
-        net = o["internode_gb_s"] * 1e9 * o["internode_efficiency"]
-        latency = (o["internode_latency_us"] if other_nodes else o["nvlink_latency_us"]) * 1e-6
-        # four collectives, each paying its latency once
-        a2a_fwd = max(per_peer * same_node / nvl, per_peer * other_nodes / net) + 4 * latency
+        groups = [range(k * u, (k + 1) * u) for k in range(r)]
+        a2a_link = max((_link(g, gpus_per_node, o)[0] for g in groups), key=lambda name: name == "internode")
+        a2a_fwd = max(_a2a_time(rank, g, gpus_per_node, per_peer, o) for g in groups for rank in g)
     a2a_bwd = a2a_fwd  # dout in; dq, dk, dv back: the same tensors' sizes
 
-    # the ring, over group 0 (ranks 0, u, 2u, ...)
+    # the ring: every u-th rank; the slowest ring sets the pace
     ring_link, step_x, step_xb = "none", 0.0, 0.0
     step_c, step_cb = compute_fwd / r, compute_bwd / r
     kv_block = 2 * batch * (seqlen / r) * kv_local * headdim  # K and V elements of one step
     if r > 1:
-        ring_link, bandwidth, latency = _link(range(0, world_size, u), gpus_per_node, o)
+        links = [_link(range(k, world_size, u), gpus_per_node, o) for k in range(u)]
+        ring_link, bandwidth, latency = min(links, key=lambda link: link[1])
         step_x = kv_block * elem / bandwidth + latency
         step_xb = kv_block * (elem + ACCUMULATOR_BYTES) / bandwidth + latency
         hop_home = kv_block * ACCUMULATOR_BYTES / bandwidth + latency

@@ -240,3 +240,13 @@ def test_the_planners_head_dim_bound_is_the_kernels():
     from ringattn.parallel import planner
 
     assert planner.MAX_HEADDIM == MAX_HEAD_DIM
+
+
+def test_every_group_is_costed_where_groups_sit_differently_on_the_nodes():
+    """Regression: Ulysses group 0 and ring group 0 stood for every group. With Ulysses groups across nodes of a
+    size U does not divide, group 0 sits on one node while others span two: the all-to-all and the ring are then
+    costed on the network, as the slowest group sets the pace."""
+    ulysses = {p.u: p for p in plan(12, 6, 8, 8, 128, 1 << 16, ulysses_across_nodes=True)}[4]
+    assert ulysses.a2a_link == "internode"  # groups {0..3} on node 0, {4..7} across nodes 0 and 1
+    ring = {p.u: p for p in plan(16, 12, 8, 8, 128, 1 << 16, ulysses_across_nodes=True)}[8]
+    assert ring.ring_link == "internode"  # ring {0, 8} on node 0, {4, 12} across both
