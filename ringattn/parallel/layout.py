@@ -208,7 +208,7 @@ def shard(x: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zig
             or layout differ; a DeviceMesh of more than one dimension; with ulysses_group, groups that are not the
             two dimensions of one grid (parallel/grid.py). On every rank alike when any rank raises it
             (parallel/agreement.py).
-        TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
+        TypeError: a group that is not a ProcessGroup, a DeviceMesh or None; an x that is not a tensor.
         RuntimeError: torch.distributed not initialised.
     """
     if ulysses_group is not None:
@@ -247,7 +247,7 @@ def unshard(
             U x local length); ranks whose x_local.shape, x_local.dtype, dim or layout differ, or that call another
             collective; a DeviceMesh of more than one dimension; groups that are not one grid. On every rank alike
             when any rank raises it (parallel/agreement.py).
-        TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
+        TypeError: a group that is not a ProcessGroup, a DeviceMesh or None; an x_local that is not a tensor.
         RuntimeError: torch.distributed not initialised.
     """
     if ulysses_group is not None:
@@ -368,6 +368,7 @@ def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) 
         (padded x, original length x.shape[dim]); x itself (no copy) when already a multiple.
     Raises:
         ValueError: multiple not an int >= 1; dim not in [-x.dim(), x.dim()).
+        TypeError: x not a tensor.
     """
     multiple = check_multiple(multiple)
     dim = check_tensor_dim(x, dim, "x")
