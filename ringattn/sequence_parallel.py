@@ -43,7 +43,6 @@ from .parallel.agreement import (
     CrossEntropySignature,
     ShardBatchSignature,
     SyncGradientsSignature,
-    check_agreement,
     gather_on_cpu,
     shared_refusals,
 )
@@ -59,7 +58,7 @@ from .parallel.grid import (
     GridCrossEntropySignature,
     GridShardBatchSignature,
     GridSyncGradientsSignature,
-    agree_across_grid,
+    agree_on,
     grid_all_gather,
     grid_arguments,
     shared_grid_refusals,
@@ -280,14 +279,14 @@ def cross_entropy_totals_op(stats, group_names, agree, ignore_index, grad_reduct
     ranks' agreement on call `agree`'s signature (ignore_index, grad_reduction, the vocab; over a grid,
     agree_across_grid).
     One custom op, so that torch.compile traces neither the exchanges nor the all-reduces."""
-    signature = CrossEntropySignature(ignore_index, grad_reduction, int(vocab))
     if len(group_names) == 1:
-        groups = [_resolve_process_group(group_names[0])]
-        check_agreement(agree, signature, groups[0])
+        place = _resolve_process_group(group_names[0])
+        groups = [place]
     else:
-        ulysses, ring = (_resolve_process_group(name) if name else None for name in group_names)
-        agree_across_grid(agree, Grid(ulysses, ring), lambda: tuple(signature), GridCrossEntropySignature)
-        groups = [g for g in (ulysses, ring) if g is not None]
+        place = Grid(*(_resolve_process_group(name) if name else None for name in group_names))
+        groups = [g for g in (place.ulysses, place.ring) if g is not None]
+    fields = (ignore_index, grad_reduction, int(vocab))
+    agree_on(agree, place, lambda: fields, CrossEntropySignature, GridCrossEntropySignature)
     totals = stats.clone()
     for group in groups:
         dist.all_reduce(totals, group=group)
@@ -351,14 +350,8 @@ def _sync_gradients(parameters, place, call: str) -> None:
         layout = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
         return len(params), zlib.crc32(layout)
 
-    if isinstance(place, Grid):
-        agree_across_grid(call, place, checks, GridSyncGradientsSignature)
-        groups = [g for g in (place.ulysses, place.ring) if g is not None]
-    else:
-        with shared_refusals(call, place):
-            fields = SyncGradientsSignature(*checks())
-        check_agreement(call, fields, place)
-        groups = [place]
+    agree_on(call, place, checks, SyncGradientsSignature, GridSyncGradientsSignature)
+    groups = [g for g in (place.ulysses, place.ring) if g is not None] if isinstance(place, Grid) else [place]
     if not params:
         return
     grads = []
@@ -610,19 +603,15 @@ class SequenceParallel:
         """Run a collective call's local `checks` (a callable) and return its result, after the agreement of the
         group's ranks (of the grid's, parallel/grid.py) on `fields` (a signature NamedTuple; over a grid, its
         `grid_signature`): a rank's refusal, or ranks that disagree, raised by every rank."""
-        if self.grid is not None:
-            result = None
+        result = None
 
-            def grid_checks():
-                nonlocal result
-                result = checks()
-                return tuple(fields)
-
-            agree_across_grid(call, self.grid, grid_checks, grid_signature)
-            return result
-        with shared_refusals(call, self.group):
+        def run_checks():
+            nonlocal result
             result = checks()
-        check_agreement(call, fields, self.group)
+            return tuple(fields)
+
+        place = self.grid if self.grid is not None else self.group
+        agree_on(call, place, run_checks, type(fields), grid_signature)
         return result
 
     def _check_same_batch(self, **tensors: torch.Tensor | None) -> None:

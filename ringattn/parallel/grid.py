@@ -370,3 +370,15 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
     if first:
         checked.add(_grid_key(grid))
     return fields
+
+
+def agree_on(call: str, place, checks, signature: type, grid_signature: type) -> tuple:
+    """A collective call's local `checks` (a callable returning its base signature's fields) and its agreement on
+    `place`, a process group (shared_refusals, then check_agreement on `signature`) or a Grid (agree_across_grid on
+    `grid_signature`); returns the agreed fields. Raises as agree_across_grid, on every rank of the place alike."""
+    if isinstance(place, Grid):
+        return agree_across_grid(call, place, checks, grid_signature)
+    with _shared_refusals(call, place):
+        fields = signature(*checks())
+    check_agreement(call, fields, place)
+    return fields
