@@ -239,9 +239,8 @@ def _refusals(call: str, group: dist.ProcessGroup | None):
 @contextlib.contextmanager
 def shared_grid_refusals(call: str, grid: Grid):
     """agreement.shared_refusals across a grid: an error of REFUSALS that the local checks in the block raise takes
-    part, on the Ulysses group and then on the ring (and at a grid's first call in the two exchanges more that
-    follow), in the exchanges of the other ranks' next agree_across_grid, so that every rank of the grid raises it;
-    without an error, no communication.
+    part, on the Ulysses group and then on the ring, in the exchanges of the other ranks' next agree_across_grid, so
+    that every rank of the grid raises it; without an error, no communication.
 
     Usage: ``with shared_grid_refusals(call, grid): <local checks>``, where every other rank's next collective on the
     grid is an agree_across_grid (of any call: a refusal goes before the calls' names).
@@ -259,16 +258,11 @@ def shared_grid_refusals(call: str, grid: Grid):
                     raise carried
             except REFUSALS as err:
                 carried = err
-        first = _grid_key(grid) not in _checked.get(dist.group.WORLD, ())
-        if first and not isinstance(carried, CommunicationError):  # as agree_across_grid's first call
-            for group in (grid.ulysses, grid.ring):
-                with contextlib.suppress(*REFUSALS):
-                    _agree(GRID_CHECK, None, group)
+        # every rank of the grid now raises (agree_across_grid's ranks without its topology check's exchanges)
         raise carried from refusal
 
 
-# the name of a grid's first-call exchanges after the call's own, the same for every call, so that a rank sharing its
-# refusal (shared_grid_refusals) meets ranks in agree_across_grid of another call there
+# the name of the exchanges that share a grid's topology problem at its first call, after the call's own
 GRID_CHECK = "grid check"
 
 
@@ -324,8 +318,8 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
     First over the Ulysses group (its ranks must hold the same ring rank), then over the ring group (the same
     Ulysses rank), carrying the first exchange's error as this rank's refusal: in a grid every ring holds a rank of
     every Ulysses group, so every rank raises the same error. At a grid's first call the two exchanges also gather
-    the groups' members, and each rank checks that they tile their ranks as a grid (_grid_problem); two more
-    exchanges (Ulysses, ring) carry a problem found, so that every rank raises it.
+    the groups' members, and each rank checks that they tile their ranks as a grid (_grid_problem); where neither
+    exchange raised, two more (Ulysses, ring) carry a problem found, so that every rank raises it.
 
     Raises:
         ValueError, TypeError, RuntimeError: a rank's checks refused, the ranks disagree, or the groups do not
@@ -354,9 +348,10 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
             problem = None if text is None else ValueError(text)
     except REFUSALS as err:
         carried = err
-    # a problem seen by some ranks only reaches the others through two more exchanges; none follows a failed one
-    # (shared_refusals raises a CommunicationError without exchanging it)
-    if first and not isinstance(carried, CommunicationError):
+    # a problem seen by some ranks only reaches the others through two more exchanges. None follows an error: in a
+    # grid one reaches every rank through the two exchanges above (so all skip these), and a rank of another form of
+    # call (a plain call's, which raised) would never join them
+    if first and carried is None:
         for group in (grid.ulysses, grid.ring):
             try:
                 with _refusals(call, group):

@@ -266,6 +266,27 @@ def test_a_grid_call_beside_a_plain_one_is_refused_on_both_ranks():
     assert "disagree on the call's form (some ranks call it over a Ulysses x ring grid, some not" in plain_message
 
 
+def _grid_beside_plain_call_at_first(rank, world_size):
+    x = torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(2, 8, 3)
+    start = time.monotonic()
+    try:
+        ringattn.shard(x, ulysses_group=dist.group.WORLD) if rank == 0 else ringattn.shard(x)
+    except ValueError as err:
+        return str(err), time.monotonic() - start
+    return None
+
+
+def test_a_grid_call_beside_a_plain_one_at_the_grids_first_call_is_refused_at_once(monkeypatch):
+    """As above at the grid's first call, whose exchanges check the grid's topology: both ranks raise within seconds
+    (a regression: the grid rank went on to the topology check's exchanges, which the plain rank, having raised,
+    never joined, and waited out the P2P timeout)."""
+    monkeypatch.setenv("RINGATTN_P2P_TIMEOUT_S", "60")
+    (grid_message, grid_s), (plain_message, plain_s) = run_ranks(_grid_beside_plain_call_at_first, 2)
+    assert "disagree on Ulysses degree (ulysses_group's size) (rank 0: 2, rank 1: 0)" in grid_message
+    assert "disagree on the call's form" in plain_message
+    assert grid_s < 5.0 and plain_s < 5.0, (grid_s, plain_s)
+
+
 def _bad_grids_and_inputs(rank, world_size):
     """Each case raises on every rank; returns {case: (message, seconds)}."""
     mesh = _mesh(2, 2)  # rank = 2 u + r
