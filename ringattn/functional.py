@@ -167,7 +167,8 @@ def flash_attn_func(
         alibi_slopes: None (no ALiBi).
         deterministic: gradients with the same bits in every run. The Hopper GPU's fastest backward adds dQ
             atomically, in no fixed order; deterministic takes kernels with one writer per gradient row instead
-            (docs/performance.md says what it costs). Other GPUs and the CPU always are.
+            (docs/performance.md says what it costs). Other GPUs and the CPU always are. Taken too wherever
+            torch.use_deterministic_algorithms(True) is on.
         return_attn_probs: False (the probabilities are never formed; see return_lse).
         return_lse: also return the log-sum-exp of each row.
         learnable_sink: (nheads,) attention sinks (gpt-oss; FlashAttention-4's learnable_sink): a logit per head

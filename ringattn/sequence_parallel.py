@@ -714,6 +714,10 @@ class SequenceParallel:
         *,
         causal: bool,
         softmax_scale: float | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+        deterministic: bool = False,
+        learnable_sink: torch.Tensor | None = None,
         return_lse: bool = False,
     ):
         """Ring attention over this group in this layout (over a grid, Ulysses x ring attention), inside each
@@ -731,6 +735,9 @@ class SequenceParallel:
                 (ShardedBatch.cu_seqlens), or None.
             causal: causal over global positions (inside each document with cu_seqlens).
             softmax_scale: defaults to 1 / sqrt(headdim).
+            window_size, softcap, deterministic, learnable_sink: as ring_attn_func's (a sliding window over global
+                positions, logit soft-capping, gradients with the same bits in every run, (nheads,) attention sinks
+                whose gradient sync_gradients sums).
             return_lse: also return lse (batch, nheads, S_local) fp32.
         Returns:
             out (batch, S_local, nheads, headdim) in q's dtype, and lse with return_lse.
@@ -738,13 +745,14 @@ class SequenceParallel:
             ValueError, TypeError, RuntimeError: as ring_attn_func and ring_attn_varlen_func (4-D q, k, v with
                 cu_seqlens), or over a grid as ulysses_ring_attn_func and ulysses_ring_attn_varlen_func.
         """
+        kwargs = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                      deterministic=deterministic, learnable_sink=learnable_sink, layout=self.layout)  # fmt: skip
         if self.grid is not None:
-            kwargs = dict(softmax_scale=softmax_scale, causal=causal, ulysses_group=self.ulysses_group,
-                          ring_group=self.group, layout=self.layout, return_lse=return_lse)  # fmt: skip
+            kwargs.update(ulysses_group=self.ulysses_group, ring_group=self.group, return_lse=return_lse)
             if cu_seqlens is None:
                 return ulysses_ring_attn_func(q, k, v, **kwargs)
             return ulysses_ring_attn_varlen_func(q, k, v, cu_seqlens, **kwargs)
-        kwargs = dict(softmax_scale=softmax_scale, causal=causal, group=self.group, layout=self.layout)
+        kwargs.update(group=self.group)
         if cu_seqlens is None:
             return ring_attn_func(q, k, v, return_lse=return_lse, **kwargs)
         with shared_refusals("SequenceParallel.attention", self.group):

@@ -274,6 +274,29 @@ def _double_backward_raises(rank, world_size, backend, dtype):
     return True
 
 
+def test_torch_deterministic_mode_takes_the_deterministic_backward(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the backward is planned as deterministic=True's (one writer
+    per gradient row), as PyTorch's own attention backward honours the mode (regression: it was ignored, and on
+    Hopper the Gluon backward's atomic dQ ran)."""
+    from ringattn.ops import dispatch
+
+    seen = []
+    plan = dispatch.bwd_launches
+    monkeypatch.setattr(
+        dispatch, "bwd_launches", lambda call, *args: seen.append(call.deterministic) or plan(call, *args)
+    )
+    q, k, v, dout = make_qkv(1, 16, 16, 2, 1, 16, DTYPES[0], seed=5)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for mode in (False, True):
+            torch.use_deterministic_algorithms(mode)
+            q_g = q.detach().requires_grad_()
+            ringattn.flash_attn_func(q_g, k, v, causal=True).backward(dout)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == [False, True]
+
+
 def test_double_backward_raises_a_clear_error():
     """Regression: a double backward through flash_attn_func gave torch's "no autograd formula was registered" for
     ringattn::attn_bwd, naming nothing of ringattn (through the ring: "does not have a grad_fn")."""

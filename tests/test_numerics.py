@@ -178,7 +178,7 @@ def test_fp16_in_gives_fp16_out_and_grads_flash():
     check_against_reference(q, k, v, dout, 32**-0.5, True, ours, "flash fp16")
 
 
-def _ring_results(rank, world_size, dtype, layout, seqlen_local, strides=("contiguous",)):
+def _ring_results(rank, world_size, dtype, layout, seqlen_local, strides=("contiguous",), deterministic=False):
     """ring_attn_func on this rank's shard of one problem (GQA, causal), once per entry of `strides`:
     "contiguous" shards, or "strided": the same values as views into buffers twice as wide in the head dim
     (q, k, v and dout non-contiguous, last dim contiguous). Returns [(out, lse, dq, dk, dv)] per run."""
@@ -192,7 +192,8 @@ def _ring_results(rank, world_size, dtype, layout, seqlen_local, strides=("conti
             shards = [torch.cat([t, torch.full_like(t, float("nan"))], dim=-1)[..., : t.shape[-1]] for t in shards]
             assert not any(t.is_contiguous() for t in shards)
         q_l, k_l, v_l = (t.detach().requires_grad_() for t in shards[:3])
-        out, lse = ringattn.ring_attn_func(q_l, k_l, v_l, causal=True, layout=layout, return_lse=True)
+        out, lse = ringattn.ring_attn_func(q_l, k_l, v_l, causal=True, layout=layout, return_lse=True,
+                                           deterministic=deterministic)  # fmt: skip
         out.backward(shards[3])
         runs.append((out.detach(), lse, q_l.grad, k_l.grad, v_l.grad))
     return runs
@@ -239,9 +240,9 @@ def test_backward_is_bitwise_deterministic_flash(head_dim):
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo ranks run the interpreted kernels on the CPU")
 def test_backward_is_bitwise_deterministic_ring():
-    """gloo, W = 3, contiguous causal, two runs in a row on every rank: bitwise identical results (the
-    dK/dV accumulators always visit the ranks in the same order)."""
-    for rank, runs in enumerate(run_ranks(_ring_results, 3, DTYPE, "contiguous", 19, ("contiguous",) * 2)):
+    """gloo, W = 3, contiguous causal, deterministic=True, two runs in a row on every rank: bitwise identical
+    results (the dK/dV accumulators always visit the ranks in the same order)."""
+    for rank, runs in enumerate(run_ranks(_ring_results, 3, DTYPE, "contiguous", 19, ("contiguous",) * 2, True)):
         for again in runs[1:]:
             for name, x, y in zip(RESULTS, runs[0], again, strict=True):
                 assert torch.equal(x, y), f"rank {rank} {name} differs between runs"

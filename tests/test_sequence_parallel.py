@@ -378,6 +378,24 @@ def test_batch_of_packed_or_padded_rows_equals_each_document_alone(backend, worl
     assert ranks == [True] * world_size
 
 
+def test_attention_passes_every_option_to_the_ring(tmp_path, monkeypatch):
+    """SequenceParallel.attention's window, soft-cap, deterministic and attention sinks reach ring_attn_func
+    (regression: attention took none of them)."""
+    import ringattn.sequence_parallel as sequence_parallel
+
+    calls = []
+    monkeypatch.setattr(sequence_parallel, "ring_attn_func", lambda q, k, v, **kw: calls.append(kw))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        sp = ringattn.SequenceParallel(layout="zigzag")
+        q, sink = torch.zeros(1, 8, 2, 16), torch.zeros(2)
+        sp.attention(q, q, q, causal=True, window_size=(4, 0), softcap=50.0, deterministic=True, learnable_sink=sink)
+        assert calls == [dict(softmax_scale=None, causal=True, window_size=(4, 0), softcap=50.0, deterministic=True,
+                              learnable_sink=sink, layout="zigzag", group=sp.group, return_lse=False)]  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
 def _padding_masks_refused(rank, world_size):
     sp = ringattn.SequenceParallel()
     ids = torch.zeros(2, 8, dtype=torch.int64)

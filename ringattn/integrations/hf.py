@@ -73,7 +73,9 @@ is plain causal or bidirectional, the layer's `sliding_window` as flash-attn's w
 sliding_window - 1), cut by causal (transformers' own mapping), `softcap` (Gemma 2's attn_logit_softcapping) and
 the attention sinks `s_aux` (gpt-oss: one learned logit per head, its gradient a parameter gradient like any
 other, summed over the ranks by SequenceParallel.sync_gradients), and `deterministic` (ModernBERT's
-deterministic_flash_attn: gradients with the same bits in every run). Under autocast q, k and v go to the ring in
+deterministic_flash_attn: gradients with the same bits in every run; for the other models
+$FLASH_ATTENTION_DETERMINISTIC=1, as transformers' flash-attn path reads it, which
+TrainingArguments(full_determinism=True) sets). Under autocast q, k and v go to the ring in
 autocast's dtype, as SDPA takes them (RoPE leaves q and k in fp32 beside a bf16 v).
 
 Refused with ValueError: models whose attention is not transformers' AttentionInterface (by prepare), dropout > 0,
@@ -95,6 +97,7 @@ shard_batch call.
 
 import functools
 import inspect
+import os
 
 import torch
 import torch.distributed as dist
@@ -132,6 +135,7 @@ from .hf_masks import (  # after the check that transformers is there
 
 NAME = "ringattn"
 PREPARED = "_ringattn_prepared"  # set by prepare() on every module of a model
+DETERMINISTIC_ENV = "FLASH_ATTENTION_DETERMINISTIC"  # transformers' switch for its flash-attn backward
 
 # how a padded batch runs under ring attention, for the refusals of a padding mask
 _PADDING_HOWTO = (
@@ -215,7 +219,7 @@ class RingAttentionForTransformers:
         ring = dict(
             softmax_scale=scaling, causal=is_causal, window_size=window,
             softcap=kwargs.get("softcap") or 0.0, learnable_sink=sink if sink is not None else kwargs.get("sinks"),
-            deterministic=bool(kwargs.get("deterministic")), layout=self.layout,  # ModernBERT passes deterministic
+            deterministic=self._deterministic(kwargs), layout=self.layout,
         )  # fmt: skip
         if self.grid is not None:  # Ulysses x ring
             ring.update(ulysses_group=self.ulysses_group, ring_group=self.group)
@@ -225,6 +229,13 @@ class RingAttentionForTransformers:
         if cu_seqlens is None:
             return ring_attn_func(q, k, v, group=self.group, **ring), None
         return ring_attn_varlen_func(q, k, v, cu_seqlens, group=self.group, **ring), None  # every row in one ring
+
+    @staticmethod
+    def _deterministic(kwargs: dict) -> bool:
+        """The model's deterministic keyword (ModernBERT passes one), else $FLASH_ATTENTION_DETERMINISTIC == "1", as
+        transformers' flash-attn path reads them (TrainingArguments(full_determinism=True) sets it)."""
+        given = kwargs.get("deterministic")
+        return bool(given) if given is not None else os.environ.get(DETERMINISTIC_ENV, "0") == "1"
 
     def _given_documents(self, kwargs: dict) -> torch.Tensor | None:
         """The global document boundaries passed as transformers' cu_seq_lens_q and cu_seq_lens_k, or None (one

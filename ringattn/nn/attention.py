@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..functional import ring_attn_func, ring_attn_varlen_func
-from ..ops.validation import check_flash_attn_options, check_softmax_scale
+from ..ops.validation import check_flag, check_flash_attn_options, check_softmax_scale
 from ..parallel.grid import grid_arguments
 from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout
@@ -41,7 +41,8 @@ class RingAttention(nn.Module):
         layout: "contiguous" or "zigzag", required (keyword-only).
         group: the process group forming the ring (default: the world; with ulysses_group, no ring: degree 1), or a
             1-D DeviceMesh (a (dp, cp) mesh's mesh["cp"]).
-        window_size, softcap: a sliding window and logit soft-capping, as ring_attn_func's.
+        window_size, softcap, deterministic: a sliding window, logit soft-capping and gradients with the same bits
+            in every run, as ring_attn_func's.
         ulysses_group: the Ulysses group of a 2-D grid (a ProcessGroup or a 1-D DeviceMesh), or None: the ring alone.
         mesh: instead of the groups, a DeviceMesh with dimensions named "ulysses" and "ring" (as
             ulysses_ring_attn_func takes).
@@ -49,8 +50,8 @@ class RingAttention(nn.Module):
         ValueError: unknown layout; a softmax_scale, window_size or softcap out of range (as ring_attn_func); a
             DeviceMesh of more than one dimension as a group; a mesh without dimensions "ulysses" and "ring", or a
             mesh together with a group.
-        TypeError: a causal that is not a bool; a softmax_scale, window_size or softcap of the wrong type; a group
-            that is not a ProcessGroup, a DeviceMesh or None.
+        TypeError: a causal or deterministic that is not a bool; a softmax_scale, window_size or softcap of the
+            wrong type; a group that is not a ProcessGroup, a DeviceMesh or None.
         RuntimeError: ulysses_group or mesh without torch.distributed initialised.
     """
 
@@ -63,6 +64,7 @@ class RingAttention(nn.Module):
         group: Group = None,
         window_size: tuple[int, int] = (-1, -1),
         softcap: float = 0.0,
+        deterministic: bool = False,
         ulysses_group: Group = None,
         mesh: DeviceMesh | None = None,
     ):
@@ -73,9 +75,10 @@ class RingAttention(nn.Module):
             _, self.ulysses_group, group = grid_arguments(ulysses_group, group, mesh)
         check_layout(layout)
         check_softmax_scale(softmax_scale)
-        causal = check_flash_attn_options(0.0, causal, window_size, softcap, None, False, False)[0]
+        causal = check_flash_attn_options(0.0, causal, window_size, softcap, None, deterministic, False)[0]
         self.causal, self.softmax_scale, self.layout, self.group = causal, softmax_scale, layout, group
         self.window_size, self.softcap = tuple(window_size), softcap
+        self.deterministic = check_flag(deterministic, "deterministic")
 
     def forward(
         self,
@@ -85,11 +88,14 @@ class RingAttention(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         return_lse: bool = False,
+        learnable_sink: torch.Tensor | None = None,
     ):
         """q (batch, S_local, nheads, headdim); k, v (batch, S_local, nheads_k, headdim), nheads % nheads_k == 0
         (over a grid: U divides nheads, and U and nheads_k divide one another). cu_seqlens: the global document
         boundaries of the flattened batch (SequenceParallel.shard_batch(...).cu_seqlens: packed documents and
-        padding), attention staying inside each document (ring_attn_varlen_func), or None.
+        padding), attention staying inside each document (ring_attn_varlen_func), or None. learnable_sink: (nheads,)
+        attention sinks, the model's parameter (gpt-oss), as ring_attn_func's: each rank's gradient is its rows'
+        share (SequenceParallel.sync_gradients sums it), or None.
 
         Returns out (batch, S_local, nheads, headdim) in q's dtype; with return_lse also
         lse (batch, nheads, S_local) fp32, natural log. Raises as ring_attn_func and ring_attn_varlen_func
@@ -97,7 +103,8 @@ class RingAttention(nn.Module):
         """
         q, k, v = (in_autocast_dtype(t) for t in (q, k, v))
         options = dict(softmax_scale=self.softmax_scale, causal=self.causal, window_size=self.window_size,
-                       softcap=self.softcap, layout=self.layout, return_lse=return_lse)  # fmt: skip
+                       softcap=self.softcap, deterministic=self.deterministic, layout=self.layout,
+                       return_lse=return_lse, learnable_sink=learnable_sink)  # fmt: skip
         if self.ulysses_group is None:
             if cu_seqlens is None:
                 return ring_attn_func(q, k, v, group=self.group, **options)
@@ -126,6 +133,7 @@ class RingAttention(nn.Module):
             group = "given"
         extra = f", window_size={self.window_size}" if self.window_size != (-1, -1) else ""
         extra += f", softcap={self.softcap}" if self.softcap else ""
+        extra += ", deterministic=True" if self.deterministic else ""
         if self.ulysses_group is not None:
             extra += f", ulysses_group={dist.get_world_size(self.ulysses_group)} ranks"
         return f"causal={self.causal}, softmax_scale={self.softmax_scale}, layout={self.layout!r}, group={group}{extra}"

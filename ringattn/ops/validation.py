@@ -238,7 +238,8 @@ def check_flash_attn_options(
     dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
 ) -> tuple[bool, tuple[int | None, int | None], float, bool]:
     """flash-attn's options as the kernels take them: (causal, window, softcap, deterministic), window_size's -1
-    (no limit) as None.
+    (no limit) as None, deterministic also where torch.use_deterministic_algorithms(True) is on (as PyTorch's own
+    attention backward honours it).
 
     Raises:
         TypeError: a flag that is not a bool, a window_size that is not a pair of ints, a softcap that is not a
@@ -267,7 +268,8 @@ def check_flash_attn_options(
         raise ValueError(f"window_size's sides must be >= 0, or -1 for no limit, got {sides}")
     # a side no sequence reaches is no limit (past 2**63 - 1 it would not fit the kernels' int64 arguments)
     window = tuple(None if side == -1 or side >= sys.maxsize else side for side in sides)
-    return check_flag(causal, "causal"), window, check_softcap(softcap), check_flag(deterministic, "deterministic")
+    deterministic = check_flag(deterministic, "deterministic") or torch.are_deterministic_algorithms_enabled()
+    return check_flag(causal, "causal"), window, check_softcap(softcap), deterministic
 
 
 def check_sink(sink, q: torch.Tensor) -> torch.Tensor | None:

@@ -397,7 +397,8 @@ def test_attn_implementation_selected_by_name(tmp_path):
 
 def test_what_the_layer_passes_reaches_the_ring(monkeypatch):
     """The layer's scaling, causality, window, soft-cap, sinks and deterministic (ModernBERT's
-    deterministic_flash_attn, ignored before) reach ring_attn_func as its arguments."""
+    deterministic_flash_attn, ignored before; else $FLASH_ATTENTION_DETERMINISTIC) reach ring_attn_func as its
+    arguments."""
     from ringattn.integrations import hf
 
     calls = []
@@ -411,6 +412,14 @@ def test_what_the_layer_passes_reaches_the_ring(monkeypatch):
        s_aux=sink, deterministic=True)  # fmt: skip
     assert calls == [dict(softmax_scale=0.5, causal=False, window_size=(7, 7), softcap=30.0, learnable_sink=sink,
                           deterministic=True, layout="zigzag", group=None)]  # fmt: skip
+    # without the keyword, transformers' $FLASH_ATTENTION_DETERMINISTIC, as its flash-attn path reads it
+    # (TrainingArguments(full_determinism=True) sets it; regression: no model but ModernBERT got deterministic=True)
+    for value, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", value)
+        fn(module, query, query[:, :2], query[:, :2], None, is_causal=True)
+        assert calls[-1]["deterministic"] is expected
+    fn(module, query, query[:, :2], query[:, :2], None, is_causal=True, deterministic=False)  # the keyword first
+    assert calls[-1]["deterministic"] is False
     # under autocast, q, k, v in its dtype (regression: bf16 training refused q, k in fp32 beside a bf16 v, as RoPE
     # leaves them); outside it, as given
     seen = []

@@ -56,6 +56,24 @@ def test_under_autocast_q_k_v_reach_the_ring_in_its_dtype(monkeypatch):
     assert seen == [(torch.float16,) * 3, (torch.float32,) * 3]
 
 
+def test_every_option_reaches_the_ring(monkeypatch):
+    """The layer's window, soft-cap and deterministic, and forward's attention sinks (gpt-oss), reach ring_attn_func
+    (regression: the layer took neither deterministic nor sinks)."""
+    import ringattn.nn.attention as attention
+
+    calls = []
+    monkeypatch.setattr(attention, "ring_attn_func", lambda q, k, v, **kw: calls.append(kw))
+    layer = ringattn.nn.RingAttention(causal=True, layout="zigzag", window_size=(8, 0), softcap=30.0,
+                                      deterministic=True)  # fmt: skip
+    assert "window_size=(8, 0), softcap=30.0, deterministic=True" in repr(layer)
+    q, sink = torch.zeros(1, 8, 2, 16), torch.zeros(2)
+    layer(q, q, q, learnable_sink=sink)
+    assert calls == [dict(softmax_scale=None, causal=True, window_size=(8, 0), softcap=30.0, deterministic=True,
+                          layout="zigzag", return_lse=False, learnable_sink=sink, group=None)]  # fmt: skip
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        ringattn.nn.RingAttention(layout="zigzag", deterministic="yes")
+
+
 def test_meta_tensors_and_non_tensors_get_the_rings_errors():
     """Regression: the autocast cast failed first on a meta tensor ("unknown device type for autocast") and on a
     list (no .device); the ring's own checks name them."""
