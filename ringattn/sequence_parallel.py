@@ -66,6 +66,7 @@ from .parallel.grid import (
 from .parallel.groups import Group, ring_group
 from .parallel.layout import (
     check_layout,
+    check_pad_value,
     chunks_per_rank,
     grid_shard_indices,
     pad_to_multiple,
@@ -542,8 +543,10 @@ class SequenceParallel:
                 labels' (batch, S) differ from input_ids'; both
                 position_ids and cu_seqlens given; position_ids or cu_seqlens that do not describe documents of
                 the batch's rows (cu_seqlens_from_position_ids, check_cu_seqlens); an attention_mask of another
-                shape, with values other than 0 and 1, or with padding between a row's real tokens.
-            TypeError: position_ids, cu_seqlens or attention_mask of the wrong type (as above).
+                shape, with values other than 0 and 1, or with padding between a row's real tokens; a pad_id
+                (ignore_index) that input_ids' (labels') integer dtype cannot hold exactly.
+            TypeError: position_ids, cu_seqlens or attention_mask of the wrong type (as above); a pad_id or
+                ignore_index that is not a number.
         """
 
         def checks():
@@ -556,6 +559,9 @@ class SequenceParallel:
                     f"labels must have input_ids' (batch, seqlen) {tuple(input_ids.shape[:2])}, "
                     f"got {tuple(labels.shape)}"
                 )
+            check_pad_value(pad_id, input_ids.dtype, "pad_id")
+            if labels is not None:
+                check_pad_value(ignore_index, labels.dtype, "ignore_index")
             batch, unpadded = input_ids.shape[:2]
             padding = _padding(attention_mask, batch, unpadded)  # (B, S) bool on the host, or None
             return padding, self._documents(batch, unpadded, position_ids, cu_seqlens, padding)  # rows' boundaries

@@ -412,6 +412,12 @@ def _padding_masks_refused(rank, world_size):
     ):
         mask = torch.tensor([[1] * 8, [0, 0] + [1] * 6])
         sp.shard_batch(ids, position_ids=torch.arange(8).expand(2, 8), attention_mask=mask)
+    # a pad_id or ignore_index the tokens' or labels' dtype cannot hold, refused naming it (regression: written
+    # truncated, -100.5 as -100)
+    with pytest.raises(ValueError, match=r"pad_id 0.5 must be an integer in \[-9223372036854775808"):
+        sp.shard_batch(ids[:, :7], pad_id=0.5)
+    with pytest.raises(ValueError, match=r"ignore_index -100.5 must be an integer in \[-2147483648"):
+        sp.shard_batch(ids, ids.int(), ignore_index=-100.5)
     plain = sp.shard_batch(ids)
     all_ones = sp.shard_batch(ids, attention_mask=torch.ones(2, 8, dtype=torch.bool))  # no padding: no documents
     assert all_ones.cu_seqlens is None and torch.equal(all_ones.position_ids, plain.position_ids)

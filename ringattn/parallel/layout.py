@@ -355,6 +355,22 @@ def check_multiple(multiple) -> int:
     return value
 
 
+def check_pad_value(value, dtype: torch.dtype, name: str = "value") -> None:
+    """Raise unless `value` (the argument `name`) is a real number that a tensor of `dtype` holds exactly (any for a
+    floating dtype)."""
+    if not isinstance(value, numbers.Real):  # Python's and numpy's numbers (not a tensor)
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if dtype.is_floating_point or dtype.is_complex:
+        return
+    number = float(value)
+    low, high = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    if not number.is_integer() or not low <= value <= high:
+        raise ValueError(
+            f"{name} {value!r} must be an integer in [{low}, {high}] for a tensor of dtype {dtype} (it would be "
+            "written changed)"
+        )
+
+
 def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) -> tuple[torch.Tensor, int]:
     """Pad x at the end of `dim` with `value` up to the next multiple of `multiple`.
 
@@ -367,11 +383,13 @@ def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) 
     Returns:
         (padded x, original length x.shape[dim]); x itself (no copy) when already a multiple.
     Raises:
-        ValueError: multiple not an int >= 1; dim not in [-x.dim(), x.dim()).
-        TypeError: x not a tensor.
+        ValueError: multiple not an int >= 1; dim not in [-x.dim(), x.dim()); a value x's dtype cannot hold (a
+            fraction, an infinity or NaN, or a number out of range for an integer or bool x).
+        TypeError: x not a tensor; value not a real number.
     """
     multiple = check_multiple(multiple)
     dim = check_tensor_dim(x, dim, "x")
+    check_pad_value(value, x.dtype)
     length = x.shape[dim]
     extra = -length % multiple
     if extra == 0:

@@ -1,5 +1,7 @@
 """Sequence layouts: the pure index maps, padding, and shard / unshard / position_ids on spawned ranks."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,6 +74,17 @@ def test_pad_to_multiple():
             ringattn.pad_to_multiple(y, 1, multiple)
     with pytest.raises(ValueError, match=r"dim must be in \[-4, 4\) for a tensor of 4 dims, got 4"):
         ringattn.pad_to_multiple(y, 4, 6)
+    # a value the dtype cannot hold is refused, not written changed (regression: -100.5 padded int labels with -100)
+    for value in (-100.5, float("inf"), float("nan"), 2**63):
+        with pytest.raises(
+            ValueError, match=rf"value {re.escape(repr(value))} must be an integer in \[-9223372036854775808"
+        ):
+            ringattn.pad_to_multiple(x, 1, 8, value)
+    with pytest.raises(ValueError, match=r"value 2 must be an integer in \[0, 1\] for a tensor of dtype torch.bool"):
+        ringattn.pad_to_multiple(x > 3, 1, 8, 2)
+    with pytest.raises(TypeError, match="value must be a real number, got str"):
+        ringattn.pad_to_multiple(y, 1, 6, "0")
+    assert ringattn.pad_to_multiple(y, 1, 6, float("-inf"))[0][:, 5:].isneginf().all()  # any value for floats
 
 
 def test_helpers_without_process_group_raise():
