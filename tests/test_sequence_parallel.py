@@ -635,14 +635,15 @@ def _grid_toolkit_matches_single_process(rank, world_size, shape, groups, cases)
 
             model = _AttentionModel(vocab, max_len)
             where = f"U{shape[0]} x R{shape[1]} {case} {layout} rank ({u}, {r})"
-            for step in range(2):
+            for step in range(2):  # a training step, then the next step's loss (after the synced update)
                 model.zero_grad(set_to_none=True)
                 attend = functools.partial(sp.attention, cu_seqlens=batch.cu_seqlens, causal=True)
-                logits = model(batch.input_ids, batch.position_ids, attend)  # (B, S_local, V)
-                loss = sp.cross_entropy(logits, batch.labels)
-                loss.backward()
-                sp.sync_gradients(model)
+                with torch.set_grad_enabled(step == 0):
+                    logits = model(batch.input_ids, batch.position_ids, attend)  # (B, S_local, V)
+                    loss = sp.cross_entropy(logits, batch.labels)
                 if step == 0:
+                    loss.backward()
+                    sp.sync_gradients(model)
                     cols = idx.clamp(max=T - 1)
                     check_close(f"{where} logits", logits[local_real], plain[0][:, cols][local_real],
                                 ref[0][:, cols][local_real])  # fmt: skip

@@ -119,15 +119,15 @@ def test_simulated_ring_is_bitwise_the_distributed_ring(left):
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreted kernels on CPU tensors")
 def test_ring_error_grows_at_most_linearly_with_world_size():
-    """One causal problem (S = 240, fp32, interpreted kernels) split over W = 1 ... 6 and 8 virtual ranks (the W
-    that divide it; contiguous): each of out, lse, dq, dk, dv against float64 must stay within W x its W = 1
-    error. Measured at S = 840 over W = 1 ... 8: every error within 1e-7 ... 8e-7, i.e. flat (the ring adds W - 1
-    fp32 merges and accumulator additions per row, each off by an ulp at most)."""
+    """One causal problem (S = 240, fp32, interpreted kernels) split over W = 1, 2, 3, 4 and 8 virtual ranks
+    (contiguous): each of out, lse, dq, dk, dv against float64 must stay within W x its W = 1 error. Measured at
+    S = 840 over W = 1 ... 8: every error within 1e-7 ... 8e-7, i.e. flat (the ring adds W - 1 fp32 merges and
+    accumulator additions per row, each off by an ulp at most)."""
     seqlen = 240
     q, k, v, dout = make_qkv(1, seqlen, seqlen, 1, 1, 8, torch.float32, "cpu", seed=1)
     ref = reference_attention(q, k, v, dout, 0.25, True, torch.float64)
     errors = {}
-    for world_size in (1, 2, 3, 4, 5, 6, 8):
+    for world_size in (1, 2, 3, 4, 8):
         ours = simulate_ring_attn(KERNEL_OPS, q, k, v, 0.25, True, world_size, "contiguous", dout=dout)
         errors[world_size] = [max_abs_error(a, b) for a, b in zip(ours, ref, strict=True)]
     floor = 4 * torch.finfo(torch.float32).eps  # an error of 0 at W = 1 must not demand 0 after
