@@ -155,15 +155,18 @@ class BackwardSignature(NamedTuple):
     )
 
 
-_calls: dict[str, int] = {}  # per key (a group's name, ...): the calls counted so far
+# per world (a new one after destroy_process_group, whose groups reuse the old names), per key (a group's name, ...):
+# the calls counted so far
+_calls: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, int]]" = weakref.WeakKeyDictionary()
 
 
 def number_call(key: str) -> torch.Tensor:
-    """This call's number among those counted under `key` (0, 1, ...), a 0-dim int64 CPU tensor: the same on every
-    rank of a group whose calls are agreed one by one in the same order. Its backward agrees on it (check_backward).
-    """
-    number = _calls.get(key, 0)
-    _calls[key] = number + 1
+    """This call's number among those counted under `key` in this world (0, 1, ...), a 0-dim int64 CPU tensor: the
+    same on every rank of a group whose calls are agreed one by one in the same order. Its backward agrees on it
+    (check_backward)."""
+    calls = _calls.setdefault(dist.group.WORLD, {})
+    number = calls.get(key, 0)
+    calls[key] = number + 1
     return torch.tensor(number)
 
 

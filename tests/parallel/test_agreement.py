@@ -419,3 +419,26 @@ def test_a_group_without_cpu_tensors_exchanges_on_a_gloo_twin():
         assert created == [dict(backend="gloo", use_local_synchronization=True)]
         assert backend == "gloo" and order == [1, 0]
         assert "dim (rank 0: 2, rank 1: 1)" in message
+
+
+def _ring_in_a_second_world(rank, world_size, init_file):
+    def call(group):
+        q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+        ringattn.ring_attn_func(q, k, v, causal=True, layout="contiguous", group=group).sum().backward()
+
+    solo = [dist.new_group([r]) for r in range(world_size)]  # a ring of one rank each, named alike on both ranks
+    for _ in range(rank + 1):  # a different number of calls on each
+        call(solo[rank])
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    ring = dist.new_group([0, 1])  # named as a solo group of the first world
+    call(ring)
+    return solo[rank].group_name, ring.group_name
+
+
+def test_a_second_world_numbers_its_calls_afresh(tmp_path):
+    """After destroy_process_group and a new world in the same processes, whose groups reuse the old names, a
+    ring's backward agrees (regression: the calls were counted per group name across worlds, so each rank
+    started from its old count and every backward was refused as another call's)."""
+    (old_0, new), (old_1, _) = run_ranks(_ring_in_a_second_world, 2, str(tmp_path / "second-world"))
+    assert new in (old_0, old_1)  # the case this is about: a name reused
