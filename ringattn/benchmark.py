@@ -9,6 +9,7 @@ tiny sizes) they are perf_counter medians and peak memory is not measured.
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -25,10 +26,12 @@ __all__ = [
     "DTYPES",
     "attention_flops",
     "attention_inputs",
+    "device_tag",
     "env_record",
     "environment",
     "head_dim_problems",
     "host_median_s",
+    "kept_records",
     "markdown_table",
     "parse_with_tiny",
     "run_measuring_peak",
@@ -65,7 +68,8 @@ def attention_flops(
     flash-attn's window_size with -1 as None) 4 B H D times the (query, key) pairs the window leaves visible
     (visible_pairs). Mode "bwd" is 2.5x and "fwd+bwd" 3.5x the forward.
 
-    Returns a float; raises KeyError for another mode."""
+    Returns a float; raises KeyError for another mode, ValueError for a window side below -1."""
+    window = _window_sides(window)
     if window == (None, None):
         pairs = seqlen * seqlen * (0.5 if causal else 1.0)
     else:
@@ -76,14 +80,48 @@ def attention_flops(
 def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int | None, int | None]) -> int:
     """How many (query, key) pairs a causal flag and a sliding window (left, right) leave visible, bottom-right
     aligned as flash-attn's: row i sees keys j with i + Sk - Sq - left <= j <= i + Sk - Sq + right (None: no limit),
-    causal capping right at 0. Counted in O(Sq)."""
-    left, right = window
+    causal capping right at 0; -1 is no limit too, as in flash-attn's window_size. Counted in O(Sq).
+
+    Raises:
+        ValueError: a side below -1."""
+    left, right = _window_sides(window)
     if causal:
         right = 0 if right is None else min(right, 0)
     rows = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)
     first = (rows - left).clamp(min=0) if left is not None else torch.zeros_like(rows)
     last = (rows + right).clamp(max=seqlen_k - 1) if right is not None else torch.full_like(rows, seqlen_k - 1)
     return int((last - first + 1).clamp(min=0).sum())
+
+
+def _window_sides(window: tuple[int | None, int | None]) -> tuple[int | None, int | None]:
+    """(left, right) with flash-attn's -1 as None (no limit); ValueError for a side below -1."""
+    if any(side is not None and side < -1 for side in window):
+        raise ValueError(f"window sides must be >= 0, or -1 or None for no limit, got {tuple(window)}")
+    return tuple(None if side == -1 else side for side in window)
+
+
+def device_tag(device: torch.device) -> str:
+    """The device as record file names carry it: "cpu", or the GPU's model in lower case ("NVIDIA H100 80GB HBM3" ->
+    "h100", "NVIDIA H200" -> "h200"; a name without a letters-then-digits word: its last word)."""
+    if device.type != "cuda":
+        return "cpu"
+    words = torch.cuda.get_device_name(device).split()
+    model = next((w for w in words if re.fullmatch(r"[A-Za-z]+\d+\w*", w)), words[-1])
+    return re.sub(r"[^a-z0-9]+", "_", model.split("-")[0].lower())
+
+
+def kept_records(path: str | None, env: dict) -> list[dict]:
+    """The records of the [env, *records] JSON at `path` that a run appending to it keeps (none if it does not
+    exist). Raises ValueError when it was measured in another environment (its env record differs from `env`):
+    one file holds one environment's measurements."""
+    try:
+        with open(path) as f:
+            old_env, *records = json.load(f)
+    except (FileNotFoundError, TypeError):  # no file, or no path
+        return []
+    if old_env != env:
+        raise ValueError(f"{path} was measured with another environment ({old_env}): write this run to a new file")
+    return records
 
 
 def attention_inputs(

@@ -39,6 +39,27 @@ def test_visible_pairs_counts_what_the_mask_leaves(seqlen_q, seqlen_k, window):
         assert benchmark.attention_flops(2, 3, seqlen_q, 16, True, "fwd", window) == 4 * 2 * 3 * 16 * pairs
 
 
+def test_flash_attn_window_convention():
+    """A side of -1 is no limit, as flash-attn's window_size (regression: taken as an offset, window (-1, -1) counted
+    no pair at all); a side below -1 is refused."""
+    for window in ((-1, -1), (4, -1), (-1, 0), (3, 2)):
+        as_none = tuple(None if side == -1 else side for side in window)
+        for causal in (False, True):
+            assert benchmark.visible_pairs(16, 16, causal, window) == benchmark.visible_pairs(16, 16, causal, as_none)
+    assert benchmark.attention_flops(1, 1, 16, 1, False, "fwd", (-1, -1)) == 4 * 16 * 16
+    with pytest.raises(ValueError, match=r"window sides must be >= 0, or -1 or None for no limit, got \(-2, 0\)"):
+        benchmark.visible_pairs(16, 16, False, (-2, 0))
+
+
+def test_device_tag_names_the_model():
+    assert benchmark.device_tag(CPU) == "cpu"
+    names = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA A100-SXM4-80GB": "a100"}
+    for name, tag in names.items():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+            assert benchmark.device_tag(torch.device("cuda")) == tag, name
+
+
 def test_attention_flops_of_a_known_cell():
     """B = 8, H = 32, S = 4096, D = 128 (32768 tokens), causal forward+backward: 3.5 x 2 x 8 x 32 x 4096^2 x 128."""
     flops = benchmark.attention_flops(8, 32, 4096, 128, True, "fwd+bwd")

@@ -14,13 +14,14 @@ fields do not change the cost). Providers:
 
 Timing: per round a barrier, then --calls back-to-back calls timed on the host (perf_counter): per call = the round's
 time / calls; us = the median over --rounds rounds, the slowest rank's. Prints a markdown table and writes
-[env, *records] (provider, W, backend, us) to --out (default docs/benchmarks/agreement_{cpu,h200}.json), keeping the
-records of other W already there; the env record holds the CPU count and the 1-minute load average: on CPU ranks the
-times are mostly the operating system's scheduling of the ranks.
+[env, *records] (provider, W, backend, us, load_average) to --out (default docs/benchmarks/agreement_{device}.json,
+device cpu or the GPU's model, e.g. h200), keeping the records of other W already there when they were measured in
+the same environment (else it refuses: write to another file); the env record holds the CPU count, --calls and
+--rounds, each record the 1-minute load average at its run: on CPU ranks the times are mostly the operating
+system's scheduling of the ranks.
 """
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -28,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ringattn.benchmark import env_record, markdown_table
+from ringattn.benchmark import device_tag, env_record, kept_records, markdown_table, write_json
 from ringattn.distributed import destroy, init_distributed, log
 from ringattn.parallel.agreement import AGREEMENT_ENV, RingSignature, check_agreement, cpu_channel, encode_header
 
@@ -40,7 +41,7 @@ def parse_args() -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     parser.add_argument("--calls", type=int, default=200, help="calls per round")
     parser.add_argument("--rounds", type=int, default=7, help="rounds; the median is kept")
-    parser.add_argument("--out", default=None, help="JSON output (default docs/benchmarks/agreement_{cpu,h200}.json)")
+    parser.add_argument("--out", default=None, help="JSON output (default docs/benchmarks/agreement_{device}.json)")
     return parser.parse_args()
 
 
@@ -77,20 +78,16 @@ def main() -> None:
     for provider, (call, mode) in providers.items():
         os.environ[AGREEMENT_ENV] = mode
         us = time_per_call_us(call, args, channel, env.device)
-        records.append(dict(provider=provider, W=env.world_size, backend=env.backend, us=us))
+        # host timings depend on how busy the CPUs are
+        load = round(os.getloadavg()[0], 2)
+        records.append(dict(provider=provider, W=env.world_size, backend=env.backend, us=us, load_average=load))
         log(f"{provider} W={env.world_size}: {us} us per call")
     if env.is_main:
-        gpu = env.device.type == "cuda"
-        out = args.out or os.path.join("docs", "benchmarks", f"agreement_{'h200' if gpu else 'cpu'}.json")
-        kept = []
-        if os.path.exists(out):
-            with open(out) as f:
-                kept = [r for r in json.load(f)[1:] if r["W"] != env.world_size]
+        out = args.out or os.path.join("docs", "benchmarks", f"agreement_{device_tag(env.device)}.json")
+        header = env_record(env.device, calls=args.calls, rounds=args.rounds, cpus=os.cpu_count())
+        kept = [r for r in kept_records(out, header) if r["W"] != env.world_size]
         records = sorted(kept + records, key=lambda r: (r["W"], r["provider"]))
-        with open(out, "w") as f:
-            # host timings depend on the CPUs and how busy they are
-            machine = dict(cpus=os.cpu_count(), load_average=round(os.getloadavg()[0], 2))
-            json.dump([env_record(env.device, calls=args.calls, rounds=args.rounds, **machine), *records], f, indent=1)
+        write_json(out, header, records)
         head = ["provider", "W", "backend", "us per call"]
         print(markdown_table(head, [[r["provider"], r["W"], r["backend"], r["us"]] for r in records]))
     destroy()

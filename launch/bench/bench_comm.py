@@ -48,6 +48,7 @@ import ringattn  # noqa: E402
 from ringattn.benchmark import (  # noqa: E402
     attention_flops,
     attention_inputs,
+    device_tag,
     env_record,
     head_dim_problems,
     markdown_table,
@@ -232,11 +233,7 @@ def summary(records: list[dict]) -> str:
 
 
 def default_out(env) -> Path:
-    if env.device.type != "cuda":
-        tag = "cpu"
-    else:
-        tag = torch.cuda.get_device_name(env.device).split()[-1].lower()
-    return Path("docs/benchmarks") / f"comm_{tag}.json"
+    return Path("docs/benchmarks") / f"comm_{device_tag(env.device)}.json"
 
 
 def main() -> None:

@@ -74,8 +74,9 @@ caching allocator capped at --memory-fraction, --budget-s 330 shared by the prov
 past it not started, a memory-bound estimate from the peak memory of the two longest fits; the ranks allocate the
 same, so they run out of memory together, not one alone inside the ring). Each trial allocates
 its random inputs inside the timed step (< 1% of a step at these lengths). Output: a markdown table and --out
-(default docs/benchmarks/ring_longest_{h200|cpu}_w{W}.json) as longest_sequence.py writes them. Measured at
-W = 4: 2M tokens at 85 s a step, then the budget; estimated: W = 8 stops on the budget near 4M tokens.
+(default docs/benchmarks/ring_longest_{device}_w{W}.json, device cpu or the GPU's model) as longest_sequence.py
+writes them. Measured at W = 4: 2M tokens at 85 s a step, then the budget; estimated: W = 8 stops on the budget
+near 4M tokens.
 """
 
 import argparse
@@ -104,6 +105,7 @@ import ringattn  # noqa: E402
 from ringattn.benchmark import (  # noqa: E402
     DTYPES,
     attention_flops,
+    device_tag,
     env_record,
     head_dim_problems,
     host_median_s,
@@ -160,9 +162,9 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     if args.budget_s is None:
         args.budget_s = 330.0 if args.longest else 420.0
     if args.out is None:
-        device_name = "h200" if on_gpu else "cpu"
+        device = device_tag(torch.device("cuda" if on_gpu else "cpu"))
         sweep = "ring_weak_scaling" + ("" if args.window is None else f"_window{args.window}")
-        args.out = Path(f"docs/benchmarks/ring_longest_{device_name}_w{world_size}.json" if args.longest else
+        args.out = Path(f"docs/benchmarks/ring_longest_{device}_w{world_size}.json" if args.longest else
                         f"docs/benchmarks/{sweep}" + ("" if on_gpu else "_cpu") + ".json")  # fmt: skip
     problems = []
     if min(args.seqlens_local) <= 0 or any(s % 2 for s in args.seqlens_local):

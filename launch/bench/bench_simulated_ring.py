@@ -67,7 +67,6 @@ and 8 block records; about 6 minutes on an H200 (343 s with --rounds 3).
 """
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -76,8 +75,10 @@ import torch
 from ringattn.benchmark import (
     DTYPES,
     attention_flops,
+    device_tag,
     env_record,
     head_dim_problems,
+    kept_records,
     markdown_table,
     parse_with_tiny,
     run_measuring_peak,
@@ -132,7 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="profile a forward+backward of each ring and fused call: GPU kernel time by group",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs/benchmarks/simulated_ring_h200.json", help="JSON path")
+    parser.add_argument("--out", default="docs/benchmarks/simulated_ring_{device}.json",
+                        help="JSON path ({device}: cpu, or the GPU's model, e.g. h200)")  # fmt: skip
     parser.add_argument("--append", action="store_true", help="keep --out's records of cells not measured again")
     args = parse_with_tiny(parser, TINY, argv)
     args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
@@ -158,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--ulysses {ulysses} with --heads {args.heads} --kv-heads {args.kv_heads}: {e}")
     args.band = (args.window, None) if args.window >= 0 else (None, None)  # the window in ringattn.ops' form
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.out = args.out and args.out.replace("{device}", device_tag(args.device))
     args.dtype = DTYPES[args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")]
     if any(s % 2 for s in args.seqlens_local) and "zigzag" in args.layouts:
         parser.error("zigzag needs even --seqlens-local")
@@ -566,19 +569,6 @@ def _key(rec: dict) -> tuple:
     softcap, mode."""
     return (rec["provider"], rec["W"], rec["S_local"], rec["H"], rec["Hkv"], rec["D"], rec.get("U"), rec.get("layout"),
             rec["causal"], tuple(rec.get("window", (-1, -1))), rec.get("softcap", 0.0), rec.get("mode"))  # fmt: skip
-
-
-def kept_records(path: str, env: dict) -> list[dict]:
-    """--append: the records of `path` (none if it does not exist). Raises ValueError when it was measured on
-    another GPU, other versions or another protocol (its env record differs from this run's)."""
-    try:
-        with open(path) as f:
-            old_env, *records = json.load(f)
-    except FileNotFoundError:
-        return []
-    if old_env != env:
-        raise ValueError(f"{path} was measured with another environment ({old_env}): write this run to a new file")
-    return records
 
 
 def merged(kept: list[dict], new: list[dict]) -> list[dict]:

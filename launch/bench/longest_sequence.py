@@ -40,8 +40,8 @@ ringattn and sdpa_flash, a + b S^2 for sdpa_math) to the allocator's cap, an est
 Defaults finish in about 6 minutes on one H200 (--budget-s 330 plus start-up).
 
 Output (rank 0): a progress line per trial, a markdown table, and --out (default
-docs/benchmarks/longest_sequence_h200_w{W}.json, or _cpu_ on CPU ranks): a JSON list, an env record
-(kind "env": gpu, torch, triton, cuda, model, memory limit, options) then one record per provider: provider,
+docs/benchmarks/longest_sequence_{device}_w{W}.json, device cpu or the GPU's model, e.g. h200): a JSON list, an env
+record (kind "env": gpu, torch, triton, cuda, model, memory limit, options) then one record per provider: provider,
 W, longest_seqlen, ms, peak_bytes, tokens_per_s, stop ("oom": bracketed by a step that ran out of memory,
 "max_seqlen", "budget"), shortest_failed, estimated_seqlen, trials (seqlen, ok, ms, peak_bytes of each).
 On CPU ranks nothing runs out of memory: the search stops at --max-seqlen, and peak_bytes is null.
@@ -69,7 +69,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import ringattn  # noqa: E402
 from examples import train_gpt  # noqa: E402
-from ringattn.benchmark import env_record, markdown_table, write_json  # noqa: E402
+from ringattn.benchmark import device_tag, env_record, markdown_table, write_json  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 
 # run in this order: the budget left by one goes to the next, so the quickest first and ours last
@@ -296,9 +296,7 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     p.add_argument(
         "--providers", nargs="+", choices=PROVIDERS, default=None, help="default: all with W = 1, else ringattn"
     )
-    p.add_argument(
-        "--out", type=Path, default=None, help="default docs/benchmarks/longest_sequence_{h200|cpu}_w{W}.json"
-    )
+    p.add_argument("--out", type=Path, default=None, help="default docs/benchmarks/longest_sequence_{device}_w{W}.json")
     args = p.parse_args()
     multiple = 2 * world_size
     args.max_seqlen = max(args.max_seqlen // multiple * multiple, multiple)
@@ -307,7 +305,8 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
         args.providers = list(PROVIDERS) if world_size == 1 else ["ringattn"]
     args.providers = [name for name in PROVIDERS if name in args.providers]  # the run order
     if args.out is None:
-        args.out = Path(f"docs/benchmarks/longest_sequence_{'h200' if on_gpu else 'cpu'}_w{world_size}.json")
+        device = device_tag(torch.device("cuda" if on_gpu else "cpu"))
+        args.out = Path(f"docs/benchmarks/longest_sequence_{device}_w{world_size}.json")
     problems = []
     if world_size > 1 and args.providers != ["ringattn"]:
         problems.append("sdpa_flash and sdpa_math run on one device: start them with NPROC=1")

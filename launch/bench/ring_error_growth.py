@@ -31,6 +31,7 @@ import torch
 from ringattn.benchmark import (
     DTYPES,
     attention_inputs,
+    device_tag,
     env_record,
     markdown_table,
     parse_with_tiny,
@@ -58,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-ratio", type=float, default=2.0, help="gate: largest-W over W = 1 error, dq dk dv")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs/benchmarks/ring_error_growth_h200.json", help="JSON path")
+    parser.add_argument("--out", default="docs/benchmarks/ring_error_growth_{device}.json",
+                        help="JSON path ({device}: cpu, or the GPU's model, e.g. h200)")  # fmt: skip
     args = parse_with_tiny(parser, TINY, argv)
     args.world_sizes = sorted(set(args.world_sizes) | {1})
     try:
@@ -68,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(str(exc))
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.out = args.out and args.out.replace("{device}", device_tag(args.device))
     return args
 
 

@@ -41,7 +41,6 @@ analytic_bytes), and prints a markdown table.
 import argparse
 import math
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +53,7 @@ if not torch.cuda.is_available():
 import ringattn  # noqa: E402
 from ringattn.benchmark import (  # noqa: E402
     attention_flops,
+    device_tag,
     environment,
     host_median_s,
     markdown_table,
@@ -262,11 +262,6 @@ def plot(records: list[dict], env: dict, path: Path) -> Path | None:
     return path
 
 
-def device_tag(env: dict) -> str:
-    """ "cpu", or the last word of the GPU's name in lower case ("NVIDIA H200" -> "h200")."""
-    return "cpu" if env["gpu"] is None else re.sub(r"[^a-z0-9]+", "_", env["gpu"].split()[-1].lower())
-
-
 def parse_args(argv: list[str] | None, on_gpu: bool) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
@@ -314,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"why_fused.py: check failed: {exc}", file=sys.stderr)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"why_fused_{device_tag(env)}"
+    stem = args.out / f"why_fused_{device_tag(device)}"
     write_records(str(stem.with_suffix(".json")), env, records)
     png = plot(records, env, stem.with_suffix(".png"))
     print(table(records))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ringattn.benchmark import kept_records
 from tests.utils import package_kernel_names
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -193,14 +194,14 @@ def test_bench_simulated_ring_append_replaces_only_the_cells_measured_again(tmp_
     plain, windowed = dict(cell, ms=1.0), dict(cell, window=[4096, 0], ms=2.0)
     path = tmp_path / "ring.json"
     path.write_text(json.dumps([env, plain, windowed]))
-    kept = bench_simulated_ring.kept_records(str(path), env)
+    kept = kept_records(str(path), env)
     again = dict(windowed, ms=3.0)
     assert bench_simulated_ring.merged(kept, [again]) == [plain, again]
     gqa = dict(plain, Hkv=8, ms=4.0)
     assert bench_simulated_ring.merged(kept, [gqa]) == [plain, windowed, gqa]
-    assert bench_simulated_ring.kept_records(str(tmp_path / "none.json"), env) == []
+    assert kept_records(str(tmp_path / "none.json"), env) == []
     with pytest.raises(ValueError, match="another environment"):
-        bench_simulated_ring.kept_records(str(path), dict(env, gpu="H100"))
+        kept_records(str(path), dict(env, gpu="H100"))
 
 
 @pytest.mark.parametrize(
@@ -221,3 +222,11 @@ def test_bench_simulated_ring_names_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench_simulated_ring.parse_args(["--tiny", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_default_records_are_named_for_the_device():
+    """On the CPU the default --out is a _cpu record, never the committed GPU one (regression: a CPU run without
+    --tiny overwrote docs/benchmarks/*_h200.json)."""
+    assert bench_simulated_ring.parse_args([]).out == "docs/benchmarks/simulated_ring_cpu.json"
+    assert ring_error_growth.parse_args([]).out == "docs/benchmarks/ring_error_growth_cpu.json"
+    assert bench_simulated_ring.parse_args(["--tiny"]).out is None
