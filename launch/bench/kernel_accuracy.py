@@ -36,6 +36,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("it measures the GPU kernels' errors: it needs a GPU (tests/ops check the kernels on the CPU)")
     records = []
     print(
         f"{'dtype':9} {'B':>2} {'S':>5} {'Hq':>3} {'Hkv':>3} {'D':>4} {'causal':6} {'tensor':6} "

@@ -231,6 +231,8 @@ def main():
     parser.add_argument("--rep", type=int, default=100, help="do_bench's rep (ms)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("it times the kernels on a GPU: it needs one (kernel_resources.py compiles them without)")
     _check_defaults(args.head_dims)
     args.kernels = args.kernels or list(CANDIDATES)
     candidates = swept_configs(args.kernels, args.head_dims, args.configs, args.defaults)

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(str(p.relative_to(ROOT)) for folder in ("launch", "launch/bench", "launch/tools")
@@ -81,3 +82,16 @@ def test_help_prints_usage_and_exits_0(case, answers):
     if case == THROUGH_TORCHRUN:
         assert "running launch/ring_check.py once, without ranks" in stderr
         assert stdout.count("usage: ring_check.py") == 1, stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the answer on a machine without a GPU")
+@pytest.mark.parametrize(
+    "script, message",
+    [("launch/bench/kernel_accuracy.py", "measures the GPU kernels' errors: it needs a GPU"),
+     ("launch/tools/config_sweep.py", "times the kernels on a GPU: it needs one")],
+)  # fmt: skip
+def test_gpu_only_scripts_say_so_on_a_cpu(script, message):
+    """A usage error (status 2) naming the need, not CUDA's own error from deep inside (regression)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
