@@ -92,9 +92,11 @@ def padded_head_dim(head_dim: int) -> int:
 
 def descriptor_aligned(t: torch.Tensor) -> bool:
     """Whether TMA descriptors can address t's rows: the last dim contiguous, the base address and every other
-    stride 16-byte aligned."""
+    stride 16-byte aligned, and no dimension of more than one element broadcast (stride 0: an expanded tensor,
+    which a descriptor's strides are not meant to hold; the launchers' pointer paths take it)."""
     size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+    aligned = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+    return aligned and all(st != 0 for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
 
 
 def device_guard(t: torch.Tensor):
@@ -133,11 +135,15 @@ def _side_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
 def run_side_by_side(first: Callable[[], None], second: Callable[[], None], device: torch.device) -> None:
     """Launch first() on a side stream of the current stream's priority and second() on the current stream, at
     once; the current stream then waits for both. Work queued on the current stream before this call precedes
-    both, and work queued after follows both, so tensors used by first() may be freed once this returns."""
+    both, and work queued after follows both, so tensors used by first() may be freed once this returns, or once
+    either raised (an out-of-memory error a caller catches must not leave first()'s kernel writing memory the
+    allocator hands out again)."""
     main = torch.cuda.current_stream(device)
     side = _side_stream(device, main.priority)
     side.wait_stream(main)
-    with torch.cuda.stream(side):
-        first()
-    second()
-    main.wait_stream(side)
+    try:
+        with torch.cuda.stream(side):
+            first()
+        second()
+    finally:
+        main.wait_stream(side)

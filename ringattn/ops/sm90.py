@@ -60,18 +60,18 @@ def bwd_supported(call: BwdCall, target: Target) -> bool:
     programs' order; with them in a fixed order it ran 0.5 to 0.8x the split kernels, whose every gradient row has one
     writer), no documents, a head dim of TABLE, dQ either the call's own output (stored, no final rows: the kernel
     adds into an fp32 scratch, copied out after) or an fp32 accumulator (the ring's), and q, k, v, dout, dQ as its
-    descriptors take them (host_descriptor_ok; any head stride: Hugging Face's (B, H, S, D) tensors transposed too)."""
+    descriptors take them (descriptor_aligned; any head stride: Hugging Face's (B, H, S, D) tensors transposed too)."""
     q, dq = call.q, call.dq
     if not target.gpu or call.q_doc_ids is not None or q.dtype not in SIXTEEN_BIT or q.shape[-1] not in TABLE["bwd"]:
         return False
     if call.deterministic:
         return False
     if dq.dtype == torch.float32:
-        if not host_descriptor_ok(dq):
+        if not descriptor_aligned(dq):
             return False
     elif call.add_dq or call.dq_final is not None:
         return False
-    return all(host_descriptor_ok(t) for t in (q, call.k, call.v, call.dout))
+    return all(descriptor_aligned(t) for t in (q, call.k, call.v, call.dout))
 
 
 def _bwd_stats(call: BwdCall, block_m: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
@@ -89,13 +89,6 @@ def _bwd_stats(call: BwdCall, block_m: int) -> tuple[torch.Tensor, Callable[[], 
     return padded, copy
 
 
-def host_descriptor_ok(t: torch.Tensor) -> bool:
-    """Whether the Gluon kernels' host descriptors (kernels/sm90/descriptors.py) can address t: descriptor_aligned,
-    and no dimension of more than one element broadcast (stride 0: an expanded tensor, which a descriptor's strides
-    are not meant to hold)."""
-    return descriptor_aligned(t) and all(st != 0 for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
-
-
 def _split_kernel_dtype(q: torch.Tensor, target: Target) -> bool:
     """The split kernels' dtypes: 16-bit on a GPU (fp32 would multiply in tf32 there), any in the interpreter."""
     return not target.gpu or q.dtype in SIXTEEN_BIT
@@ -104,7 +97,7 @@ def _split_kernel_dtype(q: torch.Tensor, target: Target) -> bool:
 def fwd_supported(call: FwdCall, target: Target) -> bool:
     """Whether the Gluon forward takes `call`: a GPU, fp16 or bf16 with out in q's dtype or fp32 (merging, or rows
     finished elsewhere: the ring's fp32 state), no documents, a head dim of TABLE, lse's last dim contiguous, q, k, v,
-    out as its descriptors take them (host_descriptor_ok)."""
+    out as its descriptors take them (descriptor_aligned)."""
     q, out = call.q, call.out
     if not target.gpu or call.q_doc_ids is not None or q.dtype not in SIXTEEN_BIT:
         return False
@@ -113,7 +106,7 @@ def fwd_supported(call: FwdCall, target: Target) -> bool:
         return False
     if q.shape[-1] not in TABLE["fwd"]:
         return False
-    return call.lse.stride(-1) == 1 and all(host_descriptor_ok(t) for t in (q, call.k, call.v, out))
+    return call.lse.stride(-1) == 1 and all(descriptor_aligned(t) for t in (q, call.k, call.v, out))
 
 
 def _split_supported(kernel: str, call: BwdCall, tensors: tuple[torch.Tensor, ...], target: Target) -> bool:

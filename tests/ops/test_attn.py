@@ -105,6 +105,21 @@ def test_any_strides_give_the_contiguous_result(deterministic):
         assert torch.equal(g, g_c)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_broadcast_inputs_match_reference(deterministic):
+    """Tensors with a dimension of stride 0: K and V of one head expanded to two (MQA written as expand) and a
+    gradient pooled over the sequence (that of a mean over it): against float64, through the kernels that take them
+    (the pointer paths: a TMA descriptor is not meant to hold a stride of 0)."""
+    q, k, v, dout = make_qkv(2, 70, 70, 4, 1, 64, DTYPES[0], seed=8)
+    k, v = (t.expand(-1, -1, 2, -1) for t in (k, v))
+    dout = dout[:, :1].expand_as(dout)
+    assert k.stride(2) == 0 and dout.stride(1) == 0
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = ringattn.flash_attn_func(q, k, v, causal=True, deterministic=deterministic, return_lse=True)
+    out.backward(dout)
+    check_against_reference(q, k, v, dout, 64**-0.5, True, (out, lse, q.grad, k.grad, v.grad))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(97, 97), (17, 97), (97, 17)], ids=lambda n: str(n))
 def test_tma_and_pointer_kv_loads_agree_bitwise(seqlen_q, seqlen_k, causal):

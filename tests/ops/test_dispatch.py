@@ -171,7 +171,13 @@ def test_backward_takes_the_gluon_kernel_where_its_table_does():
     assert names(*unpacked) == gluon  # (B, S, H, D) views of (B, H, S, D): any head stride
     broadcast = gdout[:, :, :1].expand_as(gdout)  # one head's gradient for every head (stride 0)
     assert names(gq, gk, gv, broadcast) != gluon  # not for the host descriptors: the other kernels'
-    assert _fwd_name(_fwd(gq, gk[:, :, :1].expand_as(gk), gv)) == "portable.fwd"
+    expanded_k = gk[:, :, :1].expand_as(gk)
+    launch = fwd_launch(_fwd(gq, expanded_k, gv), "sm90", HOPPER)
+    assert launch.name == "portable.fwd" and not launch.kwargs["KV_TMA"]  # its K by pointers, not a descriptor
+    # a gradient pooled over the sequence (stride 0 along it): never a TMA descriptor's rows (regression: the split
+    # kernels built in-kernel descriptors of row stride 0)
+    pooled = gdout[:, :1].expand_as(gdout)
+    assert names(gq, gk, gv, pooled, deterministic=True) == fallback
     # the ring's forms: fp32 accumulators, dQ added or stored, dK and dV stored or added, rows finished
     final = FinalRows(torch.empty_like(q), range(0, 32))
     for kwargs in (dict(add_dq=True), dict(add_dkdv=True), dict(add_dq=True, dq_final=final)):

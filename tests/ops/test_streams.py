@@ -2,6 +2,7 @@
 are, and that they give the bits of one stream."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -100,3 +101,24 @@ def test_two_streams_capture_in_a_cuda_graph():
     graph.replay()
     for want, t in zip(eager, (q, k, v), strict=True):
         assert torch.equal(t.grad, want)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA streams")
+def test_a_launch_that_raises_still_orders_the_side_stream_before_what_follows():
+    """The second launch raising (out of memory, a failed compile) after the first is queued on the side stream:
+    the current stream still waits for the side one, so that memory the caller frees on catching the error is not
+    handed out while the first kernel writes it."""
+
+    def first():
+        torch.cuda._sleep(200_000_000)  # a kernel of about a tenth of a second on the side stream
+
+    def second():
+        raise RuntimeError("CUDA out of memory (raised by the test)")
+
+    with pytest.raises(RuntimeError, match="raised by the test"):
+        run_side_by_side(first, second, DEVICE)
+    after = torch.cuda.Event()
+    after.record()  # on the current stream, after the failed call
+    time.sleep(0.02)
+    assert not after.query()  # still behind the side stream's kernel
+    torch.cuda.synchronize()
