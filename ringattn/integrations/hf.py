@@ -78,7 +78,8 @@ $FLASH_ATTENTION_DETERMINISTIC=1, as transformers' flash-attn path reads it, whi
 TrainingArguments(full_determinism=True) sets). Under autocast q, k and v go to the ring in
 autocast's dtype, as SDPA takes them (RoPE leaves q and k in fp32 beside a bf16 v).
 
-Refused with ValueError: models whose attention is not transformers' AttentionInterface (by prepare), dropout > 0,
+Refused with ValueError: models whose attention is not transformers' AttentionInterface, or with an output per
+sequence (a sequence-classification head, a pooler: each rank would pool its own shard) (by prepare), dropout > 0,
 chunked attention (Llama 4), sparse attention (selected key indices), position biases (ALiBi too), attention masks other
 than none/all-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks) or built by
 the model from its pad tokens (T5Gemma without an attention_mask; not seen under torch.compile: pass an attention_mask
@@ -515,25 +516,28 @@ def _ring(implementation) -> RingAttentionForTransformers | None:
     return fn if isinstance(fn, RingAttentionForTransformers) else None
 
 
-def _check_call(model: torch.nn.Module, check_values: bool):
-    """prepare's forward pre-hook for `model` (a transformers model): raises ValueError, while ring attention is
-    selected, for a call with a KV cache holding earlier tokens, with logits_to_keep other than 0, without
-    position_ids, or with labels but without shift_labels and num_items_in_batch; with
-    `check_values` (a model holding no other transformers model: the one that hands the attention layers their
-    arguments) it then checks the call's values (and its tokens' count a row) with
+class _CallCheck:
+    """prepare's forward pre-hook for a transformers model (a class, not a closure, so that a prepared model can be
+    pickled): raises ValueError, while ring attention is selected, for a call with a KV cache holding earlier
+    tokens, with logits_to_keep other than 0, without position_ids, or with labels but without shift_labels and
+    num_items_in_batch; with `check_values` (a model holding no other transformers model: the one that hands the
+    attention layers their arguments) it then checks the call's values (and its tokens' count a row) with
     RingAttentionForTransformers.checked_position_ids and hands the model the checked position_ids."""
-    positional = [
-        p.name
-        for p in inspect.signature(model.forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
 
-    def check(module, args, kwargs):
+    def __init__(self, model: torch.nn.Module, check_values: bool):
+        self.check_values = check_values
+        self.positional = [
+            p.name
+            for p in inspect.signature(model.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+
+    def __call__(self, module, args, kwargs):
         implementation = module.config._attn_implementation
         fn = _ring(implementation)
         if fn is None:
             return None
-        call = {**dict(zip(positional, args, strict=False)), **kwargs}
+        call = {**dict(zip(self.positional, args, strict=False)), **kwargs}
         where = f"attn_implementation={implementation!r}"
         caches = [call.get(key) for key in ("cache", "past_key_values")]  # transformers 5's name, and 4's
         if any(c is not None for c in caches):
@@ -544,9 +548,10 @@ def _check_call(model: torch.nn.Module, check_values: bool):
                 "model, and call this one with use_cache=False"
             )
         keep = call.get("logits_to_keep")
-        if isinstance(keep, int) and not isinstance(keep, bool) and keep != 0:
+        if isinstance(keep, torch.Tensor) or isinstance(keep, int) and not isinstance(keep, bool) and keep != 0:
+            kept = f"the last {keep}" if isinstance(keep, int) else "the positions a tensor of them names"
             raise ValueError(
-                f"{where}: logits_to_keep={keep} keeps the last {keep} of each rank's own tokens, not the sequence's "
+                f"{where}: logits_to_keep={keep} keeps {kept} of each rank's own tokens, not the sequence's "
                 "(generate passes 1, and without a KV cache each rank would continue from a different token): "
                 "generate with the unsharded model, and call this one with logits_to_keep=0 (all positions)"
             )
@@ -566,7 +571,7 @@ def _check_call(model: torch.nn.Module, check_values: bool):
                 "on the full sequence) and num_items_in_batch (the group's count of labels that are not -100) for "
                 "this rank's share"
             )
-        if not check_values:
+        if not self.check_values:
             return None
         tokens = next((t for t in (call.get("input_ids"), call.get("inputs_embeds")) if t is not None), None)
         row_tokens = tokens.shape[1] if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else -1
@@ -574,10 +579,34 @@ def _check_call(model: torch.nn.Module, check_values: bool):
         checked = fn.checked_position_ids(call["position_ids"], *bounds, call.get("attention_mask"), row_tokens)
         if "position_ids" in kwargs:
             return args, {**kwargs, "position_ids": checked}
-        i = positional.index("position_ids")
+        i = self.positional.index("position_ids")
         return (*args[:i], checked, *args[i + 1 :]), kwargs
 
-    return check
+
+# heads whose output is one per sequence (a pooled token, or an average over the sequence)
+_SEQUENCE_HEADS = ("ForSequenceClassification", "ForMultipleChoice", "ForNextSentencePrediction")
+
+
+def _check_per_token(module: PreTrainedModel) -> None:
+    """Raise ValueError where `module` computes something per sequence, which a rank holding a shard of each
+    sequence would compute from its shard alone (silently other than the unsharded model's): a sequence-level head
+    (a class named ...ForSequenceClassification and the like: it pools the first token, the last real one or an
+    average) or a pooler (BERT's, which reads each sequence's first token)."""
+    kind = type(module).__name__
+    advice = (
+        "run the per-token model prepared (the base model, model.base_model), gather its hidden states over the "
+        "ranks (SequenceParallel.gather) and apply the pooling and head to the whole sequence"
+    )
+    if kind.endswith(_SEQUENCE_HEADS):
+        raise ValueError(
+            f"{kind} pools each sequence into one output, but ring attention gives each rank the outputs at its own "
+            f"positions only: {advice}"
+        )
+    if isinstance(getattr(module, "pooler", None), torch.nn.Module):
+        raise ValueError(
+            f"{kind} has a pooler (it reads each sequence's first token, which one rank holds): build it without one "
+            f"(add_pooling_layer=False), or {advice}"
+        )
 
 
 def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
@@ -596,7 +625,9 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
     Raises:
         ValueError: `name` is not registered as ring attention (`register`); a transformers model in `model` whose
             attention does not go through transformers' AttentionInterface (its attn_implementation cannot be set,
-            e.g. Bloom), or that adds ALiBi biases (Falcon with alibi=True).
+            e.g. Bloom), that adds ALiBi biases (Falcon with alibi=True), or that computes an output per sequence
+            (a sequence classification or multiple-choice head, a pooler): each rank would compute it from its
+            shard alone.
     """
     if _ring(name) is None:
         raise ValueError(
@@ -610,6 +641,7 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
                 f"{type(module).__name__} adds ALiBi position biases (config.alibi=True): ring attention computes "
                 "no position biases"
             )
+        _check_per_token(module)
     model.set_attn_implementation(name)
     for module in models:
         if module.config._attn_implementation != name:
@@ -621,7 +653,7 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and not getattr(module, PREPARED, False):
             innermost = not any(isinstance(m, PreTrainedModel) for m in module.modules() if m is not module)
-            module.register_forward_pre_hook(_check_call(module, innermost), with_kwargs=True)
+            module.register_forward_pre_hook(_CallCheck(module, innermost), with_kwargs=True)
     for module in model.modules():
         setattr(module, PREPARED, True)
     return model

@@ -12,6 +12,7 @@ own documents) and padded batches (left, right or no padding, through shard_batc
 against the same eager model run on each document alone.
 """
 
+import io
 import time
 
 import pytest
@@ -399,6 +400,22 @@ def test_attn_implementation_selected_by_name(tmp_path):
                                               vocab_size=VOCAB, alibi=True)  # fmt: skip
     with pytest.raises(ValueError, match=r"FalconForCausalLM adds ALiBi position biases \(config.alibi=True\)"):
         hf.prepare(transformers.FalconForCausalLM(falcon_config))
+    # regression: heads with one output per sequence ran, each rank pooling its own shard (logits off by up to 2)
+    bert_config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=64, vocab_size=VOCAB)  # fmt: skip
+    with pytest.raises(ValueError, match=r"BertForSequenceClassification pools each sequence into one output, but"):
+        hf.prepare(transformers.BertForSequenceClassification(bert_config))
+    llama_head = transformers.LlamaForSequenceClassification(_tiny_llama(0, 64).config)
+    with pytest.raises(ValueError, match=r"LlamaForSequenceClassification pools each sequence into one output"):
+        hf.prepare(llama_head)
+    with pytest.raises(ValueError, match=r"BertModel has a pooler .* \(add_pooling_layer=False\), or run the"):
+        hf.prepare(transformers.BertModel(bert_config))
+    for per_token in (
+        transformers.BertModel(bert_config, add_pooling_layer=False),
+        transformers.BertForMaskedLM(bert_config),
+        transformers.BertForTokenClassification(bert_config),
+    ):
+        assert hf.prepare(per_token) is per_token  # fmt: skip
 
 
 def test_what_the_layer_passes_reaches_the_ring(monkeypatch):
@@ -463,6 +480,14 @@ def _calls_that_were_silently_wrong_raise(rank, world_size):
         # generate without a cache: each rank continued from its own last token (logits_to_keep=1)
         with pytest.raises(ValueError, match=r"logits_to_keep=1 keeps the last 1 of each rank's own tokens"):
             llama.generate(input_ids=ids, position_ids=pos, max_new_tokens=1, do_sample=False, use_cache=False)
+        with pytest.raises(ValueError, match=r"keeps the positions a tensor of them names of each rank's own tokens"):
+            llama(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=torch.tensor([0]))
+        # a prepared model pickles, its checks with it (regression: the hook was a closure, which pickle refused)
+        buffer = io.BytesIO()
+        torch.save(llama, buffer)
+        buffer.seek(0)
+        with pytest.raises(ValueError, match=f"attn_implementation='{name}' needs position_ids in every call"):
+            torch.load(buffer, weights_only=False)(input_ids=ids, use_cache=False)
         # every token on one rank, its positions sharded: RoPE's shape error before, naming nothing
         tokens = input_ids if dist.get_rank() == 1 else ids
         lengths = rf"input_ids \(or inputs_embeds\) hold {seqlen} tokens a row and position_ids {seqlen // world_size}"
