@@ -114,10 +114,12 @@ def kept_records(path: str | None, env: dict) -> list[dict]:
     """The records of the [env, *records] JSON at `path` that a run appending to it keeps (none if it does not
     exist). Raises ValueError when it was measured in another environment (its env record differs from `env`):
     one file holds one environment's measurements."""
+    if path is None:
+        return []
     try:
         with open(path) as f:
             old_env, *records = json.load(f)
-    except (FileNotFoundError, TypeError):  # no file, or no path
+    except FileNotFoundError:
         return []
     if old_env != env:
         raise ValueError(f"{path} was measured with another environment ({old_env}): write this run to a new file")

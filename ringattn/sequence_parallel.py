@@ -285,7 +285,7 @@ def cross_entropy_totals_op(stats, group_names, agree, ignore_index, grad_reduct
         groups = [place]
     else:
         place = Grid(*(_resolve_process_group(name) if name else None for name in group_names))
-        groups = [g for g in (place.ulysses, place.ring) if g is not None]
+        groups = place.groups
     fields = (ignore_index, grad_reduction, int(vocab))
     agree_on(agree, place, lambda: fields, CrossEntropySignature, GridCrossEntropySignature)
     totals = stats.clone()
@@ -352,7 +352,7 @@ def _sync_gradients(parameters, place, call: str) -> None:
         return len(params), zlib.crc32(layout)
 
     agree_on(call, place, checks, SyncGradientsSignature, GridSyncGradientsSignature)
-    groups = [g for g in (place.ulysses, place.ring) if g is not None] if isinstance(place, Grid) else [place]
+    groups = place.groups if isinstance(place, Grid) else [place]
     if not params:
         return
     grads = []

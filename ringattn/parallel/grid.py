@@ -47,6 +47,11 @@ class Grid:
     ring: dist.ProcessGroup | None
 
     @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The groups of more than this rank, Ulysses first: those a reduction over the grid runs on."""
+        return [g for g in (self.ulysses, self.ring) if g is not None]
+
+    @property
     def ulysses_rank(self) -> int:
         return 0 if self.ulysses is None else dist.get_rank(self.ulysses)
 
