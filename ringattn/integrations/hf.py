@@ -17,7 +17,7 @@
 2-D context parallelism (Ulysses x ring): register and shard with the same grid, a DeviceMesh with dimensions
 "ulysses" and "ring" or the two groups, and call the model as above:
 
-    mesh = init_device_mesh("cuda", (U, R), mesh_dim_names=("ulysses", "ring"))
+    mesh = init_device_mesh("cuda", (R, U), mesh_dim_names=("ring", "ulysses"))  # Ulysses groups inside a node
     hf.register(layout="zigzag", mesh=mesh)          # or ulysses_group=mesh["ulysses"], group=mesh["ring"]
     sp = ringattn.SequenceParallel(layout="zigzag", mesh=mesh)
 

@@ -6,7 +6,7 @@
     mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))  # dp rings of cp ranks, W = dp * cp
     sp = ringattn.SequenceParallel(mesh.get_group("cp"), layout="zigzag")  # or SequenceParallel(): one ring of all
     hf.register(layout=sp.layout, group=sp.group)
-    # 2-D: mesh = init_device_mesh("cuda", (dp, U, R), mesh_dim_names=("dp", "ulysses", "ring")), then
+    # 2-D: mesh = init_device_mesh("cuda", (dp, R, U), mesh_dim_names=("dp", "ring", "ulysses")), then
     # sp = ringattn.SequenceParallel(mesh=mesh) and hf.register(layout=sp.layout, mesh=mesh): dp grids of U x R ranks
     model = hf.prepare(model)
     RingTrainer(model=model, args=TrainingArguments(...), train_dataset=dataset, sp=sp).train()

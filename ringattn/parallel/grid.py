@@ -108,7 +108,7 @@ def grid_groups(ulysses_group: Group = None, ring_group_: Group = None, mesh: De
         if not all(name in names for name in MESH_DIMS):
             raise ValueError(
                 f"mesh must have dimensions named 'ulysses' and 'ring', got {names or 'unnamed dimensions'}: "
-                "init_device_mesh(device, (U, R), mesh_dim_names=('ulysses', 'ring'))"
+                "init_device_mesh(device, (R, U), mesh_dim_names=('ring', 'ulysses'))"
             )
         return Grid(_alone_if_single(mesh.get_group("ulysses")), _alone_if_single(mesh.get_group("ring")))
     ulysses = ring_group(ulysses_group, name="ulysses_group")

@@ -4,9 +4,10 @@
         --seqlen 1048576                         # every valid (U, R), fastest first, with the reason
     python3 -m ringattn.parallel.planner --doc   # the generated tables of docs/planning.md
 
-Pure Python (no torch): importable and testable anywhere. The model, its assumptions and how it compares with
-measured and published points are in docs/planning.md; in short, per attention layer and per rank, with
-W = U R ranks, each holding S / W tokens of a global sequence of S, B sequences, Hq query and Hkv K/V heads of D:
+Arithmetic only: it needs no GPU and no process group, and its own code uses no torch. The model, its assumptions
+and how it compares with measured and published points are in docs/planning.md; in short, per attention layer and
+per rank, with W = U R ranks, each holding S / W tokens of a global sequence of S, B sequences, Hq query and Hkv
+K/V heads of D:
 
 - compute: F = 4 B Hq S^2 D / W FLOPs forward (x 0.5 causal), the backward 2.5 F; forward at `fwd_tflops`, the
   backward at the rate that makes forward+backward (3.5 F) run at `fwd_bwd_tflops`.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from dataclasses import dataclass, fields, replace
 
@@ -126,13 +128,26 @@ def _check_positive(name: str, value, at_most: float | None = None) -> None:
         raise ValueError(f"{name} must be a finite number > 0{bound}, got {value!r}")
 
 
-def _check_arguments(world_size, gpus_per_node, nheads, nheads_k, headdim, seqlen, options: dict) -> None:
-    for name, value in (("world_size", world_size), ("gpus_per_node", gpus_per_node), ("nheads", nheads),
-                        ("nheads_k", nheads_k), ("headdim", headdim), ("seqlen", seqlen),
-                        ("batch", options["batch"]), ("dtype_bytes", options["dtype_bytes"])):  # fmt: skip
-        _check_int(name, value)
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_heads(nheads, nheads_k) -> None:
+    _check_int("nheads", nheads)
+    _check_int("nheads_k", nheads_k)
     if nheads % nheads_k:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
+
+
+def _check_arguments(world_size, gpus_per_node, nheads, nheads_k, headdim, seqlen, options: dict) -> None:
+    for name, value in (("world_size", world_size), ("gpus_per_node", gpus_per_node), ("headdim", headdim),
+                        ("seqlen", seqlen), ("batch", options["batch"]),
+                        ("dtype_bytes", options["dtype_bytes"])):  # fmt: skip
+        _check_int(name, value)
+    _check_heads(nheads, nheads_k)
+    for name in ("causal", "ulysses_across_nodes"):
+        _check_bool(name, options[name])
     if headdim % 8 or headdim > MAX_HEADDIM:
         raise ValueError(f"headdim must be a multiple of 8 from 8 to {MAX_HEADDIM}, got {headdim}")
     if seqlen < world_size:
@@ -171,9 +186,10 @@ def valid_splits(
     ulysses_across_nodes, each Ulysses group (U consecutive ranks) sits on one node. Sorted by U.
 
     Raises ValueError for a bad argument, naming it."""
-    for name, value in (("world_size", world_size), ("gpus_per_node", gpus_per_node), ("nheads", nheads),
-                        ("nheads_k", nheads_k)):  # fmt: skip
-        _check_int(name, value)
+    _check_int("world_size", world_size)
+    _check_int("gpus_per_node", gpus_per_node)
+    _check_heads(nheads, nheads_k)
+    _check_bool("ulysses_across_nodes", ulysses_across_nodes)
     splits = []
     for u in range(1, world_size + 1):
         if world_size % u or nheads % u or (nheads_k % u and u % nheads_k):
@@ -192,10 +208,11 @@ def ring_hiding_seqlen(
     `tflops`, takes as long as sending its K/V block, 2 n Hkv D dtype_bytes at `link_bytes_s` (latency left out):
     n* = dtype_bytes Hkv F / (2 Hq B_link), x 2 causal; with bf16 and no mask n* = F / (g B_link), g = Hq / Hkv.
     The head dimension and batch cancel."""
-    _check_int("nheads", nheads)
-    _check_int("nheads_k", nheads_k)
+    _check_heads(nheads, nheads_k)
     _check_positive("link_bytes_s", link_bytes_s)
     _check_positive("tflops", tflops)
+    _check_bool("causal", causal)
+    _check_int("dtype_bytes", dtype_bytes)
     return dtype_bytes * nheads_k * tflops * 1e12 / (2 * nheads * link_bytes_s) * (2.0 if causal else 1.0)
 
 
@@ -296,6 +313,12 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
+def _ring_reason(link: str, which: str, transfer: float, compute: float) -> str:
+    if transfer <= compute:
+        return f"ring transfer hidden over {link} ({_ms(transfer)} per {which}step under {_ms(compute)} of compute)"
+    return f"ring transfer exposed over {link} ({_ms(transfer)} per {which}step against {_ms(compute)} of compute)"
+
+
 def _with_reason(p: Plan) -> Plan:
     """p with its `why`: the ring's state (hidden or not, over which link), the all-to-all's link and share."""
     parts = []
@@ -303,14 +326,12 @@ def _with_reason(p: Plan) -> Plan:
         parts.append("one GPU: compute only")
     if p.r > 1:
         link = "NVLink" if p.ring_link == "nvlink" else "the network"
-        if p.ring_step_transfer_bwd_s <= p.ring_step_compute_bwd_s and p.ring_step_transfer_fwd_s <= (
-            p.ring_step_compute_fwd_s
-        ):
-            parts.append(f"ring transfer hidden over {link} ({_ms(p.ring_step_transfer_fwd_s)} per step under "
-                         f"{_ms(p.ring_step_compute_fwd_s)} of compute)")  # fmt: skip
+        fwd = (p.ring_step_transfer_fwd_s, p.ring_step_compute_fwd_s)
+        bwd = (p.ring_step_transfer_bwd_s, p.ring_step_compute_bwd_s)
+        if fwd[0] > fwd[1] or bwd[0] <= bwd[1]:  # the forward's step, unless the backward's alone is exposed
+            parts.append(_ring_reason(link, "", *fwd))
         else:
-            parts.append(f"ring transfer exposed over {link} ({_ms(p.ring_step_transfer_fwd_s)} per step against "
-                         f"{_ms(p.ring_step_compute_fwd_s)} of compute)")  # fmt: skip
+            parts.append(_ring_reason(link, "backward ", *bwd))
     if p.u > 1:
         where = "all-to-all crosses nodes" if p.a2a_link == "internode" else "all-to-all within the node"
         parts.append(f"{where} ({100 * (p.a2a_fwd_s + p.a2a_bwd_s) / p.fwd_bwd_s:.0f}% of the step)")
@@ -557,6 +578,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# plan()'s argument names as the command line spells them, for its error messages
+_FLAGS = {"world_size": "--world", "nheads": "--heads", "nheads_k": "--kv-heads", "headdim": "--head-dim",
+          "gpus_per_node": "--gpus-per-node", "seqlen": "--seqlen", "batch": "--batch", "dtype_bytes": "--dtype-bytes",
+          **{name: "--" + name.replace("_", "-") for name in DEFAULTS if name.endswith(("_s", "_us", "_efficiency",
+                                                                                        "_tflops"))}}  # fmt: skip
+
+
+def _as_flags(message: str) -> str:
+    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b", lambda m: _FLAGS[m.group(1)], message)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -568,11 +600,14 @@ def main(argv: list[str] | None = None) -> int:
         plans = plan(args.world, args.gpus_per_node, args.heads, args.kv_heads, args.head_dim, args.seqlen,
                      objective=args.objective, causal=not args.no_causal, **options)  # fmt: skip
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(_as_flags(str(exc)))
     print(f"W = {args.world} ({args.gpus_per_node} a node), Hq {args.heads}, Hkv {args.kv_heads}, D {args.head_dim}, "
           f"S {args.seqlen}, B {args.batch}, {'non-causal' if args.no_causal else 'causal'}; per attention layer, "
           f"fastest ({args.objective}) first:\n")  # fmt: skip
     print(markdown(plans))
+    best = plans[0]
+    print(f"\nThe grid of the first, each Ulysses group {best.u} consecutive ranks as costed: "
+          f'init_device_mesh(device, ({best.r}, {best.u}), mesh_dim_names=("ring", "ulysses"))')  # fmt: skip
     return 0
 
 

@@ -614,7 +614,7 @@ def _hf_grid_matches_eager(rank, world_size):
     import ringattn
     from ringattn.integrations import hf
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))  # as the docs build it
     u, r = mesh.get_local_rank("ulysses"), mesh.get_local_rank("ring")
     name = hf.register("ringattn-grid", layout="zigzag", ulysses_group=mesh["ulysses"], group=mesh["ring"])
     sp = ringattn.SequenceParallel(layout="zigzag", mesh=mesh)

@@ -128,7 +128,9 @@ def _grid_layer_matches_reference(rank, world_size):
     """2 x 2 (a mesh) and 4 x 1 (ulysses_group the world, no ring: pure Ulysses, K/V heads 2 < U = 4)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))  # as the docs build it
+    # "ulysses" last: each Ulysses group consecutive ranks, inside a node, as the planner costs it
+    assert torch.distributed.get_process_group_ranks(mesh.get_group("ulysses")) == [rank // 2 * 2, rank // 2 * 2 + 1]
     grids = {
         "U2xR2-mesh": (dict(mesh=mesh), (mesh.get_local_rank("ulysses"), 2, mesh.get_local_rank("ring"), 2)),
         "U4xR1-groups": (dict(ulysses_group=torch.distributed.group.WORLD), (rank, 4, 0, 1)),

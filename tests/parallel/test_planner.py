@@ -180,6 +180,14 @@ def test_the_last_dkdv_hop_is_exposed_even_when_the_ring_hides_its_steps():
         (lambda: cost(2, 0, 8, 32, 8, 128, 4096), "r"),
         (lambda: cost(16, 1, 8, 48, 12, 128, 4096), "u"),  # 16 neither divides 12 nor is a multiple of it
         (lambda: ring_hiding_seqlen(32, 8, 0, 600), "link_bytes_s"),
+        (lambda: ring_hiding_seqlen(32, 8, 1e11, 600, dtype_bytes=-2), "dtype_bytes"),
+        (lambda: ring_hiding_seqlen(8, 32, 1e11, 600), "nheads_k"),  # more K/V heads than query heads
+        (lambda: ring_hiding_seqlen(32, 8, 1e11, 600, causal="no"), "causal"),
+        (lambda: valid_splits(8, 8, 32, 3), "nheads_k"),  # 3 does not divide 32
+        (lambda: valid_splits(8, 8, 8, 32), "nheads_k"),
+        (lambda: valid_splits(8, 8, 32, 8, ulysses_across_nodes="yes"), "ulysses_across_nodes"),
+        (lambda: plan(8, 8, 32, 8, 128, 4096, causal="false"), "causal"),  # a string would have read as causal
+        (lambda: plan(8, 8, 32, 8, 128, 4096, ulysses_across_nodes=1), "ulysses_across_nodes"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_the_argument(call, name):
@@ -208,7 +216,38 @@ def test_command_line_prints_every_split_and_the_doc_tables(capsys):
     assert "| 1024 | 1024k | 1k | (8, 128) |" in out
     with pytest.raises(SystemExit):
         main(["--world", "8", "--heads", "5", "--kv-heads", "2"])
-    assert "nheads (5) must be a multiple of nheads_k (2)" in capsys.readouterr().err
+    assert "--heads (5) must be a multiple of --kv-heads (2)" in capsys.readouterr().err  # the flags' names
+    with pytest.raises(SystemExit):
+        main(["--world", "8", "--nvlink-gb-s", "-1"])
+    assert "--nvlink-gb-s must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_command_line_prints_the_mesh_that_builds_the_costed_grid(capsys):
+    """The planner costs each Ulysses group as U consecutive ranks: the mesh it prints has "ulysses" last, whose
+    groups init_device_mesh makes of consecutive ranks."""
+    assert main(["--world", "512", "--seqlen", "1048576"]) == 0
+    best = plan(512, 8, 32, 8, 128, 1048576)[0]
+    assert best.u > 1
+    mesh = f'init_device_mesh(device, ({best.r}, {best.u}), mesh_dim_names=("ring", "ulysses"))'
+    assert mesh in capsys.readouterr().out
+
+
+def test_why_names_the_backward_step_when_only_it_is_exposed():
+    """The backward's step also carries the fp32 dK/dV accumulator: between the two thresholds only it is exposed,
+    and `why` gives its numbers, not the hidden forward's."""
+    opts = dict(**NO_LATENCY, **LLAMA, fwd_bwd_tflops=550.0)
+    for seqlen in range(8 * 64, 8 * 65536, 8 * 16):
+        p = cost(1, 8, 8, seqlen=seqlen, **opts)
+        if p.ring_step_transfer_fwd_s <= p.ring_step_compute_fwd_s and (
+            p.ring_step_transfer_bwd_s > p.ring_step_compute_bwd_s
+        ):
+            break
+    else:
+        pytest.fail("no length exposes the backward's step alone")
+    assert "exposed" in p.why and "per backward step" in p.why
+    assert (
+        f"{p.ring_step_transfer_bwd_s * 1e3:.3g} ms" in p.why and f"{p.ring_step_compute_bwd_s * 1e3:.3g} ms" in p.why
+    )
 
 
 def test_the_module_needs_neither_torch_nor_the_package():
