@@ -4,8 +4,11 @@ import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import ringattn
+from ringattn.kernels.portable.attn_bwd import _stats_plane
 from ringattn.ops import (
     FwdCall,
     LaunchConfig,
@@ -175,6 +178,21 @@ def test_rows_that_see_no_key_give_zeros_not_nan():
         assert torch.isfinite(t).all()
     assert (out[:, :50] == 0).all() and (q.grad[:, :50] == 0).all()
     assert (lse[:, :, :50] == float("-inf")).all() and torch.isfinite(lse[:, :, 50:]).all()
+
+
+@triton.jit
+def _stats_plane_kernel(Out, stride_stat):
+    tl.store(Out + tl.arange(0, 4), _stats_plane(stride_stat, 2) + tl.arange(0, 4))
+
+
+def test_row_stats_planes_are_reached_in_64_bits():
+    """The backward's row stats are 3 planes of B Hq Sq rows: from 2^30 rows on, plane 2 (delta) lies past 2^31
+    elements, where a 32-bit offset wraps negative (a GPU of 141 GB holds such stats at small head dims). The
+    kernels' offset, computed as they compute it (a stride under 2^31 arrives as a 32-bit int)."""
+    out = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    stride = 2**30 + 5
+    _stats_plane_kernel[(1,)](out, stride)
+    assert out.tolist() == [2 * stride + i for i in range(4)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

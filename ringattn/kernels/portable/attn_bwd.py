@@ -32,6 +32,13 @@ from .common import (
 )
 
 
+@triton.jit
+def _stats_plane(stride_stat, plane: tl.constexpr):
+    """The offset of row-stats plane `plane` (0 lse2_hi, 1 lse2_lo, 2 delta), planes stride_stat elements apart, in
+    64 bits: triton passes a stride under 2^31 in 32, which would wrap at plane 2 from B Hq Sq = 2^30 on."""
+    return plane * stride_stat.to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["seqlen_q", "stride_stat"])  # one compile for every length
 def _attn_bwd_preprocess_kernel(
     Out, DOut, Lse, Stats,
@@ -60,8 +67,8 @@ def _attn_bwd_preprocess_kernel(
     hi = lse2.to(tl.float32)
     lo = tl.where(lse2 == float("-inf"), 0.0, (lse2 - hi.to(tl.float64)).to(tl.float32))
     tl.store(Stats + row, tl.where(lse2 == float("-inf"), float("inf"), hi), mask=mask_m)
-    tl.store(Stats + stride_stat + row, lo, mask=mask_m)
-    tl.store(Stats + 2 * stride_stat + row, delta, mask=mask_m)
+    tl.store(Stats + _stats_plane(stride_stat, 1) + row, lo, mask=mask_m)
+    tl.store(Stats + _stats_plane(stride_stat, 2) + row, delta, mask=mask_m)
 
 
 @triton.jit
@@ -71,10 +78,10 @@ def _load_row_stats(stats_base, stride_stat, offs_m, seqlen_q, LSE_LO: tl.conste
     mask_m = offs_m < seqlen_q
     lse2_hi = tl.load(stats_base + offs_m, mask=mask_m, other=float("inf"))
     if LSE_LO:
-        lse2_lo = tl.load(stats_base + stride_stat + offs_m, mask=mask_m, other=0.0)
+        lse2_lo = tl.load(stats_base + _stats_plane(stride_stat, 1) + offs_m, mask=mask_m, other=0.0)
     else:
         lse2_lo = tl.zeros_like(lse2_hi)
-    delta = tl.load(stats_base + 2 * stride_stat + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(stats_base + _stats_plane(stride_stat, 2) + offs_m, mask=mask_m, other=0.0)
     return lse2_hi, lse2_lo, delta
 
 

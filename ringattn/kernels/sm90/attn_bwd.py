@@ -24,6 +24,8 @@ where they are taken.
 import triton
 import triton.language as tl
 
+from ..portable.attn_bwd import _stats_plane
+
 
 @triton.jit
 def _rows_descriptor(base, seqlen, stride_s, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
@@ -60,11 +62,11 @@ def _ws_stats_descriptors(Stats, start, stride_plane, num_heads_q, seqlen_q, BLO
     if GROUPED:
         hi = tl.make_tensor_descriptor(Stats + start, shape=[num_heads_q, seqlen_q], strides=[seqlen_q, 1],
                                        block_shape=[1, BLOCK_M])
-        delta = tl.make_tensor_descriptor(Stats + 2 * stride_plane + start, shape=[num_heads_q, seqlen_q],
+        delta = tl.make_tensor_descriptor(Stats + _stats_plane(stride_plane, 2) + start, shape=[num_heads_q, seqlen_q],
                                           strides=[seqlen_q, 1], block_shape=[1, BLOCK_M])
     else:
         hi = tl.make_tensor_descriptor(Stats + start, shape=[seqlen_q], strides=[1], block_shape=[BLOCK_M])
-        delta = tl.make_tensor_descriptor(Stats + 2 * stride_plane + start, shape=[seqlen_q], strides=[1],
+        delta = tl.make_tensor_descriptor(Stats + _stats_plane(stride_plane, 2) + start, shape=[seqlen_q], strides=[1],
                                           block_shape=[BLOCK_M])
     return hi, delta
 
