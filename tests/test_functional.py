@@ -76,6 +76,7 @@ CASES = [
     Case("scale-negative", dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive finite number"),
     Case("scale-nan", dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be a positive finite number"),
     Case("scale-string", dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a number or None, got str"),
+    Case("scale-huge-int", dict(softmax_scale=10**400), ValueError, "softmax_scale must be a positive finite number"),
     Case("scale-over-softcap", dict(softmax_scale=1e20, softcap=1e-20), ValueError,
          "softmax_scale / softcap must be from"),
     Case("scale-requires-grad", dict(softmax_scale=torch.tensor(0.3, requires_grad=True)), TypeError,

@@ -116,7 +116,7 @@ def check_kernel_device(t: torch.Tensor) -> None:
 
 def _as_float(value, name: str, expected: str) -> float:
     """A real-number argument as a float: anything float() takes (a Python or numpy number, a one-element tensor)
-    but a bool or a string.
+    but a bool or a string; an int past float's range as +-inf.
 
     Raises:
         TypeError: anything else, naming `name` and what it must be (`expected`); a tensor that requires grad (no
@@ -130,6 +130,8 @@ def _as_float(value, name: str, expected: str) -> float:
         if isinstance(value, bool | str | bytes):
             raise TypeError
         return float(value)
+    except OverflowError:  # an int past float's range: a number, which the caller's range check then refuses
+        return math.inf if value > 0 else -math.inf
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__}") from None
 

@@ -142,6 +142,7 @@ def _q():
         (dict(softcap=-1.0), ValueError, "softcap must be 0 .none. or a positive finite number, got -1.0"),
         (dict(softcap=float("inf")), ValueError, "softcap must be 0 .none. or a positive finite number"),
         (dict(softcap="30"), TypeError, "softcap must be a number"),
+        (dict(softcap=10**400), ValueError, "softcap must be 0 .none. or a positive finite number"),  # past float
         (dict(softcap=torch.tensor(2.0, requires_grad=True)), TypeError, "softcap must not require grad"),
         # each in range, their ratio not: inf in float32 (a score of 0 capped NaN), or subnormal
         (dict(softmax_scale=1e20, softcap=1e-20), ValueError, r"softmax_scale / softcap must be from .*got 1e\+40"),
