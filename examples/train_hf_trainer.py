@@ -39,6 +39,7 @@ import ringattn  # noqa: E402
 from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log  # noqa: E402
 from ringattn.integrations import hf  # noqa: E402
 from ringattn.integrations.trainer import RingTrainer  # noqa: E402
+from ringattn.ops.validation import MAX_HEAD_DIM  # noqa: E402
 
 
 def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
@@ -73,8 +74,10 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
         problems.append("--seqlen must be at least 4, --vocab at least 3, --batch, --samples and --steps at least 1")
     if min(args.dim, args.layers, args.heads, args.kv_heads) < 1:
         problems.append("--dim, --layers, --heads and --kv-heads must be positive")
-    elif args.dim % args.heads or (args.dim // args.heads) % 8 or args.heads % args.kv_heads:
-        problems.append("--dim / --heads must be a multiple of 8 and --heads a multiple of --kv-heads")
+    elif args.dim % args.heads or (args.dim // args.heads) % 8 or args.dim // args.heads > MAX_HEAD_DIM:
+        problems.append(f"--dim / --heads must be a multiple of 8 from 8 to {MAX_HEAD_DIM} (the kernels' head dims)")
+    elif args.heads % args.kv_heads:
+        problems.append("--heads must be a multiple of --kv-heads")
     exit_on_bad_arguments(p, problems)
     return args
 

@@ -13,12 +13,14 @@
 #   python3 -m venv .venv && . .venv/bin/activate && bash launch/setup.sh
 #
 # A machine that already has torch (a CUDA build on a GPU machine, say) keeps it; one that
-# has none gets torch==2.13.0, the CPU build this project is tested with.
+# has none gets torch==2.13.0 from pip's index (on Linux PyPI serves its CUDA build; for the CPU
+# build this project is tested with, install torch from https://download.pytorch.org/whl/cpu first).
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 extras=""
+if (($# > 1)); then echo "usage: bash launch/setup.sh [--test]" >&2; exit 2; fi
 case "${1:-}" in
   "") ;;
   --test) extras="[test,hf]" ;;

@@ -90,7 +90,7 @@ run=(python3 -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="
 log_ranks="${LOG_RANKS:-0}"
 log_dir=""
 if [[ "$log_ranks" != all && "$nproc" -gt 1 ]]; then
-  if ! [[ "$log_ranks" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  if ! [[ "$log_ranks" =~ ^(0|[1-9][0-9]*)(,(0|[1-9][0-9]*))*$ ]]; then  # no leading zeros: ranks match as text
     echo "torchrun.sh: LOG_RANKS must be 'all' or a comma-separated list of local ranks, got '$log_ranks'" >&2
     exit 2
   fi

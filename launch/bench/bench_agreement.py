@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ringattn.benchmark import device_tag, env_record, kept_records, markdown_table, write_json
-from ringattn.distributed import destroy, init_distributed, log
+from ringattn.distributed import destroy, exit_on_bad_arguments, init_distributed, log
 from ringattn.parallel.agreement import AGREEMENT_ENV, RingSignature, check_agreement, cpu_channel, encode_header
 
 SIGNATURE = RingSignature(1, 4096, 32, 8, 128, torch.bfloat16, True, 128**-0.5, "zigzag", "q,k,v")
@@ -42,7 +42,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=200, help="calls per round")
     parser.add_argument("--rounds", type=int, default=7, help="rounds; the median is kept")
     parser.add_argument("--out", default=None, help="JSON output (default docs/benchmarks/agreement_{device}.json)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    exit_on_bad_arguments(parser, [f"--{name} must be >= 1" for name in ("calls", "rounds") if getattr(args, name) < 1])
+    return args
 
 
 def time_per_call_us(call, args, channel, device) -> float:

@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.block_seqlens) < 1 or args.heads < 1 or args.kv_heads < 1:
         problems.append("--block-seqlens, --heads and --kv-heads must be >= 1")
     problems += head_dim_problems(args.head_dim)
-    if args.heads % args.kv_heads:
+    if args.kv_heads >= 1 and args.heads % args.kv_heads:
         problems.append(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     for u in args.ulysses:
         if u < 1 or args.heads % u or (args.kv_heads % u and u % args.kv_heads):

@@ -5,10 +5,11 @@ The table (bench_kernel.markdown_table) is the one docs/performance.md shows.
     PYTHONPATH=. python3 launch/bench/plot_kernel_bench.py                                  # kernel_h200.json
     PYTHONPATH=. python3 launch/bench/plot_kernel_bench.py --json /tmp/k.json --out-dir /tmp
 
-Reads {"environment", "records", "errors"} (bench_kernel.py's docstring). One PNG per (D, Hkv), named after the
-JSON (docs/benchmarks/kernel_h200_d128_hkv32.png, ...), written beside it unless --out-dir says otherwise;
-subplots per (causal, mode). Curves hold the grid's cells (B * S = the environment's tokens); a cell of another
-size (bench_kernel.py --long) is in the table only. The errors are listed after the table.
+Reads {"environment", "records", "errors"} (bench_kernel.py's docstring). One PNG per (D, Hkv) measured at two or
+more S (a single S draws no curve, and the script says so), named after the JSON
+(docs/benchmarks/kernel_h200_d128_hkv32.png, ...), written beside it unless --out-dir says otherwise; subplots per
+(causal, mode). Curves hold the grid's cells (B * S = the environment's tokens); a cell of another size
+(bench_kernel.py --long) is in the table only. The errors are listed after the table.
 """
 
 import argparse
@@ -69,8 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     title = f"{env['gpu']}, {env['dtype']}, H = {env.get('heads', records[0]['H'] if records else '?')}"
     out_dir = args.out_dir or args.json.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    for path in plot(grid, title, out_dir / args.json.stem):
+    paths = plot(grid, title, out_dir / args.json.stem)
+    for path in paths:
         print(f"wrote {path}")
+    if len(paths) < len({(r["D"], r["Hkv"]) for r in grid}):
+        print("no figure for a (D, Hkv) measured at a single S")
     print()
     for command in env.get("commands", []):
         print(f"`bench_kernel.py {command}`")

@@ -9,8 +9,9 @@ profile (the first compiles it).
 
 bf16 q, k, v, dout (B, S, H, D) with B x S = --tokens (defaults: S = 16384, H = Hkv = 32, D = 128, causal) by
 ringattn.flash_attn_func or FlashAttention-4's flash_attn_func (where flash_attn.cute imports: ../shared/tools/
-fa4_carry.sh carries it to a machine without network). Without a GPU, fp32 on the CPU (a dry run: ringattn's
-kernels under TRITON_INTERPRET=1).
+fa4_carry.sh carries it to a machine without network). Without a GPU, --tiny runs tiny fp32 shapes on the CPU (a
+dry run: `TRITON_INTERPRET=1 python3 launch/bench/profile_backward.py --tiny`); the GPU's sizes there are a usage
+error.
 """
 
 import argparse
@@ -18,6 +19,9 @@ import argparse
 import torch
 
 import ringattn
+from ringattn.benchmark import parse_with_tiny
+
+TINY = dict(seqlen=24, tokens=48, heads=4, kv_heads=2, head_dim=16)
 
 
 def main() -> None:
@@ -29,7 +33,10 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--no-causal", dest="causal", action="store_false")
-    args = parser.parse_args()
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes: the CPU dry run")
+    args = parse_with_tiny(parser, TINY)
+    if not torch.cuda.is_available() and not args.tiny:
+        parser.error("without a GPU, pass --tiny (a dry run of tiny fp32 shapes under TRITON_INTERPRET=1)")
     if args.provider == "fa4":
         from flash_attn.cute import flash_attn_func
 

@@ -82,7 +82,7 @@ def parse_args(on_gpu: bool) -> argparse.Namespace:
     summary = "docs/benchmarks/ring_overlap_profile" + ("" if on_gpu else "_cpu") + ".json"
     p.add_argument("--summary", type=Path, default=Path(summary), help="JSON summary")
     args = p.parse_args()
-    args.kv_heads = args.kv_heads or args.heads
+    args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     problems = []
     if args.seqlen_local <= 0 or (args.layout == "zigzag" and args.seqlen_local % 2):
         problems.append("--seqlen-local must be positive (and even for zigzag)")

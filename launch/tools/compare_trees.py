@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("compare_trees.py times CUDA kernels: no GPU here")
+        parser.error("it times CUDA kernels: no GPU here")
     cells = _cells(args.head_dims, args.seqlens, args.softcaps)
     records = []
     for round_ in range(args.repeats):

@@ -67,6 +67,9 @@ def test_all_ranks_shown_and_bad_settings_refused(tmp_path):
     assert proc.stdout.count("rank 0 says hello") == 1 and proc.stdout.count("rank 1 says hello") == 1
     for bad, message in (({"NPROC": "0"}, "NPROC must be a positive integer"), ({"DEVICE": "tpu"}, "DEVICE must"),
                          ({"LOG_RANKS": "0,5"}, "LOG_RANKS lists local rank 5, but NPROC=2 ranks run"),
+                         # a leading zero matched no rank (every rank hidden, status 0), "08" was bash's octal error
+                         ({"LOG_RANKS": "01"}, "LOG_RANKS must be 'all' or a comma-separated list"),
+                         ({"LOG_RANKS": "08"}, "LOG_RANKS must be 'all' or a comma-separated list"),
                          # regression: coreutils' error (status 125), pointing at an empty log directory
                          ({"TIMEOUT": "abc"}, "TIMEOUT must be a positive duration"),
                          ({"TIMEOUT": "-1"}, "TIMEOUT must be a positive duration")):  # fmt: skip

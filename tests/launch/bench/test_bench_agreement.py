@@ -48,3 +48,10 @@ def test_records_per_provider_keeping_other_world_sizes(tmp_path):
     proc = _run(tmp_path, out)
     assert proc.returncode != 0 and "was measured with another environment" in proc.stderr, proc.stderr
     assert json.loads(out.read_text()) == [dict(same, rounds=7), other]
+
+
+@pytest.mark.parametrize("flag", ["--calls", "--rounds"])
+def test_no_calls_or_rounds_is_a_usage_error(flag):
+    proc = subprocess.run([sys.executable, "launch/bench/bench_agreement.py", flag, "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and f"{flag} must be >= 1" in proc.stderr

@@ -61,3 +61,10 @@ def test_bad_arguments_refused_on_every_rank_with_the_usage_once(tmp_path):
     assert 1 <= proc.stderr.count("--head-dim must be a multiple of 8 from 8 to 256, got 12") <= 2, proc.stderr
     assert proc.stderr.count("usage: bench_comm.py") <= 1, proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_zero_kv_heads_is_a_usage_error_not_a_division():
+    proc = subprocess.run([sys.executable, "launch/bench/bench_comm.py", "--kv-heads", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--kv-heads must be >= 1" in proc.stderr
+    assert "ZeroDivisionError" not in proc.stderr

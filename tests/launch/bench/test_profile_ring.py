@@ -119,6 +119,13 @@ def test_script_on_cpu_ranks_writes_traces_and_summary(tmp_path):
     assert "| rank | comm ms | compute ms | overlap ms |" in proc.stdout
 
 
+def test_zero_kv_heads_is_refused_not_read_as_the_default(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["profile_ring.py", "--kv-heads", "0"])
+    with pytest.raises(SystemExit):
+        pr.parse_args(on_gpu=False)
+    assert "must be a positive multiple of --kv-heads 0" in capsys.readouterr().err
+
+
 def test_head_dims_the_kernels_do_not_take_are_refused_by_name(capsys, monkeypatch):
     """Regression: --head-dim 12 reached the kernels on every rank; it is a usage error naming the argument now."""
     monkeypatch.setattr(sys, "argv", ["profile_ring.py", "--head-dim", "12"])
