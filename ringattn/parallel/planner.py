@@ -579,10 +579,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # plan()'s argument names as the command line spells them, for its error messages
-_FLAGS = {"world_size": "--world", "nheads": "--heads", "nheads_k": "--kv-heads", "headdim": "--head-dim",
-          "gpus_per_node": "--gpus-per-node", "seqlen": "--seqlen", "batch": "--batch", "dtype_bytes": "--dtype-bytes",
-          **{name: "--" + name.replace("_", "-") for name in DEFAULTS if name.endswith(("_s", "_us", "_efficiency",
-                                                                                        "_tflops"))}}  # fmt: skip
+_FLAGS = {
+    "world_size": "--world",
+    "gpus_per_node": "--gpus-per-node",
+    "nheads": "--heads",
+    "nheads_k": "--kv-heads",
+    "headdim": "--head-dim",
+    "seqlen": "--seqlen",
+    **{name: "--" + name.replace("_", "-") for name in DEFAULTS},
+}
 
 
 def _as_flags(message: str) -> str:
