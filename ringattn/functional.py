@@ -181,6 +181,7 @@ def flash_attn_func(
             return_lse that is not a bool; dropout_p, alibi_slopes or return_attn_probs other than their no-op values.
         RuntimeError: CPU tensors without TRITON_INTERPRET=1; in the backward, create_graph=True (no double
             backward).
+        NotImplementedError: an input with a forward-mode AD tangent (torch.func.jvp): reverse mode only.
     Meta tensors give meta outputs (and gradients) of these shapes, computing nothing: the custom ops' fake
     implementations, which torch.compile traces with.
     """

@@ -370,3 +370,36 @@ def test_flash_attn_fwd_op_passes_opcheck():
     for doc_ids, learnable_sink in ((None, sink), (ids, sink), (None, None)):
         args = (q, k, v, learnable_sink, 0.25, True, None, None, 0.0, False, doc_ids, doc_ids)
         torch.library.opcheck(flash_attn_fwd_op, args, test_utils=checks)
+
+
+def test_forward_mode_ad_is_refused_not_a_zero_derivative(ring_of_two_without_communication):
+    """Regression: torch.func.jvp through the attention functions returned a tangent of exactly 0 (the custom ops
+    drop tangents), torch.autograd.forward_ad none; a tangent on q, k, v or the sink is refused now, in the ring
+    before any communication (so on every rank alike)."""
+    from torch.autograd import forward_ad
+
+    q, k, v, dout = make_qkv(1, 8, 8, 4, 2, 32, DTYPE, seed=3)
+    sink = torch.zeros(4, device=DEVICE)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    calls = {  # q, k, v, sink -> out
+        "flash_attn_func": lambda q, k, v, sink: ringattn.flash_attn_func(q, k, v, learnable_sink=sink),
+        "flash_attn_varlen_func": lambda q, k, v, sink: ringattn.flash_attn_varlen_func(
+            q[0], k[0], v[0], cu, cu, 5, 5, learnable_sink=sink
+        ),
+        "ring_attn_func": lambda q, k, v, sink: ringattn.ring_attn_func(
+            q, k, v, layout="contiguous", learnable_sink=sink
+        ),
+    }
+    match = "carries a forward-mode AD tangent"
+    for call in calls.values():
+        with pytest.raises(NotImplementedError, match=f"q {match}"):
+            torch.func.jvp(lambda q: call(q, k, v, None), (q,), (dout,))  # noqa: B023 (called at once)
+        with forward_ad.dual_level():
+            for i, arg in enumerate(("k", "v", "learnable_sink")):
+                args = [q, k, v, sink]
+                args[i + 1] = forward_ad.make_dual(args[i + 1], torch.ones_like(args[i + 1]))
+                with pytest.raises(NotImplementedError, match=f"{arg} {match}"):
+                    call(*args)
+    # vmap, which carries no tangent, still runs: each batch row as its own call
+    rows = torch.func.vmap(lambda q: ringattn.flash_attn_func(q[None], k[0:1], v[0:1])[0])(q.expand(2, -1, -1, -1))
+    assert torch.equal(rows[0], ringattn.flash_attn_func(q, k, v)[0])

@@ -17,6 +17,16 @@ MAX_GRID_DIM = 65535  # batch and heads are CUDA grid dimensions 2 and 1
 LSE_DTYPE = torch.float64  # the ops' lse, and the running state's: P = exp(s - lse) needs its digits at large |lse|
 
 
+def check_no_tangent(t: torch.Tensor, name: str) -> None:
+    """Raise NotImplementedError where t carries a forward-mode tangent (torch.func.jvp, torch.autograd.forward_ad):
+    ringattn computes no tangents, and its custom ops would drop them, a derivative of zero without a word."""
+    if not torch.compiler.is_compiling() and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+        raise NotImplementedError(
+            f"{name} carries a forward-mode AD tangent (torch.func.jvp, torch.autograd.forward_ad): ringattn has no "
+            "forward-mode derivative; use reverse mode (backward, torch.autograd.grad)"
+        )
+
+
 def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Check q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D) for the attention ops.
 
@@ -25,10 +35,12 @@ def check_attn_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
             fp16/bf16/fp32, or dtypes that differ.
         ValueError: wrong ranks, mismatched batch/length/head/dim sizes, Hq not divisible by Hkv,
             an empty sequence, a head dim that is not a multiple of 8 up to 256, or devices that differ.
+        NotImplementedError: a forward-mode AD tangent on q, k or v (check_no_tangent).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_no_tangent(t, name)
         if t.layout != torch.strided:
             raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dim() != 4:
@@ -280,11 +292,13 @@ def check_sink(sink, q: torch.Tensor) -> torch.Tensor | None:
     Raises:
         TypeError: not a floating tensor.
         ValueError: another shape or device.
+        NotImplementedError: a forward-mode AD tangent (check_no_tangent).
     """
     if sink is None:
         return None
     if not isinstance(sink, torch.Tensor) or not sink.is_floating_point():
         raise TypeError(f"learnable_sink must be a floating tensor or None, got {getattr(sink, 'dtype', type(sink))}")
+    check_no_tangent(sink, "learnable_sink")
     if tuple(sink.shape) != (q.shape[2],):
         raise ValueError(f"learnable_sink must have shape ({q.shape[2]},) (one logit per query head), got "
                          f"{tuple(sink.shape)}")  # fmt: skip

@@ -42,7 +42,8 @@ FIELD_SLOTS = HEADER_LEN - 4 - NAME_SLOTS  # after magic, version, the name, the
 MAX_DIMS = 16  # a shape field: its number of dims, then up to MAX_DIMS sizes
 TEXT_SLOTS = 2  # a str field (a layout): up to 16 bytes of UTF-8
 MAX_MESSAGE_BYTES = 4096
-REFUSALS = (ValueError, TypeError, RuntimeError)  # what local checks raise; every rank raises the same type
+REFUSALS = (ValueError, TypeError, NotImplementedError, RuntimeError)  # what local checks raise (a subclass before
+# its base); every rank raises the same type
 Shape = tuple[int, ...]
 
 
