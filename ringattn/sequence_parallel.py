@@ -63,7 +63,7 @@ from .parallel.grid import (
     grid_arguments,
     shared_grid_refusals,
 )
-from .parallel.groups import Group, ring_group
+from .parallel.groups import Group, copy_sharing_groups, ring_group
 from .parallel.layout import (
     check_layout,
     check_pad_value,
@@ -445,10 +445,23 @@ class SequenceParallel:
         self.layout = layout
         if ulysses_group is None and mesh is None:
             self.group, self.ulysses_group, self.grid = ring_group(group), None, None
-            self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         else:
             self.grid, self.ulysses_group, self.group = grid_arguments(ulysses_group, group, mesh)
-            self.rank, self.world_size = self.grid.rank, self.grid.size
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group, or in the grid (ring rank x U + Ulysses rank); read at each use, as
+        the ring functions read theirs (the world after a new dist.init_process_group, with group None)."""
+        return dist.get_rank(self.group) if self.grid is None else self.grid.rank
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the group, or of the grid (U R)."""
+        return dist.get_world_size(self.group) if self.grid is None else self.grid.size
+
+    def __deepcopy__(self, memo: dict) -> "SequenceParallel":
+        """A copy sharing the process groups (which cannot be copied), as a model's copy that holds it needs."""
+        return copy_sharing_groups(self, memo, (self.group, self.ulysses_group))
 
     def __repr__(self) -> str:
         grid = "" if self.grid is None else f", ulysses_size={self.grid.ulysses_size}, ring_size={self.grid.ring_size}"

@@ -1,8 +1,6 @@
 """`RingAttention`: ring_attn_func (or, over a Ulysses x ring grid, ulysses_ring_attn_func) as a module, for models
 that hold their attention as a layer."""
 
-import copy
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -11,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..functional import ring_attn_func, ring_attn_varlen_func
 from ..ops.validation import check_flag, check_flash_attn_options, check_softmax_scale
 from ..parallel.grid import grid_arguments
-from ..parallel.groups import Group, ring_group
+from ..parallel.groups import Group, copy_sharing_groups, ring_group
 from ..parallel.layout import check_layout
 from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
 
@@ -116,13 +114,7 @@ class RingAttention(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> "RingAttention":
         """A copy sharing the process groups (which cannot be copied), as an EMA or reference model's copy needs."""
-        for g in (self.group, self.ulysses_group):
-            if g is not None:
-                memo[id(g)] = g
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
+        return copy_sharing_groups(self, memo, (self.group, self.ulysses_group))
 
     def extra_repr(self) -> str:
         if self.group is None:

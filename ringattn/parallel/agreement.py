@@ -448,8 +448,9 @@ def cpu_channel(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, lis
     they are the same).
 
     The group itself when its backend carries CPU tensors (gloo, or "cpu:gloo,cuda:nccl"); otherwise (NCCL) a gloo
-    group of the same ranks, created at the first call on the group (only its ranks take part,
-    use_local_synchronization) and shared by the groups of the same ranks: no GPU work, no wait for the stream.
+    group of the same ranks, created at the first call on the group (only its ranks take part: _gloo_twin, whose one
+    all_gather on the group is the only GPU work) and shared by the groups of the same ranks: no wait for the stream
+    at the calls after.
     """
     group = group if group is not None else dist.group.WORLD
     found = _channels.get(group)
@@ -461,11 +462,27 @@ def cpu_channel(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, lis
             twin_ranks = tuple(sorted(ranks))
             twins = _twins.setdefault(dist.group.WORLD, {})
             if twin_ranks not in twins:
-                twins[twin_ranks] = dist.new_group(list(twin_ranks), backend="gloo", use_local_synchronization=True)
+                twins[twin_ranks] = _gloo_twin(group, twin_ranks)
             order = [twin_ranks.index(r) for r in ranks]
             found = (twins[twin_ranks], None if order == list(range(len(order))) else order)
         _channels[group] = found
     return group if found[0] is None else found[0], found[1]
+
+
+def _gloo_twin(group: dist.ProcessGroup, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A gloo group of `ranks` (group's, sorted), made by those ranks alone (use_local_synchronization). torch names
+    such a group by its ranks and the number of groups this process belongs to, which differs between ranks that
+    belong to different other groups (a subgroup of some ranks only): the names would differ, and the group's
+    rendezvous never complete. So the ranks first agree on that number over `group` itself (one all_gather, on the
+    GPU for NCCL) and bring theirs up to the largest with groups of their own rank alone."""
+    registered = dist.distributed_c10d._world.pg_names  # what torch's name counts
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mine = torch.tensor([len(registered)], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(counts, mine, group=group)
+    while len(registered) < max(int(c) for c in counts):
+        dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+    return dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
 
 
 def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float, what: str) -> torch.Tensor:

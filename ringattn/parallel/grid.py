@@ -34,7 +34,7 @@ from .agreement import (
 )
 from .agreement import shared_refusals as _shared_refusals
 from .comm import CommunicationError, p2p_timeout_s, wait_all
-from .groups import Group, ring_group
+from .groups import Group, check_live, ring_group
 
 MESH_DIMS = ("ulysses", "ring")  # the dimension names a 2-D DeviceMesh must have
 
@@ -110,7 +110,8 @@ def grid_groups(ulysses_group: Group = None, ring_group_: Group = None, mesh: De
                 f"mesh must have dimensions named 'ulysses' and 'ring', got {names or 'unnamed dimensions'}: "
                 "init_device_mesh(device, (R, U), mesh_dim_names=('ring', 'ulysses'))"
             )
-        return Grid(_alone_if_single(mesh.get_group("ulysses")), _alone_if_single(mesh.get_group("ring")))
+        ulysses, ring = (check_live(mesh.get_group(dim), f"mesh[{dim!r}]") for dim in ("ulysses", "ring"))
+        return Grid(_alone_if_single(ulysses), _alone_if_single(ring))
     ulysses = ring_group(ulysses_group, name="ulysses_group")
     ring = ring_group(ring_group_, name="ring_group")
     if ulysses_group is None:

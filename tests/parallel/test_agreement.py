@@ -410,6 +410,25 @@ def _exchange_on_a_twin(rank, world_size):
     return created, real_backend(channel), order, str(err.value)
 
 
+def _twin_beside_a_subgroup(rank, world_size):
+    dist.new_group([0, 1])  # every process makes it; ranks 0 and 1 then belong to one group more than rank 2
+    world, real_backend = dist.group.WORLD, dist.get_backend
+    dist.get_backend = lambda g=None: "nccl" if g is None or g is world else real_backend(g)
+    try:
+        start = time.monotonic()
+        check_agreement("unshard", SHARD, None)
+        return time.monotonic() - start
+    finally:
+        dist.get_backend = real_backend
+
+
+def test_the_twin_is_made_where_ranks_belong_to_different_groups():
+    """Regression: torch names the twin (a group made by its ranks alone) by its ranks and the number of groups the
+    process belongs to; with a subgroup of ranks 0 and 1 in a world of 3, rank 2 named the world's twin otherwise
+    and the first exchange of an NCCL job waited for ever. The ranks agree on that number first now."""
+    assert all(elapsed < 30 for elapsed in run_ranks(_twin_beside_a_subgroup, 3, timeout=60))
+
+
 def test_a_group_without_cpu_tensors_exchanges_on_a_gloo_twin():
     """A group whose backend carries no CPU tensors (NCCL) exchanges its headers on a gloo group of the same ranks,
     created once, with only those ranks taking part: no GPU work and no wait for the stream. The headers come back in

@@ -84,6 +84,7 @@ def _mesh_dimension_as_the_group(rank, world_size):
     assert twin.group is layer.group and torch.equal(twin(*shards), out)
     sp = ringattn.SequenceParallel(group=cp)
     assert (sp.rank, sp.world_size) == (rank % 2, 2) and torch.equal(sp.gather(out), ringattn.unshard(out, group=cp))
+    assert copy.deepcopy(sp).group is sp.group  # regression: "cannot pickle ProcessGroup", as the layer's was
     assert torch.equal(ringattn.position_ids(32, group=cp), ringattn.position_ids(32, group=group))
     with pytest.raises(ValueError, match=r"group must be a 1-D DeviceMesh, got one of 2 dimensions \('dp', 'cp'\)"):
         ringattn.ring_attn_func(*shards, group=mesh, layout="contiguous")
@@ -105,3 +106,26 @@ def test_a_device_mesh_dimension_is_taken_wherever_a_group_is():
     """mesh["cp"] of a (dp, cp) mesh as the group of shard, unshard, position_ids, ring_attn_func, RingAttention and
     SequenceParallel: the same results as its ProcessGroup; a 2-D mesh and other objects refused naming the group."""
     assert run_ranks(_mesh_dimension_as_the_group, 4) == [True] * 4
+
+
+def test_a_destroyed_group_is_refused_not_taken_for_the_group_now_of_its_name(tmp_path):
+    """Regression: the ring's ops take their group by name, and names start again after destroy_process_group: a
+    layer made on a group before a new init ran on the new group of the same name (other ranks, results off by
+    2.9) without a word. A group torch.distributed no longer knows is refused, naming it."""
+    q = torch.zeros(1, 8, 2, 16)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/a", rank=0, world_size=1)
+    try:
+        old = dist.new_group([0])
+        layer = ringattn.nn.RingAttention(causal=True, layout="zigzag", group=old)
+        sp = ringattn.SequenceParallel(layout="zigzag")  # the world: its rank is read at each use
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/b", rank=0, world_size=1)
+        new = dist.new_group([0])
+        assert new.group_name == old.group_name  # the name the ops would have resolved to the new group
+        for call in (lambda: layer(q, q, q), lambda: ringattn.ring_attn_func(q, q, q, group=old, layout="zigzag"),
+                     lambda: ringattn.shard(q, group=old)):  # fmt: skip
+            with pytest.raises(ValueError, match="group is a process group that dist.destroy_process_group took down"):
+                call()
+        assert (sp.rank, sp.world_size) == (0, 1) and sp.position_ids(8).tolist() == list(range(8))
+    finally:
+        dist.destroy_process_group()
