@@ -476,7 +476,9 @@ def _gloo_twin(group: dist.ProcessGroup, ranks: tuple[int, ...]) -> dist.Process
     rendezvous never complete. So the ranks first agree on that number over `group` itself (one all_gather, on the
     GPU for NCCL) and bring theirs up to the largest with groups of their own rank alone."""
     registered = dist.distributed_c10d._world.pg_names  # what torch's name counts
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = group.bound_device_id  # init_process_group(device_id=...)'s, else the process's current GPU
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mine = torch.tensor([len(registered)], dtype=torch.int64, device=device)
     counts = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(counts, mine, group=group)
