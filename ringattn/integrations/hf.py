@@ -96,6 +96,7 @@ batch whose row starts are not among them. The tokens themselves are not checked
 shard_batch call.
 """
 
+import copy
 import functools
 import inspect
 import os
@@ -116,7 +117,7 @@ from ..sequence_parallel import document_positions
 from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
 
 try:
-    from transformers import AttentionInterface, PreTrainedModel
+    from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -609,10 +610,24 @@ def _check_per_token(module: PreTrainedModel) -> None:
         )
 
 
+def _own_configs(model: torch.nn.Module) -> None:
+    """Give model's modules their own copies of the configs they hold (the sub-configs shared as they were):
+    transformers writes a new model's attn_implementation into the config object it was made from, so a second
+    model made from the same object (an eager reference, a copy to evaluate) would switch this one's attention to
+    its own, each rank attending within its shard, and its checks off."""
+    memo: dict = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            module.config = copy.deepcopy(config, memo)  # one copy of each config object, however many hold it
+
+
 def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
     """Run `model` with the ring attention registered as `name`, checking each of its calls.
 
-    Sets the model's attn_implementation to `name` (model.set_attn_implementation) and installs, once, a forward
+    Gives the model its own copy of its config (_own_configs: a second model made from the same config object
+    would otherwise switch this one's attention), sets its attn_implementation to `name`
+    (model.set_attn_implementation) and installs, once, a forward
     pre-hook on each transformers model in it (the model and, e.g., its base model) that raises ValueError
     while a ring attention is selected: for a call without position_ids, and for labels= without shift_labels
     and num_items_in_batch (see the module docstring). The hook of the innermost transformers model (the base model,
@@ -642,6 +657,7 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
                 "no position biases"
             )
         _check_per_token(module)
+    _own_configs(model)
     model.set_attn_implementation(name)
     for module in models:
         if module.config._attn_implementation != name:

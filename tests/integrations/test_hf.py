@@ -382,8 +382,15 @@ def test_attn_implementation_selected_by_name(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="ringattn")
     assert loaded.config._attn_implementation == "ringattn"
+    config = model.config
     assert hf.prepare(model) is model
     assert model.config._attn_implementation == "ringattn"
+    # regression: transformers writes a new model's attn_implementation into the config object it is made from, so a
+    # reference model made from the prepared one's config switched it to eager (each rank attending within its shard,
+    # the loss off, the call checks off). The prepared model's modules hold one copy of their own now
+    assert transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").config is config
+    held = {id(m.config): m.config for m in model.modules() if isinstance(getattr(m, "config", None), type(config))}
+    assert [c._attn_implementation for c in held.values()] == ["ringattn"] and config._attn_implementation == "eager"
     with pytest.raises(ValueError, match="'eager' is not a ring attention registered with transformers"):
         hf.prepare(model, "eager")
     fn = transformers.AttentionInterface._global_mapping["ringattn"]
