@@ -482,7 +482,8 @@ def _gloo_twin(group: dist.ProcessGroup, ranks: tuple[int, ...]) -> dist.Process
     mine = torch.tensor([len(registered)], dtype=torch.int64, device=device)
     counts = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(counts, mine, group=group)
-    while len(registered) < max(int(c) for c in counts):
+    largest = int(torch.stack(counts).max())  # one read back
+    while len(registered) < largest:
         dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
     return dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
 
