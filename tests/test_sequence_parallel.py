@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import ringattn
 from ringattn.ops import attn_fwd_ref
 from ringattn.parallel import LAYOUTS
+from ringattn.parallel.comm import CommunicationError
 from ringattn.sequence_parallel import (
     IGNORE_INDEX,
     cross_entropy,
@@ -446,9 +447,6 @@ def _toolkit_refusals_on_one_rank(rank, world_size):
         "cross_entropy-labels": lambda: sp.cross_entropy(logits, labels[:, : 5 if rank == 1 else 6]),
         "cross_entropy-vocab": lambda: cross_entropy(logits, out_of_vocab),
         "sync_gradients-parameters": lambda: sp.sync_gradients(params),
-        "sync_gradients-or-cross_entropy": lambda: (
-            cross_entropy(logits, labels) if rank == 1 else sp.sync_gradients(params)
-        ),
         "cross_entropy-vocab-size": lambda: cross_entropy(torch.zeros(2, 6, 6 if rank == 1 else 5), labels),
         "shard_batch-labels-dtype": lambda: sp.shard_batch(input_ids, input_ids.int() if rank == 1 else input_ids),
     }
@@ -461,6 +459,12 @@ def _toolkit_refusals_on_one_rank(rank, world_size):
     # the rows may differ (RingTrainer's loss over the world: each ring its own batches); only the vocab is agreed
     rows = 1 if rank == 1 else 2
     assert torch.allclose(cross_entropy(torch.zeros(rows, 6, 5), labels[:rows]), torch.tensor(5.0).log())
+    # last: ranks making different calls are out of step, and the group is refused from then on
+    different = {"sync_gradients-or-cross_entropy": lambda: (
+        cross_entropy(logits, labels) if rank == 1 else sp.sync_gradients(params))}  # fmt: skip
+    results.update(raised_errors(different))
+    with pytest.raises(CommunicationError, match="the group cannot be used again on this rank: its ranks fell out"):
+        sp.sync_gradients(params)
     return results
 
 

@@ -11,7 +11,9 @@ decides from the same headers, so all raise the same error:
 - a rank refused: a second all_gather carries the refusals' messages, and every rank raises the first refusing
   rank's exception type with every refusal's message (`describe_refusals`);
 - the ranks make different calls, or the same call with different fields: a ValueError naming what differs and each
-  rank's value (`describe_disagreement`).
+  rank's value (`describe_disagreement`). Ranks making different calls are out of step (one skipped a call, or
+  raised alone and went on): no later exchange could tell which calls belong together, so each leaves the group
+  unusable (comm.mark_unusable) and every later call on it raises at once.
 Encoding, decoding and the descriptions are pure functions, tested without communication.
 
 $RINGATTN_AGREEMENT (read at every call): "always" (default), or "off": no exchange at all, a local refusal raises on
@@ -30,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .comm import CommunicationError, p2p_timeout_s, wait_all
+from .comm import CommunicationError, check_usable, mark_unusable, p2p_timeout_s, wait_all
 
 AGREEMENT_ENV = "RINGATTN_AGREEMENT"
 AGREEMENT_MODES = ("always", "off")
@@ -339,8 +341,9 @@ def decode_header(encoded: torch.Tensor | list[int]) -> Header:
     """
     values = encoded.tolist() if isinstance(encoded, torch.Tensor) else list(encoded)
     if len(values) != HEADER_LEN or values[0] != MAGIC:
+        got = f"length {len(values)}" if len(values) != HEADER_LEN else f"starting with {values[0]:#x}"
         raise ValueError(
-            f"not a ringattn call header (length {len(values)}, expected {HEADER_LEN} starting with {MAGIC:#x}): "
+            f"not a ringattn call header ({got}, expected {HEADER_LEN} int64 starting with {MAGIC:#x}): "
             "ranks are running different collectives"
         )
     if values[1] != VERSION:
@@ -380,7 +383,9 @@ def describe_disagreement(headers: list[Header], cls: type | None) -> str | None
         per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
         return (
             f"the ranks of the group make different collective calls ({per_rank}): every rank must make the same "
-            "ringattn calls in the same order"
+            "ringattn calls in the same order. Ranks out of step (one skipped a call, or an error raised on some "
+            "ranks alone, in their own code or a backward, and a loop that went on) cannot be paired up again: "
+            "later calls on this group raise; exit, or destroy the group and create a new one on every rank"
         )
     if cls is None or all(h.fields == headers[0].fields for h in headers):
         return None
@@ -493,7 +498,7 @@ def _all_gather(local: torch.Tensor, group: dist.ProcessGroup | None, timeout_s:
     cpu_channel(group). Raises RuntimeError when a rank does not take part within timeout_s."""
     channel, order = cpu_channel(group)
     gathered = local.new_empty(dist.get_world_size(channel), local.numel())  # one buffer, a row per rank
-    wait_all([dist.all_gather(list(gathered), local, group=channel, async_op=True)], timeout_s, what)
+    wait_all([dist.all_gather(list(gathered), local, group=channel, async_op=True)], timeout_s, what, None, group)
     return gathered if order is None else gathered[order]
 
 
@@ -525,6 +530,9 @@ def _exchange(call: str, fields: tuple | None, refusal: Exception | None, group)
     """One exchange of headers on `group`, then the agreed error on every rank, if any (always, when refusing).
     Raises ValueError for a bad P2P timeout (the exchange's) before any communication."""
     timeout_s = p2p_timeout_s()
+    what = f"{call}'s agreement check (all_gather) on group rank {dist.get_rank(group)}"
+    what += f" of {dist.get_world_size(group)}"
+    check_usable(group, what)
     try:
         if refusal is not None:
             header, own = encode_header(call, None, refusal), None
@@ -535,8 +543,6 @@ def _exchange(call: str, fields: tuple | None, refusal: Exception | None, group)
             header, own = _own_header(call, fields)
     except ValueError as err:  # a field that cannot travel (a shape of too many dims): refused like a local check
         refusal, header, own = err, encode_header(call, None, err), None
-    what = f"{call}'s agreement check (all_gather) on group rank {dist.get_rank(group)}"
-    what += f" of {dist.get_world_size(group)}"
     rows = _all_gather(header, group, timeout_s, what).tolist()
     if all(row == own for row in rows):  # every rank sent this rank's header: no refusal, the same call
         return
@@ -555,6 +561,9 @@ def _exchange(call: str, fields: tuple | None, refusal: Exception | None, group)
         raise described_error(kind, message) from refusal
     message = describe_disagreement(headers, None if fields is None else type(fields))
     if message is not None:
+        if any(h.call != headers[0].call for h in headers):  # out of step: no later call could pair them up
+            calls = ", ".join(f"rank {r}: {h.call}" for r, h in enumerate(headers))
+            mark_unusable(group, f"its ranks fell out of step at an earlier call ({calls})")
         raise described_error(ValueError, message)
 
 

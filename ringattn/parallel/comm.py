@@ -8,10 +8,13 @@ A peer that dies or never arrives must give an error, not a hang (docs/design.md
 on CPU tensors (gloo) `wait` waits at most `timeout_s` and raises a RuntimeError naming the
 peers and the step. On CUDA tensors (NCCL) a timed wait would block the host at every step,
 so `wait` only orders the streams and the process group's own timeout and watchdog apply.
+A failed exchange leaves its group unusable on that rank (mark_unusable): a later one would pair with what the
+peers still have pending, so every later call on the group raises at once (check_usable).
 """
 
 import os
 import time
+import weakref
 from datetime import timedelta
 
 import torch
@@ -61,8 +64,33 @@ class CommunicationError(RuntimeError):
     another size, which gloo answers by aborting the process."""
 
 
-def wait_all(works: list, timeout_s: float, what: str, peers: list[str] | None = None) -> None:
-    """Wait for `works` (the Work objects of a gloo batch or collective), all within one deadline of `timeout_s`.
+# the groups an earlier call left unusable on this rank, with why (weak keys: a group made anew starts clean)
+_unusable: "weakref.WeakKeyDictionary[dist.ProcessGroup, str]" = weakref.WeakKeyDictionary()
+
+
+def mark_unusable(group: dist.ProcessGroup | None, why: str) -> None:
+    """Record that no further exchange may use `group` (None: the world) on this rank, and `why` (the first reason
+    is kept): what its peers have pending is unknown, or its ranks are out of step (check_usable raises)."""
+    _unusable.setdefault(group if group is not None else dist.group.WORLD, why)
+
+
+def check_usable(group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise CommunicationError naming `what` when an earlier call left `group` unusable on this rank (mark_unusable),
+    before any exchange on it: one would pair with a peer's pending or other call, which gloo may answer by
+    aborting the process, or return another call's data."""
+    why = _unusable.get(group if group is not None else dist.group.WORLD)
+    if why is not None:
+        raise CommunicationError(
+            f"{what}: the group cannot be used again on this rank: {why}. Exit, or destroy the group and create a "
+            "new one on every rank."
+        )
+
+
+def wait_all(
+    works: list, timeout_s: float, what: str, peers: list[str] | None = None, group: dist.ProcessGroup | None = None
+) -> None:
+    """Wait for `works` (the Work objects of a gloo batch or collective on `group`), all within one deadline of
+    `timeout_s`; a failure leaves `group` unusable on this rank (mark_unusable).
 
     Raises:
         CommunicationError: one of them failed (e.g. a peer's connection closed) or did not finish in time;
@@ -77,6 +105,7 @@ def wait_all(works: list, timeout_s: float, what: str, peers: list[str] | None =
             peer = f", {peers[i]}" if peers is not None and i < len(peers) else ""
             timed_out = time.monotonic() >= deadline - 0.05  # gloo's wait may return a few ms before it
             why = f"did not complete within {timeout_s:g} s" if timed_out else "failed"
+            mark_unusable(group, f"{what} {why} at an earlier call")
             raise CommunicationError(
                 f"{what}{peer}: {why}; a peer died, raised, or is not running the same ring call. "
                 f"Raise the limit with ${P2P_TIMEOUT_ENV} if it is only slow. Backend error: {err}"
@@ -109,6 +138,7 @@ class RingComm:
         self._peers: list[str] = []  # per committed op, for errors
         self._label = ""
         self._timed = True
+        check_usable(self.group, self._what())
 
     def send_recv(self, to_send: torch.Tensor, recv_buffer: torch.Tensor | None = None, shift: int = 1) -> torch.Tensor:
         """Queue sending `to_send` to the next rank and receiving its twin from the previous one; with `shift`, to
@@ -140,6 +170,7 @@ class RingComm:
         except Exception as err:  # noqa: BLE001 - gloo can refuse to post at once when a peer's connection is gone
             self._ops = []
             peers = ", ".join(sorted(set(self._peers)))
+            mark_unusable(self.group, f"{self._what()} failed at an earlier call")
             raise CommunicationError(
                 f"{self._what()}, {peers}: failed; a peer died, raised, or is not running the same ring call. "
                 f"Backend error: {err}"
@@ -166,7 +197,7 @@ class RingComm:
             return
         # gloo returns one Work per P2P op, in op order; otherwise name the whole batch
         peers = self._peers if len(reqs) == len(self._peers) else None
-        wait_all(reqs, self.timeout_s, self._what(), peers)
+        wait_all(reqs, self.timeout_s, self._what(), peers, self.group)
 
     def _what(self) -> str:
         """This rank and the batch's label, for errors."""

@@ -30,10 +30,10 @@ from .agreement import (
     SyncGradientsSignature,
     UnshardSignature,
     check_agreement,
-    cpu_channel,
+    gather_on_cpu,
 )
 from .agreement import shared_refusals as _shared_refusals
-from .comm import CommunicationError, p2p_timeout_s, wait_all
+from .comm import CommunicationError
 from .groups import Group, check_live, ring_group
 
 MESH_DIMS = ("ulysses", "ring")  # the dimension names a 2-D DeviceMesh must have
@@ -281,13 +281,8 @@ def _gather_ranks(ranks: list[int], group: dist.ProcessGroup | None, call: str) 
     """Every group rank's `ranks` (all of one length, agreed before), in group-rank order."""
     if group is None:
         return [ranks]
-    channel, order = cpu_channel(group)
-    local = torch.tensor(ranks, dtype=torch.int64)
-    gathered = local.new_empty(dist.get_world_size(channel), local.numel())
     what = f"{call}'s grid check (all_gather) on group rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
-    wait_all([dist.all_gather(list(gathered), local, group=channel, async_op=True)], p2p_timeout_s(), what)
-    rows = gathered if order is None else gathered[order]
-    return rows.tolist()
+    return gather_on_cpu(torch.tensor(ranks, dtype=torch.int64), group, what).tolist()
 
 
 def _members(group: dist.ProcessGroup | None) -> list[int]:

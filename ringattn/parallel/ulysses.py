@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .agreement import REFUSALS, check_backward, number_call, shared_refusals
-from .comm import p2p_timeout_s, wait_all
+from .comm import check_usable, p2p_timeout_s, wait_all
 
 _EXCHANGES = "ulysses:"  # heads_to_seq's numbers are counted apart from the ring calls on the same group
 
@@ -60,10 +60,11 @@ def all_to_all_even(send: torch.Tensor, group: dist.ProcessGroup, what: str) -> 
     """
     send = send.contiguous()
     recv = torch.empty_like(send)
+    where = f"{what} on Ulysses group rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
+    check_usable(group, where)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     if send.device.type == "cpu":
-        where = f"{what} on Ulysses group rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
-        wait_all([work], p2p_timeout_s(), where)
+        wait_all([work], p2p_timeout_s(), where, None, group)
     else:
         work.wait()  # orders the current stream after NCCL's; the process group's timeout applies
     return recv

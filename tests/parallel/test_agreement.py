@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ringattn
+from ringattn.ops.attn_ref import attn_fwd_ref
 from ringattn.parallel import agreement
 from ringattn.parallel.agreement import (
     AGREEMENT_ENV,
@@ -31,7 +32,10 @@ from ringattn.parallel.agreement import (
     encode_header,
     is_described,
 )
+from ringattn.parallel.comm import CommunicationError
+from ringattn.testing import check_close
 from tests.distributed import run_ranks
+from tests.utils import make_qkv
 
 SIG = RingSignature(2, 37, 4, 2, 40, torch.float32, True, 0.15811388300841897, "zigzag", "q,k,v")
 SHARD = UnshardSignature((2, 8, 3, 16), torch.bfloat16, 1, "contiguous")
@@ -461,3 +465,79 @@ def test_a_second_world_numbers_its_calls_afresh(tmp_path):
     started from its old count and every backward was refused as another call's)."""
     (old_0, new), (old_1, _) = run_ranks(_ring_in_a_second_world, 2, str(tmp_path / "second-world"))
     assert new in (old_0, old_1)  # the case this is about: a name reused
+
+
+def _raise_in_hook(grad):
+    raise RuntimeError("this rank's own hook raised")
+
+
+def _fails_alone_and_goes_on(rank, world_size, failure):
+    """Four training steps on data of their own (the same on every rank); at step 1 the last rank's backward raises
+    in a hook of its own ("hook") or is left out ("skip"), and every rank catches what it raises and goes on. Per
+    step: (out, fp32 and float64 reference outs) where the call returned, else the error's type and message."""
+    steps = []
+    for step in range(4):
+        q, k, v, _ = make_qkv(1, 4 * world_size, 4 * world_size, 2, 1, 8, torch.float32, seed=step)
+        rows = ringattn.shard_indices(q.shape[1], rank, world_size, "zigzag")
+        q_local, k_local, v_local = (t[:, rows].clone().requires_grad_() for t in (q, k, v))
+        try:
+            out = ringattn.ring_attn_func(q_local, k_local, v_local, causal=True, layout="zigzag")
+            refs = [attn_fwd_ref(*(t.to(dtype) for t in (q, k, v)), 8**-0.5, True)[0][:, rows] for dtype in
+                    (torch.float32, torch.float64)]  # fmt: skip
+            steps.append((out.detach(), *refs))
+            if step == 1 and rank == world_size - 1:
+                if failure == "skip":
+                    continue
+                out.register_hook(_raise_in_hook)
+            out.sum().backward()
+        except (ValueError, RuntimeError) as err:
+            steps.append((type(err).__name__, str(err)))
+    return steps
+
+
+@pytest.mark.parametrize("failure, world_size", [("hook", 2), ("skip", 3)])
+def test_ranks_out_of_step_raise_at_every_later_call(failure, world_size):
+    """Regression: a rank whose backward raised alone (a hook of its own) or was left out, in a loop that caught the
+    error and went on, left the ranks one call apart: the next exchange paired its backward with the others' next
+    forward and raised, and every call after paired one rank's step with another's, returning outputs off by 1.1
+    to 2.0 without an error. The exchange that sees the ranks make different calls now leaves the group unusable:
+    every later call raises on every rank, and no call returns a wrong output."""
+    results = run_ranks(_fails_alone_and_goes_on, world_size, failure)
+    for rank, steps in enumerate(results):
+        for step, result in enumerate(steps):
+            if isinstance(result[0], torch.Tensor):
+                check_close(f"rank {rank} step {step} out", *result)
+        kind, message = steps[-1]
+        assert kind == "CommunicationError" and "its ranks fell out of step at an earlier call" in message, steps[-1]
+    # the exchange that saw it: the same ValueError on every rank
+    seen = {result for steps in results for result in steps if result[0] == "ValueError"}
+    assert len(seen) == 1 and "make different collective calls" in next(iter(seen))[1], seen
+
+
+def _calls_after_a_timeout(rank, world_size):
+    """Rank 1 leaves out rank 0's first call; rank 0 then calls again. Its errors, and how long each took."""
+    q = torch.zeros(1, 8, 2, 8)
+    errors = []
+    if rank == 0:
+        for _ in range(2):
+            start = time.monotonic()
+            with pytest.raises(CommunicationError) as err:
+                ringattn.ring_attn_func(q, q, q, causal=True, layout="zigzag")
+            errors.append((str(err.value), time.monotonic() - start))
+    else:
+        time.sleep(3)  # in the world until rank 0 is done (a barrier would pair with its pending exchange)
+    return errors
+
+
+def test_a_group_is_refused_after_an_exchange_on_it_failed(monkeypatch):
+    """Regression: after an agreement exchange timed out, the next call exchanged again on the group, where what the
+    peers had pending was unknown: it paired with their pending exchanges, which gloo answered with a header of
+    another call ('not a ringattn call header'), data of the wrong size (SIGABRT), or a call of another step. Now the
+    rank refuses the group at once (CommunicationError naming why), without communicating."""
+    monkeypatch.setenv("RINGATTN_P2P_TIMEOUT_S", "1")
+    (first, second), _ = run_ranks(_calls_after_a_timeout, 2, barrier=False)
+    assert "did not complete within 1 s" in first[0]
+    message, elapsed = second
+    assert "the group cannot be used again on this rank: ring_attn_func's agreement check" in message, message
+    assert "did not complete within 1 s at an earlier call. Exit, or destroy the group" in message, message
+    assert elapsed < 0.5

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import ringattn
 from ringattn.parallel import LAYOUTS, check_seqlen, shard_ranges
+from ringattn.parallel.comm import CommunicationError
 from tests.distributed import raised_errors, run_ranks
 
 WORLD_SIZES = [1, 2, 3, 4, 5]
@@ -151,11 +152,15 @@ def _helpers_that_disagree(rank, world_size):
         "shard-lengths": lambda: ringattn.shard(torch.zeros(1, 24 if rank == 1 else 16)),
         "shard-dim": lambda: ringattn.shard(torch.zeros(8, 8, 2), dim=9 if rank == 1 else 1),
         "gather-lengths": lambda: sp.gather(torch.zeros(2, 6 if rank == 1 else 8, 97)),
-        "shard-or-unshard": lambda: (ringattn.unshard if rank == 1 else ringattn.shard)(torch.zeros(1, 8)),
     }
     # a regression: an AttributeError on rank 1 alone, the other waiting out the timeout
     not_tensors = {"shard-not-a-tensor": lambda: ringattn.shard([[0.0] * 8] if rank == 1 else torch.zeros(1, 8))}
-    return raised_errors(cases) | raised_errors(not_tensors, TypeError)
+    results = raised_errors(cases) | raised_errors(not_tensors, TypeError)
+    # last: ranks making different calls are out of step, and the group is refused from then on
+    results |= raised_errors({"shard-or-unshard": lambda: (ringattn.unshard if rank == 1 else ringattn.shard)(
+        torch.zeros(1, 8))})  # fmt: skip
+    after = raised_errors({"after": lambda: ringattn.shard(torch.zeros(1, 8))}, CommunicationError)
+    return results, after["after"]
 
 
 EXPECTED = {
@@ -178,8 +183,13 @@ def test_helpers_that_disagree_raise_on_every_rank():
     wrong tensor silently; shard(x, dim=7) on a 4-D tensor sharded dim 3. Now shard, unshard and
     SequenceParallel.gather compare the ranks' shapes, dtypes, dim and layout (and which helper each rank calls)
     before any data moves, and a local refusal on one rank is raised by every rank: the same ValueError on both
-    ranks, within a second."""
-    results = run_ranks(_helpers_that_disagree, 2)
+    ranks, within a second. Ranks calling different helpers are out of step: later calls on the group raise at once."""
+    results, after = zip(*run_ranks(_helpers_that_disagree, 2), strict=True)
+    for rank, (message, elapsed) in enumerate(after):
+        assert message.startswith(f"shard's agreement check (all_gather) on group rank {rank} of 2: the group cannot "
+                                  "be used again on this rank: its ranks fell out of step at an earlier call (rank 0: "
+                                  "shard, rank 1: unshard)"), message  # fmt: skip
+        assert elapsed < 0.1
     for name, expected in EXPECTED.items():
         assert results[0][name][0] == results[1][name][0], f"{name}: {results[0][name]} vs {results[1][name]}"
         assert expected in results[0][name][0], results[0][name][0]
