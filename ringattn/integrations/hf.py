@@ -78,8 +78,11 @@ $FLASH_ATTENTION_DETERMINISTIC=1, as transformers' flash-attn path reads it, whi
 TrainingArguments(full_determinism=True) sets). Under autocast q, k and v go to the ring in
 autocast's dtype, as SDPA takes them (RoPE leaves q and k in fp32 beside a bf16 v).
 
-Refused with ValueError: models whose attention is not transformers' AttentionInterface, or with an output per
-sequence (a sequence-classification head, a pooler: each rank would pool its own shard) (by prepare), dropout > 0,
+Refused with ValueError: models whose attention is not transformers' AttentionInterface, with an output per
+sequence (a sequence-classification head, a pooler: each rank would pool its own shard), mixing tokens outside
+attention (convolutions, state spaces, linear attention) or taking other positions than the global ones (rotary
+embeddings of rope type dynamic or longrope, RoBERTa's offset positions, a model that takes no position_ids, Llama 4's
+temperature on layers without rotary embeddings) (by prepare), dropout > 0,
 chunked attention (Llama 4), sparse attention (selected key indices), position biases (ALiBi too), attention masks other
 than none/all-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks) or built by
 the model from its pad tokens (T5Gemma without an attention_mask; not seen under torch.compile: pass an attention_mask
@@ -610,6 +613,66 @@ def _check_per_token(module: PreTrainedModel) -> None:
         )
 
 
+# layer types (transformers' config.layer_types) that carry a state along the sequence: a causal convolution, a
+# state space or linear-attention recurrence, or one beside attention in the same layer
+_RECURRENT_LAYER_TYPES = ("conv", "linear_attention", "hybrid", "hybrid_sliding")
+# rotary embeddings whose frequencies follow the largest position a call sees (transformers' dynamic_rope_update)
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_types(config) -> set[str]:
+    """The rope types of config's rotary embeddings (one, or one per layer type)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    nested = [p for p in params.values() if isinstance(p, dict)] if isinstance(params, dict) else []
+    return {str(p.get("rope_type", p.get("type", ""))) for p in (nested or [params]) if isinstance(p, dict)}
+
+
+def _check_global_positions(module: PreTrainedModel) -> None:
+    """Raise ValueError where `module` mixes tokens outside attention or takes positions other than the global ones
+    a rank's call passes, so that each rank would compute its shard as a sequence of its own: layers carrying a
+    state along the sequence (convolutions, state spaces, linear attention: Jamba, LFM2, Qwen3-Next, Falcon-H1, ...),
+    rotary frequencies chosen from the largest position the call sees (rope types dynamic and longrope), positions
+    counted from the input ids past the padding index (RoBERTa's), an innermost model that takes tokens but no
+    position_ids (BART's decoder numbers each call from 0), and Llama 4's attention temperature on layers without
+    rotary embeddings (scaled by local positions)."""
+    kind = type(module).__name__
+    config = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
+    kinds = list(getattr(config, "layer_types", None) or []) + list(getattr(config, "block_types", None) or [])
+    recurrent = sorted({t for t in kinds if t in _RECURRENT_LAYER_TYPES or t == "recurrent"})
+    if recurrent:
+        raise ValueError(
+            f"{kind} has layers of type {', '.join(map(repr, recurrent))}, which carry a state along the sequence "
+            "(a convolution, a state space or a linear-attention recurrence): each rank would start it afresh at its "
+            "shard's first token. Ring attention runs models whose layers mix tokens through attention alone"
+        )
+    rope = sorted(_rope_types(config) & set(_POSITION_DEPENDENT_ROPE))
+    if rope:
+        raise ValueError(
+            f"{kind} uses rotary embeddings of rope_type {rope[0]!r}, whose frequencies follow the largest position a "
+            "call sees (transformers' dynamic_rope_update): each rank would take them from its own shard's positions, "
+            "not the sequence's"
+        )
+    if any(hasattr(m, "create_position_ids_from_input_ids") for m in module.modules()):
+        raise ValueError(
+            f"{kind} counts its positions from padding_idx + 1 (RoBERTa's position embeddings), where the ring's calls "
+            "pass the tokens' global positions from 0: its embeddings would be read at other positions than the "
+            "unsharded model's"
+        )
+    innermost = not any(isinstance(m, PreTrainedModel) for m in module.modules() if m is not module)
+    takes = inspect.signature(module.forward).parameters
+    if innermost and ("input_ids" in takes or "inputs_embeds" in takes) and "position_ids" not in takes:
+        raise ValueError(
+            f"{kind} takes no position_ids: it numbers the tokens of each call from 0, so each rank would number its "
+            "shard as a sequence of its own"
+        )
+    if getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or []):
+        raise ValueError(
+            f"{kind} scales the queries of its layers without rotary embeddings by their positions in the call "
+            "(attn_temperature_tuning), not their global ones: set attn_temperature_tuning=False, or keep every "
+            "layer's rotary embedding"
+        )
+
+
 def _own_configs(model: torch.nn.Module) -> None:
     """Give model's modules their own copies of the configs they hold (the sub-configs shared as they were):
     transformers writes a new model's attn_implementation into the config object it was made from, so a second
@@ -640,9 +703,10 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
     Raises:
         ValueError: `name` is not registered as ring attention (`register`); a transformers model in `model` whose
             attention does not go through transformers' AttentionInterface (its attn_implementation cannot be set,
-            e.g. Bloom), that adds ALiBi biases (Falcon with alibi=True), or that computes an output per sequence
-            (a sequence classification or multiple-choice head, a pooler): each rank would compute it from its
-            shard alone.
+            e.g. Bloom), that adds ALiBi biases (Falcon with alibi=True), that computes an output per sequence
+            (a sequence classification or multiple-choice head, a pooler), or that mixes tokens outside attention
+            or takes other positions than the global ones (_check_global_positions): each rank would compute it
+            from its shard alone.
     """
     if _ring(name) is None:
         raise ValueError(
@@ -666,6 +730,7 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
                 f"attn_implementation={name!r} does not reach it (its attn_implementation is still "
                 f"{module.config._attn_implementation!r}): ring attention cannot run this model"
             )
+        _check_global_positions(module)
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and not getattr(module, PREPARED, False):
             innermost = not any(isinstance(m, PreTrainedModel) for m in module.modules() if m is not module)

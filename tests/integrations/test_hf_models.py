@@ -79,11 +79,11 @@ def _config(family: str, seqlen: int):
         config = t.T5GemmaConfig(encoder=encoder, decoder=encoder, vocab_size=VOCAB, attention_dropout=0.0,
                                  dropout_rate=0.0, is_encoder_decoder=False, num_labels=VOCAB)  # fmt: skip
         return t.T5GemmaForTokenClassification, config
-    if family == "llama4":  # chunked attention, in its mask alone
+    if family == "llama4":  # chunked attention, in its mask alone (without the temperature prepare refuses)
         return t.Llama4ForCausalLM, t.Llama4TextConfig(**SMALL, head_dim=16, attention_chunk_size=8,
                                                        intermediate_size_mlp=96, num_local_experts=2,
                                                        num_experts_per_tok=1, interleave_moe_layer_step=2,
-                                                       no_rope_layers=[1, 0],
+                                                       no_rope_layers=[1, 0], attn_temperature_tuning=False,
                                                        max_position_embeddings=seqlen)  # fmt: skip
     if family == "esmc":  # a protein encoder; its sequence_id marks chains that do not attend to each other
         return t.EsmcModel, t.EsmcConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
