@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
 
 from .functional import ring_attn_func, ring_attn_varlen_func
 from .parallel.agreement import (
@@ -317,7 +318,8 @@ def sync_gradients(parameters, group: Group = None) -> None:
     Raises:
         ValueError: the ranks passed different parameters (their number, shapes or dtypes), or some rank makes
             another collective call of ringattn's, on every rank.
-        TypeError: a sparse gradient on some rank, on every rank.
+        TypeError: a sparse gradient, or a DTensor parameter (FSDP2, tensor parallelism), on some rank, on every
+            rank.
         RuntimeError: a rank did not take part within the P2P timeout.
     """
     _sync_gradients(parameters, ring_group(group), "sync_gradients")
@@ -347,6 +349,12 @@ def _sync_gradients(parameters, place, call: str) -> None:
             raise TypeError(
                 "sync_gradients sums dense gradients: a parameter has a sparse .grad on this rank (nn.Embedding("
                 "sparse=True)); use dense gradients"
+            )
+        if any(isinstance(p, DTensor) or isinstance(p.grad, DTensor) for p in params):
+            raise TypeError(
+                "sync_gradients sums plain tensors, but a parameter is a DTensor (FSDP2's fully_shard, tensor "
+                "parallelism): shard the model over every rank, or over the (dp, cp) mesh (HSDP), and take the loss "
+                'with cross_entropy(..., grad_reduction="mean"): FSDP then reduces over the sequence group too'
             )
         layout = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
         return len(params), zlib.crc32(layout)

@@ -681,3 +681,26 @@ def test_grid_toolkit_trains_as_single_process(shape):
     (a ring of one)."""
     groups, cases = GRID_CASES[shape]
     assert run_ranks(_grid_toolkit_matches_single_process, 4, shape, groups, cases, timeout=400) == [True] * 4
+
+
+def _fsdp_over_dp_then_sync(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    sp = ringattn.SequenceParallel(group=mesh["cp"], layout="zigzag")
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=mesh["dp"])
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(TypeError) as err:
+        sp.sync_gradients(model)
+    return str(err.value)
+
+
+def test_sync_gradients_refuses_dtensor_parameters():
+    """Regression: after FSDP2's fully_shard over the data-parallel dimension, sync_gradients over the sequence
+    dimension failed in torch ("c10d.allreduce_.default does not have a sharding strategy registered"), naming
+    neither ringattn nor FSDP. Now every rank raises a TypeError naming the set-ups that work."""
+    for message in run_ranks(_fsdp_over_dp_then_sync, 4):
+        assert "sync_gradients sums plain tensors, but a parameter is a DTensor (FSDP2's fully_shard" in message
+        assert "(raised on every rank of the group)" in message
