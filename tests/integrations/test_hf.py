@@ -433,79 +433,27 @@ def _tiny_causal_lm(model_type: str, **overrides):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-# (model, what its refusal names): each ran silently wrong, logits off by 4e-4 to 0.7 against eager on 2 ranks
+LONGROPE = dict(rope_type="longrope", rope_theta=1e4, original_max_position_embeddings=50, short_factor=[1.0] * 8,
+                long_factor=[4.0] * 8)  # fmt: skip
+# (model type, its config beyond _tiny_causal_lm's, what its refusal names): each ran silently wrong, logits off by
+# 4e-4 to 0.7 against eager on 2 ranks
 OWN_POSITIONS = {
-    "lfm2-conv": (lambda: _tiny_causal_lm("lfm2", layer_types=["conv", "full_attention"]), "of type 'conv'"),
-    "jamba-mamba": (
-        lambda: _tiny_causal_lm(
-            "jamba",
-            attn_layer_period=2,
-            attn_layer_offset=1,
-            num_experts=1,
-            mamba_d_state=8,
-            mamba_dt_rank=4,
-            use_mamba_kernels=False,
-        ),  # fmt: skip
-        "of type 'linear_attention', which carry a state along the sequence",
-    ),
-    "llama-dynamic-rope": (
-        lambda: _tiny_causal_lm("llama", rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4)),
-        "rope_type 'dynamic', whose frequencies follow the largest position a call sees",
-    ),
-    "phi3-longrope": (
-        lambda: _tiny_causal_lm(
-            "phi3",
-            max_position_embeddings=256,
-            original_max_position_embeddings=50,
-            rope_parameters=dict(
-                rope_type="longrope",
-                rope_theta=1e4,
-                original_max_position_embeddings=50,
-                short_factor=[1.0] * 8,
-                long_factor=[4.0] * 8,
-            ),
-        ),  # fmt: skip
-        "rope_type 'longrope'",
-    ),
-    "roberta": (
-        lambda: transformers.RobertaForMaskedLM(
-            transformers.RobertaConfig(
-                hidden_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=4,
-                intermediate_size=96,
-                vocab_size=VOCAB,
-                pad_token_id=1,
-            )
-        ),  # fmt: skip
-        r"counts its positions from padding_idx \+ 1",
-    ),
-    "bart-decoder": (
-        lambda: transformers.BartForCausalLM(
-            transformers.BartConfig(
-                d_model=64,
-                decoder_layers=1,
-                decoder_attention_heads=4,
-                decoder_ffn_dim=96,
-                vocab_size=VOCAB,
-                max_position_embeddings=128,
-            )
-        ),  # fmt: skip
-        "BartDecoder takes no position_ids",
-    ),
-    "llama4-temperature": (
-        lambda: _tiny_causal_lm(
-            "llama4_text",
-            head_dim=16,
-            attention_chunk_size=None,
-            intermediate_size_mlp=96,
-            num_local_experts=1,
-            no_rope_layers=[1, 0],
-            attn_temperature_tuning=True,
-        ),  # fmt: skip
-        "scales the queries of its layers without rotary embeddings by their positions in the call",
-    ),
-}
+    "lfm2-conv": ("lfm2", dict(layer_types=["conv", "full_attention"]), "of type 'conv'"),
+    "jamba-mamba": ("jamba", dict(attn_layer_period=2, attn_layer_offset=1, num_experts=1, mamba_d_state=8,
+                                  mamba_dt_rank=4, use_mamba_kernels=False),
+                    "of type 'linear_attention', which carry a state along the sequence"),
+    "llama-dynamic-rope": ("llama", dict(rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4)),
+                           "rope_type 'dynamic', whose frequencies follow the largest position a call sees"),
+    "phi3-longrope": ("phi3", dict(max_position_embeddings=256, original_max_position_embeddings=50,
+                                   rope_parameters=LONGROPE), "rope_type 'longrope'"),
+    "roberta": ("roberta", dict(is_decoder=True, pad_token_id=1), r"counts its positions from padding_idx \+ 1"),
+    "bart-decoder": ("bart", dict(decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=96),
+                     "BartDecoder takes no position_ids"),
+    "llama4-temperature": ("llama4_text", dict(head_dim=16, attention_chunk_size=None, intermediate_size_mlp=96,
+                                               num_local_experts=1, no_rope_layers=[1, 0],
+                                               attn_temperature_tuning=True),
+                           "scales the queries of its layers without rotary embeddings by their positions"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", OWN_POSITIONS)
@@ -519,9 +467,9 @@ def test_models_that_would_number_each_shard_on_their_own_are_refused(case):
     from ringattn.integrations import hf
 
     hf.register()
-    build, reason = OWN_POSITIONS[case]
+    model_type, config, reason = OWN_POSITIONS[case]
     with pytest.raises(ValueError, match=reason):
-        hf.prepare(build())
+        hf.prepare(_tiny_causal_lm(model_type, **config))
     for model in (_tiny_causal_lm("smollm3", no_rope_layers=[1, 0]), _tiny_causal_lm("gemma3_text")):
         assert hf.prepare(model) is model
 
