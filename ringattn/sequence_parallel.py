@@ -504,10 +504,16 @@ class SequenceParallel:
             dim: the sequence dim.
             seqlen: keep only the first `seqlen` positions (e.g. ShardedBatch.unpadded_seqlen).
         Raises:
-            ValueError: as ringattn.unshard, on every rank alike.
+            ValueError: as ringattn.unshard, on every rank alike; seqlen not an int from 0 to the gathered length
+                (checked once the shards are gathered, so that a rank's own seqlen leaves no peer waiting).
         """
         full = unshard(x_local, dim=dim, group=self.group, layout=self.layout, ulysses_group=self.ulysses_group)
-        return full if seqlen is None else full.narrow(dim % full.dim(), 0, seqlen)
+        if seqlen is None:
+            return full
+        dim = dim % full.dim()
+        if isinstance(seqlen, bool) or not isinstance(seqlen, int) or not 0 <= seqlen <= full.shape[dim]:
+            raise ValueError(f"seqlen must be an int from 0 to the gathered length {full.shape[dim]}, got {seqlen!r}")
+        return full.narrow(dim, 0, seqlen)
 
     def shard_batch(
         self,

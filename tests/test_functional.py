@@ -201,6 +201,16 @@ def test_causal_that_is_not_a_bool_raises_naming_causal(causal, ring_of_two_with
         ringattn.nn.RingAttention(causal=causal, layout="contiguous")
 
 
+def test_numpy_bools_are_bools():
+    """Regression: numpy 2 names its bool type bool, not bool_, and causal=np.True_ was refused as 'causal must be
+    a bool, got np.True_ (bool)'; numpy's bools are taken as bools, as the docs say."""
+    np = pytest.importorskip("numpy")
+    q, k, v, _ = _inputs({})
+    for flag in (np.True_, np.False_):
+        out = ringattn.flash_attn_func(q, k, v, causal=flag)
+        assert torch.equal(out, ringattn.flash_attn_func(q, k, v, causal=bool(flag)))
+
+
 def test_return_lse_that_is_not_a_bool_raises_naming_it(ring_of_two_without_communication):
     """Regression: return_lse="False" (or [0]) returned (out, lse), read as bool(return_lse), in every public
     function."""

@@ -634,6 +634,9 @@ def _grid_toolkit_matches_single_process(rank, world_size, shape, groups, cases)
             assert torch.equal(sp.position_ids(s_pad), idx)
             assert torch.equal(batch.input_ids, F.pad(input_ids, (0, s_pad - T))[:, idx])
             assert torch.equal(sp.gather(batch.input_ids, seqlen=T), input_ids)
+            # regression: torch's "start (0) + length exceeds dimension size", naming no argument
+            with pytest.raises(ValueError, match=f"seqlen must be an int from 0 to the gathered length {s_pad}, got"):
+                sp.gather(batch.input_ids, seqlen=s_pad + 1)
             local_real = F.pad(real, (0, s_pad - T))[:, idx]  # (B, S_local)
             assert (batch.labels[~local_real] == IGNORE_INDEX).all()
 

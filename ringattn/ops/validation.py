@@ -228,8 +228,8 @@ def check_flag(value, name: str) -> bool:
     Raises:
         TypeError: anything else (a string such as "False" would otherwise read as True, a tensor as ambiguous).
     """
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return bool(value)
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")):
+        return bool(value)  # numpy's bool is named bool_ before numpy 2, bool from it
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")

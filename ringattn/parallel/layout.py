@@ -19,12 +19,12 @@ compares its call with the others' (parallel/agreement.py), so ranks that pass d
 shapes, or call another collective, all raise the same ValueError before any data moves.
 """
 
+import math
 import numbers
 import operator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .agreement import ShardSignature, UnshardSignature, check_agreement, shared_refusals
 from .grid import GridShardSignature, GridUnshardSignature, agree_across_grid, grid_groups
@@ -51,6 +51,8 @@ def check_seqlen(seqlen: int, world_size: int, layout: str, name: str = "seqlen"
     that is not a positive int is refused too."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(seqlen, bool) or not hasattr(type(seqlen), "__index__"):  # an int, a SymInt under torch.compile
+        raise TypeError(f"{name} must be an int, got {seqlen!r} ({type(seqlen).__name__})")
     multiple = chunks_per_rank(layout) * world_size
     if seqlen < 0 or seqlen % multiple != 0:
         how = f"2 x world size {world_size}" if layout == "zigzag" else f"world size {world_size}"
@@ -360,7 +362,12 @@ def check_pad_value(value, dtype: torch.dtype, name: str = "value") -> None:
     floating dtype)."""
     if not isinstance(value, numbers.Real):  # Python's and numpy's numbers (not a tensor)
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    if dtype.is_floating_point or dtype.is_complex:
+    if dtype.is_complex:
+        return
+    if dtype.is_floating_point:
+        if math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
+            raise ValueError(f"{name} {value!r} is out of range for a tensor of dtype {dtype} (largest finite "
+                             f"{torch.finfo(dtype).max:g}): use a finite value in range, or inf")  # fmt: skip
         return
     number = float(value)
     low, high = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
@@ -384,7 +391,8 @@ def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) 
         (padded x, original length x.shape[dim]); x itself (no copy) when already a multiple.
     Raises:
         ValueError: multiple not an int >= 1; dim not in [-x.dim(), x.dim()); a value x's dtype cannot hold (a
-            fraction, an infinity or NaN, or a number out of range for an integer or bool x).
+            fraction, an infinity or NaN, or a number out of range for an integer or bool x; a finite number past a
+            floating x's largest).
         TypeError: x not a tensor; value not a real number.
     """
     multiple = check_multiple(multiple)
@@ -394,5 +402,6 @@ def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int, value: float = 0) 
     extra = -length % multiple
     if extra == 0:
         return x, length
-    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]  # F.pad lists dims from the last one backwards
-    return F.pad(x, pad, value=value), length
+    # a tensor of the value, not F.pad's: F.pad passes it through a double, which rounds int64 values past 2^53
+    padding = torch.full((*x.shape[:dim], extra, *x.shape[dim + 1 :]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, padding], dim), length

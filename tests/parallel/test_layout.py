@@ -85,7 +85,17 @@ def test_pad_to_multiple():
         ringattn.pad_to_multiple(x > 3, 1, 8, 2)
     with pytest.raises(TypeError, match="value must be a real number, got str"):
         ringattn.pad_to_multiple(y, 1, 6, "0")
-    assert ringattn.pad_to_multiple(y, 1, 6, float("-inf"))[0][:, 5:].isneginf().all()  # any value for floats
+    assert ringattn.pad_to_multiple(y, 1, 6, float("-inf"))[0][:, 5:].isneginf().all()  # infinities for floats
+    # regression: int64 values past 2^53 went through a double (2^63 - 1 written as -2^63), and a float past the
+    # dtype's range raised torch's RuntimeError
+    for value in (2**53 + 1, 2**63 - 1, -(2**63) + 1):
+        assert ringattn.pad_to_multiple(x, 1, 8, value)[0][0, -1].item() == value
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(ValueError, match=r"value 1e\+300 is out of range for a tensor of dtype"):
+            ringattn.pad_to_multiple(y.to(dtype), 1, 6, 1e300)
+    # regression: a float length failed inside range(): 'float' object cannot be interpreted as an integer
+    with pytest.raises(TypeError, match=r"seqlen must be an int, got 16.0 \(float\)"):
+        ringattn.shard_indices(16.0, 0, 2, "zigzag")
 
 
 def test_helpers_without_process_group_raise():
