@@ -364,12 +364,16 @@ def check_pad_value(value, dtype: torch.dtype, name: str = "value") -> None:
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     if dtype.is_complex:
         return
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        number = math.inf if value > 0 else -math.inf
     if dtype.is_floating_point:
-        if math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
+        finite = isinstance(value, numbers.Integral) or math.isfinite(number)  # an int is, however large
+        if finite and abs(number) > torch.finfo(dtype).max:
             raise ValueError(f"{name} {value!r} is out of range for a tensor of dtype {dtype} (largest finite "
                              f"{torch.finfo(dtype).max:g}): use a finite value in range, or inf")  # fmt: skip
         return
-    number = float(value)
     low, high = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
     if not number.is_integer() or not low <= value <= high:
         raise ValueError(

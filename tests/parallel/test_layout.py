@@ -93,6 +93,10 @@ def test_pad_to_multiple():
     for dtype in (torch.float32, torch.float16):
         with pytest.raises(ValueError, match=r"value 1e\+300 is out of range for a tensor of dtype"):
             ringattn.pad_to_multiple(y.to(dtype), 1, 6, 1e300)
+    with pytest.raises(ValueError, match=r"value 1000000000000000000000\d* is out of range for a tensor of dtype"):
+        ringattn.pad_to_multiple(y, 1, 6, 10**400)  # an int past float's range: not an OverflowError
+    with pytest.raises(ValueError, match=r"must be an integer in \[-9223372036854775808"):
+        ringattn.pad_to_multiple(x, 1, 8, -(10**400))
     # regression: a float length failed inside range(): 'float' object cannot be interpreted as an integer
     with pytest.raises(TypeError, match=r"seqlen must be an int, got 16.0 \(float\)"):
         ringattn.shard_indices(16.0, 0, 2, "zigzag")
