@@ -8,16 +8,21 @@ Layout everywhere: q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); lse (B, Hq, Sq) 
 import contextlib
 import contextvars
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 
 from .calls import BwdCall, FwdCall, key_band
 from .final_rows import FinalRows
 
 LOG2E = math.log2(math.e)
+# Triton's interpreter patches triton.language for the whole process while a launch runs and restores it after, so
+# interpreted launches from two threads at once break each other: they take turns.
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def band_args(call: FwdCall | BwdCall) -> tuple[tuple, dict]:
@@ -77,7 +82,11 @@ class KernelLaunch:
             self.finish()
 
     def _launch(self) -> None:
-        self.kernel[self.grid](*self.args, **self.kwargs)
+        if isinstance(self.kernel, InterpretedFunction):
+            with _INTERPRETER_LOCK:
+                self.kernel[self.grid](*self.args, **self.kwargs)
+        else:
+            self.kernel[self.grid](*self.args, **self.kwargs)
 
 
 def strides(t: torch.Tensor) -> tuple[int, int, int]:

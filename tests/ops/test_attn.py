@@ -1,6 +1,7 @@
 """The fused kernels (through flash_attn_func and the launchers) against a float64 reference."""
 
 import itertools
+import threading
 
 import pytest
 import torch
@@ -413,3 +414,29 @@ def test_bwd_with_unequal_tile_sides_matches_reference(shape, tiles, causal):
     grad_scale = max(magnitude(g) for g in ref[2:])
     for name, ours, p, r in zip(("dq", "dk", "dv"), (dq, dk, dv), pt[2:], ref[2:], strict=True):
         check_close(name, ours, p, r, grad_scale)
+
+
+def test_calls_from_two_threads_at_once_match_reference():
+    """Two threads, each its own inputs, forward and backward at the same time (the interpreter on the CPU: its
+    launches take turns), every result under the tolerance rule."""
+    failures, barrier = [], threading.Barrier(2)
+
+    def run(seed):
+        try:
+            barrier.wait(timeout=60)
+            for causal in (True, False, True):
+                q, k, v, dout = make_qkv(1, 48, 48, 2, 2, 32, DTYPES[0], seed=seed)
+                q, k, v = (t.requires_grad_() for t in (q, k, v))
+                out, lse = ringattn.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                out.backward(dout)
+                check_against_reference(q, k, v, dout, 32**-0.5, causal, (out, lse, q.grad, k.grad, v.grad))
+        except Exception as error:  # reported by the main thread
+            failures.append(f"thread {seed}: {type(error).__name__}: {error}")
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not any(thread.is_alive() for thread in threads), "a thread did not finish"
+    assert not failures, "\n".join(failures)
