@@ -473,7 +473,7 @@ def ring_attn_fwd_op(
     signature = ring_signature(q, k, v, softmax_scale, causal, layout, grads, documents, window, softcap,
                                learnable_sink is not None)  # fmt: skip
     check_agreement(call, signature, group)
-    number = number_call(group_name)
+    number = number_call(group, "ring")
     ops = capped_ops(KERNEL_OPS, softcap)
     out, lse = ring_attn_forward(RingComm(group), ops, q, k, v, softmax_scale, causal, layout,
                                  _ring_documents(cu_seqlens, q, group, layout, documents), window,

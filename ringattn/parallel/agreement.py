@@ -158,18 +158,18 @@ class BackwardSignature(NamedTuple):
     )
 
 
-# per world (a new one after destroy_process_group, whose groups reuse the old names), per key (a group's name, ...):
-# the calls counted so far
+# per group (the object, not its name: a group made after another's destroy_process_group may take its name), per
+# kind of call on it: the calls counted so far; an entry goes with its group
 _calls: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, int]]" = weakref.WeakKeyDictionary()
 
 
-def number_call(key: str) -> torch.Tensor:
-    """This call's number among those counted under `key` in this world (0, 1, ...), a 0-dim int64 CPU tensor: the
-    same on every rank of a group whose calls are agreed one by one in the same order. Its backward agrees on it
-    (check_backward)."""
-    calls = _calls.setdefault(dist.group.WORLD, {})
-    number = calls.get(key, 0)
-    calls[key] = number + 1
+def number_call(group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+    """This call's number among the calls of `kind` ("ring", ...) counted on `group` (0, 1, ...), a 0-dim int64 CPU
+    tensor: the same on every rank of a group whose calls are agreed one by one in the same order. Its backward
+    agrees on it (check_backward)."""
+    calls = _calls.setdefault(group, {})
+    number = calls.get(kind, 0)
+    calls[kind] = number + 1
     return torch.tensor(number)
 
 

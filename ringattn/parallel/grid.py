@@ -304,12 +304,15 @@ def _grid_problem(rows: list[list[int]], columns: list[list[int]]) -> str | None
     return None
 
 
-# per world (a new one after destroy_process_group): the (Ulysses, ring) group names whose topology was checked
-_checked: "weakref.WeakKeyDictionary[dist.ProcessGroup, set]" = weakref.WeakKeyDictionary()
+# per grid: the ring group (the Ulysses group where there is no ring, the world where neither) -> the Ulysses groups
+# (the key itself where there is none) whose grid with it was checked; weakly held, an entry goes with its groups
+_checked: "weakref.WeakKeyDictionary[dist.ProcessGroup, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
-def _grid_key(grid: Grid) -> tuple:
-    return tuple(None if g is None else g.group_name for g in (grid.ulysses, grid.ring))
+def _checked_key(grid: Grid) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(_checked's key, the member of its set) of a grid."""
+    first = grid.ring or grid.ulysses or dist.group.WORLD
+    return first, grid.ulysses or first
 
 
 def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
@@ -326,8 +329,9 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
         ValueError, TypeError, RuntimeError: a rank's checks refused, the ranks disagree, or the groups do not
             form a grid; on every rank of the grid alike (where the groups form a grid).
     """
-    checked = _checked.setdefault(dist.group.WORLD, set())
-    first = _grid_key(grid) not in checked
+    key, member = _checked_key(grid)
+    checked = _checked.setdefault(key, weakref.WeakSet())
+    first = member not in checked
     carried: Exception | None = None
     fields, rows, problem = None, None, None
     try:
@@ -364,7 +368,7 @@ def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
     if carried is not None:
         raise carried
     if first:
-        checked.add(_grid_key(grid))
+        checked.add(member)
     return fields
 
 

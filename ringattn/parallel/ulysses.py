@@ -27,7 +27,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from .agreement import REFUSALS, check_backward, number_call, shared_refusals
 from .comm import check_usable, p2p_timeout_s, wait_all
 
-_EXCHANGES = "ulysses:"  # heads_to_seq's numbers are counted apart from the ring calls on the same group
+_EXCHANGES = "ulysses"  # heads_to_seq's numbers are counted apart from the ring calls on the same group
 
 
 def heads_per_rank(heads: int, ulysses_size: int) -> int:
@@ -122,8 +122,9 @@ def heads_to_seq_op(
     int64 CPU tensor); differentiable: the backward first agrees on that number (ringattn::ulysses_backward_check,
     sharing a mismatch over the grid's ring named `ring_group_name`, "" for none), so that a rank running the
     backward of another call raises on every rank, then runs ringattn::ulysses_seq_to_heads."""
-    number = number_call(_EXCHANGES + group_name)
-    return _heads_to_seq(y, _resolve_process_group(group_name), heads), number
+    group = _resolve_process_group(group_name)
+    number = number_call(group, _EXCHANGES)
+    return _heads_to_seq(y, group, heads), number
 
 
 @heads_to_seq_op.register_fake

@@ -3,6 +3,7 @@ that call differently or refuse their input all raising the same clear error qui
 the process or returning a wrong result."""
 
 import functools
+import gc
 import os
 import re
 import time
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 import ringattn
 from ringattn.ops.attn_ref import attn_fwd_ref
-from ringattn.parallel import agreement
+from ringattn.parallel import agreement, grid
 from ringattn.parallel.agreement import (
     AGREEMENT_ENV,
     HEADER_LEN,
@@ -465,6 +466,28 @@ def test_a_second_world_numbers_its_calls_afresh(tmp_path):
     started from its old count and every backward was refused as another call's)."""
     (old_0, new), (old_1, _) = run_ranks(_ring_in_a_second_world, 2, str(tmp_path / "second-world"))
     assert new in (old_0, old_1)  # the case this is about: a name reused
+
+
+def _a_group_a_step(rank, world_size):
+    """Five steps, each on groups of its own (a ring, and a Ulysses group of a grid with no ring), destroyed after it;
+    returns the groups the call numbering and the grid checks still hold afterwards."""
+    for _ in range(5):
+        ring, ulysses = dist.new_group([0, 1]), dist.new_group([0, 1])
+        q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+        out = ringattn.ring_attn_func(q, k, v, causal=True, layout="zigzag", group=ring)
+        out = out + ringattn.ulysses_ring_attn_func(q, k, v, causal=True, layout="zigzag", ulysses_group=ulysses)
+        out.sum().backward()
+        dist.destroy_process_group(ring)
+        dist.destroy_process_group(ulysses)
+        del ring, ulysses
+    gc.collect()
+    return len(agreement._calls), len(grid._checked)
+
+
+def test_the_registries_of_destroyed_groups_go_with_them():
+    """A group made and destroyed every step (say, rebuilt after an error) leaves nothing behind in the call
+    numbering or the grid checks (regression: both were kept per world by group name, one entry a group forever)."""
+    assert run_ranks(_a_group_a_step, 2) == [(0, 0), (0, 0)]
 
 
 def _raise_in_hook(grad):
