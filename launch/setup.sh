@@ -3,8 +3,9 @@
 #
 # Usage:
 #   bash launch/setup.sh          # torch (if missing) + ringattn in editable mode
-#   bash launch/setup.sh --test   # the same, plus the test extras (pytest, pytest-timeout, pytest-xdist) and the
-#                                 # Hugging Face extra (transformers), so its integration tests run
+#   bash launch/setup.sh --test   # the same, plus the test extras (pytest, pytest-timeout, pytest-xdist,
+#                                 # matplotlib, setuptools) and the Hugging Face extra (transformers, accelerate),
+#                                 # so every test runs
 #
 # Without an active virtual environment that python3 is the system's, and the install goes into its
 # site-packages; the script says which python3 and which site-packages before installing. To keep the

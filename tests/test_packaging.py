@@ -1,8 +1,9 @@
-"""The wheel as users get it: built from the repository's pyproject.toml, README.md, LICENSE and ringattn/ (copied to a
-temporary folder, so no build/ or egg-info lands in the checkout), without license deprecation warnings; installed
-into a fresh venv that sees the system's torch and triton; imported there from outside the repository. The installed
-package is the wheel's (not the checkout nor an editable install), has its version, py.typed and LICENSE, and runs
-flash_attn_func in Triton's interpreter."""
+"""What a user installs. The package needs nothing beyond its declared dependencies: it imports and runs where only
+they are installed. The wheel as users get it: built from the repository's pyproject.toml, README.md, LICENSE and
+ringattn/ (copied to a temporary folder, so no build/ or egg-info lands in the checkout), without license deprecation
+warnings; installed into a fresh venv that sees the system's torch and triton; imported there from outside the
+repository. The installed package is the wheel's (not the checkout nor an editable install), has its version, py.typed
+and LICENSE, and runs flash_attn_func in Triton's interpreter."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 import zipfile
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, distribution, requires, version
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,56 @@ def test_wheel_installs_into_a_venv_and_runs(tmp_path):
     assert found["py_typed"]
     assert found["license_files"] == [f"ringattn-{project_version}.dist-info/licenses/LICENSE"]
     assert found["license_expression"] == "Apache-2.0"
+
+
+# run with TRITON_INTERPRET=1 by a python that sees no site-packages, only the package and its declared dependencies
+WITH_DECLARED_ONLY = textwrap.dedent(
+    """
+    import torch
+    import ringattn, ringattn.benchmark, ringattn.distributed, ringattn.nn, ringattn.sequence_parallel
+    import ringattn.testing, ringattn.ulysses
+    q = torch.randn(1, 17, 2, 16, requires_grad=True)
+    ringattn.flash_attn_func(q, q, q, causal=True).sum().backward()
+    print("ok")
+    """
+)
+
+
+def _declared_closure(requirements: list[str]) -> set[str]:
+    """The installed distributions `requirements` name and everything they require in turn (extras left out)."""
+    seen, todo = set(), list(requirements)
+    while todo:
+        name = re.split(r"[\s;<>=!~\[(]", todo.pop().strip(), maxsplit=1)[0].lower().replace("_", "-")
+        if name not in seen:
+            seen.add(name)
+            try:
+                todo += [r for r in requires(name) or [] if "extra ==" not in r]
+            except PackageNotFoundError:
+                pass
+    return seen
+
+
+def _site_of(names: set[str], folder: Path) -> Path:
+    """A site folder holding links to the installed files of the distributions `names` alone."""
+    folder.mkdir()
+    for name in names:
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue
+        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
+            if not (folder / top).exists():
+                (folder / top).symlink_to(Path(dist.locate_file(top)))
+    return folder
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_the_core_package_runs_with_its_declared_dependencies_alone(tmp_path):
+    tomllib = pytest.importorskip("tomllib")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    site = _site_of(_declared_closure(declared), tmp_path / "site")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": f"{site}:{ROOT}"}
+    # -S: no site-packages (nor their .pth files); the package from the checkout, its dependencies from `site`
+    proc = subprocess.run([sys.executable, "-S", "-c", WITH_DECLARED_ONLY], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=env, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

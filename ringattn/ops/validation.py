@@ -5,7 +5,9 @@ import operator
 import os
 import sys
 
+import numpy
 import torch
+import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..kernels.portable.attn_fwd import _attn_fwd_kernel
@@ -84,6 +86,25 @@ KERNELS_INTERPRETED = isinstance(_attn_fwd_kernel, InterpretedFunction)
 _INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
 
 
+def interpreter_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's interpreter of `triton_version` cannot run the kernels beside numpy `numpy_version`, or None:
+    before triton 3.7 the interpreter turns one-element arrays into Python ints, which numpy 2.4 refuses."""
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        return (
+            f"Triton {triton_version}'s interpreter cannot run ringattn's kernels with numpy {numpy_version} (it "
+            "converts one-element arrays to Python ints, which numpy 2.4 refuses); install triton>=3.7 or numpy<2.4"
+        )
+    return None
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+_INTERPRETER_PROBLEM = interpreter_problem(triton.__version__, numpy.__version__) if KERNELS_INTERPRETED else None
+
+
 def interpreter_hint() -> str:
     """How to run the kernels on the CPU, and what $TRITON_INTERPRET was when ringattn was imported."""
     was = "unset" if _INTERPRET_AT_IMPORT is None else f"{_INTERPRET_AT_IMPORT!r}, which this Triton reads as off"
@@ -106,12 +127,14 @@ def check_kernel_device(t: torch.Tensor) -> None:
 
     Raises:
         RuntimeError: t is not a CUDA tensor and the kernels were not built for the interpreter, or a CUDA tensor
-            and they were.
+            and they were; or this Triton's interpreter cannot run beside this numpy (interpreter_problem).
         TypeError: a bfloat16 CPU tensor (the Triton interpreter computes bfloat16 wrongly).
     """
     if t.device.type == "cuda" and not KERNELS_INTERPRETED:
         return
     if t.device.type == "cpu" and KERNELS_INTERPRETED:
+        if _INTERPRETER_PROBLEM is not None:
+            raise RuntimeError(_INTERPRETER_PROBLEM)
         if t.dtype == torch.bfloat16:
             raise TypeError("bfloat16 is not supported by the Triton interpreter on the CPU; use float32 or float16")
         return

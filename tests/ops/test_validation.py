@@ -45,3 +45,31 @@ def test_interpreter_on_exactly_when_triton_reads_it_on(setting, tmp_path):
         assert "triton interprets: False" in proc.stdout, proc.stdout
         hint = f"TRITON_INTERPRET=1 (when ringattn was imported, TRITON_INTERPRET was '{setting}', which this Triton"
         assert hint in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize(
+    "triton_version, numpy_version, refused",
+    [("3.6.0", "2.4.6", True), ("3.4.0", "2.4.0", True), ("3.6.0", "2.3.5", False), ("3.7.1", "2.4.6", False),
+     ("3.9.0", "2.4.6", False), ("3.6.0+git1234", "2.10.0rc1", True), ("3.10.0", "1.26.4", False)],
+)  # fmt: skip
+def test_interpreter_and_numpy_that_cannot_work_together_are_named(triton_version, numpy_version, refused):
+    """Triton before 3.7 beside numpy 2.4 or later fails inside the interpreter (a TypeError about 0-dimensional
+    arrays, deep in a kernel); ringattn names the versions and the way out instead."""
+    from ringattn.ops.validation import interpreter_problem
+
+    problem = interpreter_problem(triton_version, numpy_version)
+    if refused:
+        assert problem is not None and f"Triton {triton_version}'s interpreter" in problem
+        assert f"numpy {numpy_version}" in problem and "triton>=3.7 or numpy<2.4" in problem
+    else:
+        assert problem is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU path; GPUs compile the kernels")
+def test_a_call_where_the_interpreter_cannot_run_raises_the_problem(monkeypatch):
+    import ringattn
+    from ringattn.ops import validation
+
+    monkeypatch.setattr(validation, "_INTERPRETER_PROBLEM", "this interpreter cannot run here")
+    with pytest.raises(RuntimeError, match="this interpreter cannot run here"):
+        ringattn.flash_attn_func(*(torch.zeros(1, 8, 2, 16) for _ in range(3)))
