@@ -51,8 +51,8 @@ __all__ = [
 
 # Defaults: an H100/H200 node. NVLink 4: 450 GB/s per direction per GPU, ~0.8 of it achieved by large transfers;
 # 400 Gb/s InfiniBand per GPU = 50 GB/s. Attention rates: ringattn's forward on one H200, bf16, D = 128, causal,
-# S >= 16k (docs/performance.md, docs/benchmarks/kernel_h200.json): 587 to 624 TFLOP/s; forward+backward 450, short
-# of the 509 to 558 one fused call measures there (docs/planning.md). Latencies: one NCCL send/recv or all-to-all
+# S >= 16k (docs/performance.md, docs/benchmarks/kernel_h200.json): 597 to 620 TFLOP/s; forward+backward 450, short
+# of the 527 to 560 one fused call measures there (docs/planning.md). Latencies: one NCCL send/recv or all-to-all
 # launch, order of magnitude.
 DEFAULTS = dict(
     batch=1,
