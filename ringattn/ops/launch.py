@@ -82,10 +82,8 @@ class KernelLaunch:
             self.finish()
 
     def _launch(self) -> None:
-        if isinstance(self.kernel, InterpretedFunction):
-            with _INTERPRETER_LOCK:
-                self.kernel[self.grid](*self.args, **self.kwargs)
-        else:
+        interpreted = isinstance(self.kernel, InterpretedFunction)
+        with _INTERPRETER_LOCK if interpreted else contextlib.nullcontext():
             self.kernel[self.grid](*self.args, **self.kwargs)
 
 

@@ -311,8 +311,8 @@ _checked: "weakref.WeakKeyDictionary[dist.ProcessGroup, weakref.WeakSet]" = weak
 
 def _checked_key(grid: Grid) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(_checked's key, the member of its set) of a grid."""
-    first = grid.ring or grid.ulysses or dist.group.WORLD
-    return first, grid.ulysses or first
+    key = next((g for g in (grid.ring, grid.ulysses) if g is not None), dist.group.WORLD)
+    return key, key if grid.ulysses is None else grid.ulysses
 
 
 def agree_across_grid(call: str, grid: Grid, checks, signature: type) -> tuple:
