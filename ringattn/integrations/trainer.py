@@ -201,14 +201,17 @@ class RingTrainerMixin:
         ShardedBatch, 0-dim fp32 share): the batch's number of counted targets over every rank's shard (all
         rings) / that of all the step's batches. One all_reduce of num_batches float64 over the world.
         Returns:
-            (the batches, None): the count is in the shares, not in Trainer's num_items_in_batch.
+            (the batches, None): the count is in the shares, not in Trainer's num_items_in_batch; no batches where
+            the data ran out (Trainer then starts it again), as on every rank.
         """
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         sharded = [self.shard(inputs) for inputs in batch_samples]
-        counts = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in sharded]).double()  # (num_batches,)
+        counts = torch.zeros(num_batches, dtype=torch.float64, device=device)  # fewer batches: zeros after them
+        if sharded:
+            counts[: len(sharded)] = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in sharded])
         dist.all_reduce(counts)  # counted targets of each batch over the world
         shares = (counts / counts.sum().clamp(min=1.0)).float()  # (num_batches,)
-        for inputs, batch, share in zip(batch_samples, sharded, shares, strict=True):
+        for inputs, batch, share in zip(batch_samples, sharded, shares[: len(sharded)], strict=True):
             inputs[SHARDED] = (batch, share)
         return batch_samples, None
 

@@ -56,6 +56,21 @@ def _dataset(n):
     return samples
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    """The samples as an iterable dataset (no length: Trainer starts it again when it runs out before max_steps)."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(self.samples)
+
+
+def _train_dataset(global_batch, accumulation, streamed):
+    """The samples of STEPS steps as a list; or, `streamed`, that many samples as a _Stream."""
+    return _Stream(_dataset(streamed)) if streamed else _dataset(STEPS * global_batch * accumulation)
+
+
 def _args(out_dir, batch_size, config=TrainingArguments, accumulation=1, **overrides):
     return config(
         output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=batch_size, optim="sgd", learning_rate=0.5,
@@ -71,12 +86,12 @@ def _result(trainer, output):
     return losses, params, {**output.metrics, "total_flos": trainer.state.total_flos}  # the logger pops total_flos
 
 
-def _single_process(rank, world_size, out_dir, dtype, global_batch, accumulation):
+def _single_process(rank, world_size, out_dir, dtype, global_batch, accumulation, streamed=0):
     """Plain Trainer, eager attention, the global batch in one process."""
     model = _tiny_llama(dtype)
     model.set_attn_implementation("eager")
     args = _args(out_dir, global_batch, accumulation=accumulation)
-    trainer = Trainer(model=model, args=args, train_dataset=_dataset(STEPS * global_batch * accumulation))
+    trainer = Trainer(model=model, args=args, train_dataset=_train_dataset(global_batch, accumulation, streamed))
     return _result(trainer, trainer.train())
 
 
@@ -102,13 +117,14 @@ def _ring(world_size, cp, ulysses=1):
     )
 
 
-def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation, ulysses=1):
+def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation, ulysses=1, streamed=0):
     _launched_by_torchrun(rank, world_size)
     sp, dp = _ring(world_size, cp, ulysses), world_size // cp
     name = hf.register("ringattn-trainer", layout=sp.layout, group=sp.group, ulysses_group=sp.ulysses_group)
     model = hf.prepare(_tiny_llama(), name)
-    args = _args(out_dir, global_batch // dp, accumulation=accumulation)
-    dataset = _dataset(STEPS * global_batch * accumulation)
+    overrides = dict(accelerator_config={"dispatch_batches": False}) if streamed else {}
+    args = _args(out_dir, global_batch // dp, accumulation=accumulation, **overrides)
+    dataset = _train_dataset(global_batch, accumulation, streamed)
     trainer = RingTrainer(model=model, args=args, train_dataset=dataset, sp=sp)
     assert (trainer.rings, trainer.ring) == (dp, rank // cp)
     return _result(trainer, trainer.train())
@@ -131,8 +147,8 @@ def check_training(ranks, single_process, samples):
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
-    """(global batch, accumulation steps) -> (fp32, float64) runs of plain Trainer, each in a process of its own
-    (accelerate's state is per process)."""
+    """(global batch, accumulation steps, streamed samples or 0) -> (fp32, float64) runs of plain Trainer, each in a
+    process of its own (accelerate's state is per process)."""
     out_dir = str(tmp_path_factory.mktemp("single"))
     runs = {}
 
@@ -163,6 +179,14 @@ def test_ring_trainer_matches_single_process_training(
     samples = STEPS * global_batch * accumulation
     check_training(ranks, single_process(global_batch, accumulation), samples)
     assert ranks[0][2]["num_input_tokens_seen"] == samples * SEQLEN
+
+
+def test_an_iterable_dataset_that_runs_out_before_max_steps_starts_again(single_process, tmp_path):
+    """Regression: an iterable dataset of 3 samples, batches of 1, 5 steps: Trainer's fourth step finds the data run
+    out (no batches) and starts it again, but RingTrainer stacked the counts of no batches and raised on every rank.
+    Now it trains as single-process Trainer does."""
+    ranks = run_ranks(_ring_trainer, 2, str(tmp_path), 2, 1, 1, 1, 3, timeout=240)
+    check_training(ranks, single_process(1, 1, 3), STEPS)
 
 
 def _tokenizer():
