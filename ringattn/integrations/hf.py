@@ -627,6 +627,11 @@ def _rope_types(config) -> set[str]:
     return {str(p.get("rope_type", p.get("type", ""))) for p in (nested or [params]) if isinstance(p, dict)}
 
 
+def _innermost(module: PreTrainedModel) -> bool:
+    """Whether `module` holds no other transformers model (the base model, not a head wrapping it)."""
+    return not any(isinstance(m, PreTrainedModel) for m in module.modules() if m is not module)
+
+
 def _check_global_positions(module: PreTrainedModel) -> None:
     """Raise ValueError where `module` mixes tokens outside attention or takes positions other than the global ones
     a rank's call passes, so that each rank would compute its shard as a sequence of its own: layers carrying a
@@ -658,9 +663,8 @@ def _check_global_positions(module: PreTrainedModel) -> None:
             "pass the tokens' global positions from 0: its embeddings would be read at other positions than the "
             "unsharded model's"
         )
-    innermost = not any(isinstance(m, PreTrainedModel) for m in module.modules() if m is not module)
     takes = inspect.signature(module.forward).parameters
-    if innermost and ("input_ids" in takes or "inputs_embeds" in takes) and "position_ids" not in takes:
+    if _innermost(module) and ("input_ids" in takes or "inputs_embeds" in takes) and "position_ids" not in takes:
         raise ValueError(
             f"{kind} takes no position_ids: it numbers the tokens of each call from 0, so each rank would number its "
             "shard as a sequence of its own"
@@ -733,8 +737,7 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
         _check_global_positions(module)
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and not getattr(module, PREPARED, False):
-            innermost = not any(isinstance(m, PreTrainedModel) for m in module.modules() if m is not module)
-            module.register_forward_pre_hook(_CallCheck(module, innermost), with_kwargs=True)
+            module.register_forward_pre_hook(_CallCheck(module, _innermost(module)), with_kwargs=True)
     for module in model.modules():
         setattr(module, PREPARED, True)
     return model
