@@ -364,7 +364,7 @@ def main() -> int:
     if on_gpu:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 stays fp32 (the check compares fp32 runs)
     sp = ringattn.SequenceParallel(layout="zigzag")
-    attention = ringattn.nn.RingAttention(causal=True, layout=sp.layout, group=sp.group)
+    attention = ringattn.nn.RingAttention(causal=True, sp=sp)
     model = make_model(args, attention).to(env.device)
     ring_model = torch.compile(model) if args.compile else model  # the same parameters
     optimizer = make_optimizer(model)

@@ -100,7 +100,7 @@ def main() -> None:
         attention_dropout=0.0,
     )  # fmt: skip
     torch.manual_seed(args.seed)  # the same weights on every rank
-    model = hf.prepare(LlamaForCausalLM(config), hf.register(layout=sp.layout, group=sp.group))
+    model = hf.prepare(LlamaForCausalLM(config), hf.register(sp=sp))
 
     tokens, labels = copy_task_batch(args.samples, args.seqlen, args.vocab, args.seed)  # (samples, S) each
     dataset = [{"input_ids": t, "labels": lab} for t, lab in zip(tokens, labels, strict=True)]  # the same everywhere

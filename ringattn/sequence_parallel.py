@@ -814,3 +814,19 @@ class SequenceParallel:
         """Sum gradients over the group, or over every rank of the grid (module-level sync_gradients)."""
         place = self.grid if self.grid is not None else self.group
         _sync_gradients(parameters, place, "SequenceParallel.sync_gradients")
+
+
+def sequence_parallel_arguments(where: str, sp, **given) -> tuple:
+    """(layout, group, ulysses_group) of SequenceParallel `sp`, taken by `where` (RingAttention, hf.register) in
+    place of the arguments `given` by name, which must all be None: the attention then runs over the groups and in the
+    layout that sharded its inputs.
+
+    Raises:
+        TypeError: sp is not a SequenceParallel.
+        ValueError: some of `given` are set.
+    """
+    if not isinstance(sp, SequenceParallel):
+        raise TypeError(f"sp must be a ringattn.SequenceParallel or None, got {type(sp).__name__}")
+    if names := [name for name, value in given.items() if value is not None]:
+        raise ValueError(f"{where} takes its groups and layout from sp: pass sp without {', '.join(names)}")
+    return sp.layout, sp.group, sp.ulysses_group

@@ -126,7 +126,7 @@ class Runner:
 
     def __init__(self, provider: str, model_args, sp: ringattn.SequenceParallel, device: torch.device):
         if provider == "ringattn":
-            attention = ringattn.nn.RingAttention(causal=True, layout=sp.layout, group=sp.group)
+            attention = ringattn.nn.RingAttention(causal=True, sp=sp)
         else:
             attention = SdpaAttention(SDPA_BACKENDS[provider])
         self.provider, self.args, self.sp, self.device = provider, model_args, sp, device

@@ -116,7 +116,7 @@ from ..parallel.documents import check_cu_seqlens, check_cu_seqlens_tensor
 from ..parallel.grid import Grid, GridSignature, agree_across_grid, grid_arguments, shared_grid_refusals
 from ..parallel.groups import Group, ring_group
 from ..parallel.layout import check_layout, check_local_seqlen, grid_shard_indices, shard_indices
-from ..sequence_parallel import document_positions
+from ..sequence_parallel import SequenceParallel, document_positions, sequence_parallel_arguments
 from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
 
 try:
@@ -746,7 +746,8 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
 def register(
     name: str = NAME,
     *,
-    layout: str = "zigzag",
+    sp: SequenceParallel | None = None,
+    layout: str | None = None,
     group: Group = None,
     ulysses_group: Group = None,
     mesh: DeviceMesh | None = None,
@@ -755,12 +756,14 @@ def register(
 
     After this, `prepare(model, name)` selects it for a model (or `from_pretrained(..., attn_implementation=name)`,
     then `prepare(model, name)`). Shard inputs with the same group (groups) and layout
-    (ringattn.SequenceParallel(group, layout, ulysses_group=..., mesh=...)).
+    (ringattn.SequenceParallel(group, layout, ulysses_group=..., mesh=...)), or pass that SequenceParallel as `sp`.
     Register two names to use two layouts or groups side by side.
 
     Args:
         name: the attn_implementation name.
-        layout: "zigzag" (default) or "contiguous".
+        sp: the ringattn.SequenceParallel that shards the inputs: its groups and layout, in place of the four
+            arguments below.
+        layout: "zigzag" (None: the default) or "contiguous".
         group: the sequence-parallel process group, the ring (default: the world; with ulysses_group, no ring: degree
             1), or a 1-D DeviceMesh (a (dp, cp) mesh's mesh["cp"]).
         ulysses_group: the Ulysses group of a 2-D grid (a ProcessGroup or a 1-D DeviceMesh): the attention then runs
@@ -770,11 +773,17 @@ def register(
     Returns:
         name.
     Raises:
-        ValueError: unknown layout; a DeviceMesh of more than one dimension as a group; a mesh without dimensions
-            "ulysses" and "ring", or a mesh together with groups.
-        TypeError: a group that is not a ProcessGroup, a DeviceMesh or None.
+        ValueError: sp together with layout, group, ulysses_group or mesh; unknown layout; a DeviceMesh of more than
+            one dimension as a group; a mesh without dimensions "ulysses" and "ring", or a mesh together with groups.
+        TypeError: an sp that is not a SequenceParallel; a group that is not a ProcessGroup, a DeviceMesh or None.
         RuntimeError: ulysses_group or mesh without torch.distributed initialised.
     """
+    if sp is not None:
+        layout, group, ulysses_group = sequence_parallel_arguments(
+            "hf.register", sp, layout=layout, group=group, ulysses_group=ulysses_group, mesh=mesh
+        )
+    elif layout is None:
+        layout = "zigzag"
     if ulysses_group is None and mesh is None:
         group = ring_group(group)
         fn = RingAttentionForTransformers(group, layout, name)

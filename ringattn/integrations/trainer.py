@@ -5,9 +5,9 @@
     from ringattn.integrations.trainer import RingTrainer
     mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))  # dp rings of cp ranks, W = dp * cp
     sp = ringattn.SequenceParallel(mesh.get_group("cp"), layout="zigzag")  # or SequenceParallel(): one ring of all
-    hf.register(layout=sp.layout, group=sp.group)
+    hf.register(sp=sp)
     # 2-D: mesh = init_device_mesh("cuda", (dp, R, U), mesh_dim_names=("dp", "ring", "ulysses")), then
-    # sp = ringattn.SequenceParallel(mesh=mesh) and hf.register(layout=sp.layout, mesh=mesh): dp grids of U x R ranks
+    # sp = ringattn.SequenceParallel(mesh=mesh) and hf.register(sp=sp): dp grids of U x R ranks
     model = hf.prepare(model)
     RingTrainer(model=model, args=TrainingArguments(...), train_dataset=dataset, sp=sp).train()
 
@@ -101,7 +101,7 @@ class RingTrainerMixin:
 
     Put it first: `class MyTrainer(RingTrainerMixin, SomeTrainer)`; construct with the base's arguments plus `sp`,
     on every rank. The model must be prepared for ring attention over sp's group in sp's layout
-    (hf.register(layout=sp.layout, group=sp.group), then hf.prepare(model)).
+    (hf.register(sp=sp), then hf.prepare(model)).
 
     Args:
         sp: the SequenceParallel of this rank's ring (keyword only).

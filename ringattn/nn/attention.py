@@ -11,6 +11,7 @@ from ..ops.validation import check_flag, check_flash_attn_options, check_softmax
 from ..parallel.grid import grid_arguments
 from ..parallel.groups import Group, copy_sharing_groups, ring_group
 from ..parallel.layout import check_layout
+from ..sequence_parallel import SequenceParallel, sequence_parallel_arguments
 from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
 
 
@@ -29,14 +30,16 @@ class RingAttention(nn.Module):
     (ringattn.ulysses_ring_attn_func).
 
     No parameters: q, k, v come from the model's own projections. Every rank of the group (of the grid) calls
-    forward with its shard, in the same `layout` its tokens were sharded with (ringattn.SequenceParallel's
-    sp.layout, or ringattn.shard's, with the same groups): `layout` has no default, since a mismatch would give
-    wrong results silently.
+    forward with its shard, over the groups and in the layout its tokens were sharded with: `sp=` takes both from
+    the ringattn.SequenceParallel that sharded them; otherwise `layout` has no default (ringattn.shard's, with the
+    same groups), since a mismatch of either would give wrong results silently.
 
     Args:
         causal: causal over global positions.
         softmax_scale: defaults to 1 / sqrt(headdim).
-        layout: "contiguous" or "zigzag", required (keyword-only).
+        sp: the ringattn.SequenceParallel that shards the inputs: its groups (group, or ulysses_group and group) and
+            its layout, in place of the four arguments below (keyword-only).
+        layout: "contiguous" or "zigzag", required without sp (keyword-only).
         group: the process group forming the ring (default: the world; with ulysses_group, no ring: degree 1), or a
             1-D DeviceMesh (a (dp, cp) mesh's mesh["cp"]).
         window_size, softcap, deterministic: a sliding window, logit soft-capping and gradients with the same bits
@@ -45,11 +48,12 @@ class RingAttention(nn.Module):
         mesh: instead of the groups, a DeviceMesh with dimensions named "ulysses" and "ring" (as
             ulysses_ring_attn_func takes).
     Raises (here, not at the first forward):
-        ValueError: unknown layout; a softmax_scale, window_size or softcap out of range (as ring_attn_func); a
-            DeviceMesh of more than one dimension as a group; a mesh without dimensions "ulysses" and "ring", or a
-            mesh together with a group.
-        TypeError: a causal or deterministic that is not a bool; a softmax_scale, window_size or softcap of the
-            wrong type; a group that is not a ProcessGroup, a DeviceMesh or None.
+        ValueError: sp together with layout, group, ulysses_group or mesh; unknown layout; a softmax_scale,
+            window_size or softcap out of range (as ring_attn_func); a DeviceMesh of more than one dimension as a
+            group; a mesh without dimensions "ulysses" and "ring", or a mesh together with a group.
+        TypeError: neither sp nor layout; an sp that is not a SequenceParallel; a causal or deterministic that is not
+            a bool; a softmax_scale, window_size or softcap of the wrong type; a group that is not a ProcessGroup, a
+            DeviceMesh or None.
         RuntimeError: ulysses_group or mesh without torch.distributed initialised.
     """
 
@@ -58,7 +62,8 @@ class RingAttention(nn.Module):
         causal: bool = False,
         softmax_scale: float | None = None,
         *,
-        layout: str,
+        sp: SequenceParallel | None = None,
+        layout: str | None = None,
         group: Group = None,
         window_size: tuple[int, int] = (-1, -1),
         softcap: float = 0.0,
@@ -67,6 +72,15 @@ class RingAttention(nn.Module):
         mesh: DeviceMesh | None = None,
     ):
         super().__init__()
+        if sp is not None:
+            layout, group, ulysses_group = sequence_parallel_arguments(
+                "RingAttention", sp, layout=layout, group=group, ulysses_group=ulysses_group, mesh=mesh
+            )
+        elif layout is None:
+            raise TypeError(
+                "RingAttention needs sp= (the SequenceParallel that shards its inputs) or layout= (the layout they "
+                "were sharded in, with the same groups)"
+            )
         if ulysses_group is None and mesh is None:
             group, self.ulysses_group = ring_group(group), None
         else:  # groups standing for the grid; checked, and the mesh's dimensions taken, here

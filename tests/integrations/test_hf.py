@@ -397,6 +397,8 @@ def test_attn_implementation_selected_by_name(tmp_path):
     assert fn.layout == "zigzag" and fn.group is None
     with pytest.raises(ValueError, match="layout must be one of"):
         hf.register("ringattn-bad", layout="striped")
+    with pytest.raises(TypeError, match="sp must be a ringattn.SequenceParallel or None, got str"):
+        hf.register("ringattn-bad", sp="zigzag")
     # regression: prepare left a model whose attention is its own code on eager, without a word (each rank then
     # attended within its shard), and Falcon's ALiBi failed inside transformers with an AttributeError
     bloom_config = transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=VOCAB)

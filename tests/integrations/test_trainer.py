@@ -120,7 +120,9 @@ def _ring(world_size, cp, ulysses=1):
 def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation, ulysses=1, streamed=0):
     _launched_by_torchrun(rank, world_size)
     sp, dp = _ring(world_size, cp, ulysses), world_size // cp
-    name = hf.register("ringattn-trainer", layout=sp.layout, group=sp.group, ulysses_group=sp.ulysses_group)
+    name = hf.register("ringattn-trainer", sp=sp)  # sp's groups (a ring, or a Ulysses x ring grid) and layout
+    with pytest.raises(ValueError, match="hf.register takes its groups and layout from sp: pass sp without layout"):
+        hf.register("ringattn-bad", sp=sp, layout=sp.layout)
     model = hf.prepare(_tiny_llama(), name)
     overrides = dict(accelerator_config={"dispatch_batches": False}) if streamed else {}
     args = _args(out_dir, global_batch // dp, accumulation=accumulation, **overrides)

@@ -124,6 +124,40 @@ def test_layer_takes_the_boundaries_of_a_padded_batch():
     assert run_ranks(_layer_with_boundaries_matches_reference, 2) == [True, True]
 
 
+def _layer_from_sequence_parallel_matches_reference(rank, world_size):
+    """Each rank a sequence of its own (data parallel over the world, sequence parallel over a group of one): the
+    layer built from the SequenceParallel runs over its group, not over the world that a layer built with a layout
+    alone would mix both sequences in."""
+    own = [torch.distributed.new_group([r]) for r in range(world_size)][rank]  # every process creates every group
+    sp = ringattn.SequenceParallel(group=own, layout="zigzag")
+    layer = ringattn.nn.RingAttention(causal=True, sp=sp)
+    assert layer.group is own and layer.layout == "zigzag"
+    q, k, v, dout = make_qkv(1, 8, 8, 2, 2, 16, torch.float32, device="cpu", seed=11 + rank)
+    q_l, k_l, v_l = (sp.shard(t).detach().requires_grad_() for t in (q, k, v))
+    out = layer(q_l, k_l, v_l)
+    out.backward(sp.shard(dout))
+    args = (q, k, v, dout, 0.25, True)
+    ref, pt = reference_attention(*args, torch.float64), reference_attention(*args, torch.float32)
+    check_close(f"rank {rank} out", out, pt[0], ref[0])
+    grad_scale = max(magnitude(g) for g in ref[2:])
+    for name, ours, i in (("dq", q_l.grad, 2), ("dk", k_l.grad, 3), ("dv", v_l.grad, 4)):
+        check_close(f"rank {rank} {name}", ours, pt[i], ref[i], grad_scale)
+    with pytest.raises(ValueError, match="from sp: pass sp without layout, group"):
+        ringattn.nn.RingAttention(sp=sp, layout="zigzag", group=own)
+    with pytest.raises(TypeError, match="sp must be a ringattn.SequenceParallel or None, got ProcessGroup"):
+        ringattn.nn.RingAttention(sp=own)
+    with pytest.raises(TypeError, match="needs sp= .* or layout="):
+        ringattn.nn.RingAttention(causal=True)
+    return True
+
+
+@cpu_only
+def test_layer_takes_its_group_and_layout_from_a_sequence_parallel():
+    """RingAttention(sp=sp): the SequenceParallel's group and layout, so that the two cannot disagree; sp beside a
+    layout or group, an sp of another type, and neither sp nor layout are refused at construction."""
+    assert run_ranks(_layer_from_sequence_parallel_matches_reference, 2) == [True, True]
+
+
 def _grid_layer_matches_reference(rank, world_size):
     """2 x 2 (a mesh) and 4 x 1 (ulysses_group the world, no ring: pure Ulysses, K/V heads 2 < U = 4)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -134,14 +168,17 @@ def _grid_layer_matches_reference(rank, world_size):
     grids = {
         "U2xR2-mesh": (dict(mesh=mesh), (mesh.get_local_rank("ulysses"), 2, mesh.get_local_rank("ring"), 2)),
         "U4xR1-groups": (dict(ulysses_group=torch.distributed.group.WORLD), (rank, 4, 0, 1)),
-    }
+        "U2xR2-sp": (dict(sp=ringattn.SequenceParallel(mesh=mesh, layout="zigzag")),
+                     (mesh.get_local_rank("ulysses"), 2, mesh.get_local_rank("ring"), 2)),
+    }  # fmt: skip
     seqlen, scale = 2 * 3 * world_size, 0.2  # pieces of 6 tokens; a scale that is not the default
     q, k, v, dout = make_qkv(2, seqlen, seqlen, 4, 2, 24, torch.float32, device="cpu", seed=5)
     ref = reference_attention(q, k, v, dout, scale, True, torch.float64)
     pt = reference_attention(q, k, v, dout, scale, True, torch.float32)
     grad_scale = max(magnitude(g) for g in ref[2:])
     for where, (groups, (u, size_u, r, size_r)) in grids.items():
-        layer = ringattn.nn.RingAttention(causal=True, softmax_scale=scale, layout="zigzag", **groups)
+        groups = groups if "sp" in groups else dict(groups, layout="zigzag")
+        layer = ringattn.nn.RingAttention(causal=True, softmax_scale=scale, **groups)
         idx = ringattn.grid_shard_indices(seqlen, u, size_u, r, size_r, "zigzag")
         q_l, k_l, v_l = (t[:, idx].requires_grad_() for t in (q, k, v))
         out, lse = layer(q_l, k_l, v_l, return_lse=True)
