@@ -248,11 +248,12 @@ def test_the_layout_has_no_default():
         "ring_attn_varlen_func": lambda: ringattn.ring_attn_varlen_func(q[0], q[0], q[0], cu_seqlens),
         "ulysses_ring_attn_func": lambda: ringattn.ulysses_ring_attn_func(q, q, q, causal=True),
         "ulysses_ring_attn_varlen_func": lambda: ringattn.ulysses_ring_attn_varlen_func(q[0], q[0], q[0], cu_seqlens),
-        "__init__": lambda: ringattn.nn.RingAttention(causal=True),
     }
     for name, call in calls.items():
         with pytest.raises(TypeError, match=rf"{name}\(\) missing 1 required keyword-only argument: 'layout'"):
             call()
+    with pytest.raises(TypeError, match=r"RingAttention needs sp= \(the SequenceParallel that shards its inputs\) or"):
+        ringattn.nn.RingAttention(causal=True)  # the layout, or the SequenceParallel that gives it
 
 
 @pytest.mark.parametrize(
