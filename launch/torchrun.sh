@@ -23,6 +23,8 @@
 #                     with a suffix s, m, h or d (coreutils timeout's); default: no limit
 #   RINGATTN_TIMEOUT  seconds a collective may wait in scripts that use ringattn.distributed
 #                     (default 300): a hang becomes an error on every rank
+#
+# Exit status: 0; the exit status of the rank that failed first (2: bad arguments); 124 after TIMEOUT.
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
@@ -116,8 +118,19 @@ if [[ -n "${TIMEOUT:-}" ]]; then
   run=(timeout --signal=TERM --kill-after=30 "$TIMEOUT" "${run[@]}")
 fi
 
+# torchrun's stderr is kept in a file as well, for the exit status of the rank that failed first: torchrun itself
+# exits 1, where the rank's own status (2: bad arguments) says more
+err_log=$(mktemp "${TMPDIR:-/tmp}/ringattn-torchrun.XXXXXX")
 status=0
-"${run[@]}" "$@" || status=$?
+{ "${run[@]}" "$@" 2>&1 1>&3 3>&- | tee "$err_log" >&2; } 3>&1 || status=$?
+if [[ "$status" -eq 1 ]]; then
+  # torchrun's summary: "Root Cause (first observed failure):" ... "exitcode  : 2 (pid: ...)"
+  first=$(awk '/Root Cause/ { root = 1 } root && /exitcode *:/ { sub(/.*exitcode *: */, ""); print $1; exit }' "$err_log")
+  if [[ "$first" =~ ^[1-9][0-9]*$ && "$first" -le 255 ]]; then
+    status="$first"
+  fi
+fi
+rm -f "$err_log"
 
 if [[ "$status" -eq 124 && -n "${TIMEOUT:-}" ]]; then
   echo "torchrun.sh: stopped after TIMEOUT=${TIMEOUT}" >&2
