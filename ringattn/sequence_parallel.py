@@ -64,7 +64,7 @@ from .parallel.grid import (
     grid_arguments,
     shared_grid_refusals,
 )
-from .parallel.groups import Group, copy_sharing_groups, ring_group
+from .parallel.groups import Group, check_live, copy_sharing_groups, ring_group
 from .parallel.layout import (
     check_layout,
     check_pad_value,
@@ -823,10 +823,13 @@ def sequence_parallel_arguments(where: str, sp, **given) -> tuple:
 
     Raises:
         TypeError: sp is not a SequenceParallel.
-        ValueError: some of `given` are set.
+        ValueError: some of `given` are set; sp's groups were destroyed (dist.destroy_process_group).
     """
     if not isinstance(sp, SequenceParallel):
         raise TypeError(f"sp must be a ringattn.SequenceParallel or None, got {type(sp).__name__}")
     if names := [name for name, value in given.items() if value is not None]:
         raise ValueError(f"{where} takes its groups and layout from sp: pass sp without {', '.join(names)}")
+    for name in ("group", "ulysses_group"):
+        if getattr(sp, name) is not None:
+            check_live(getattr(sp, name), f"sp.{name}")
     return sp.layout, sp.group, sp.ulysses_group

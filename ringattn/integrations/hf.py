@@ -775,9 +775,13 @@ def register(
     Raises:
         ValueError: sp together with layout, group, ulysses_group or mesh; unknown layout; a DeviceMesh of more than
             one dimension as a group; a mesh without dimensions "ulysses" and "ring", or a mesh together with groups.
-        TypeError: an sp that is not a SequenceParallel; a group that is not a ProcessGroup, a DeviceMesh or None.
+        TypeError: a name that is not a str; an sp that is not a SequenceParallel; a group that is not a
+            ProcessGroup, a DeviceMesh or None.
         RuntimeError: ulysses_group or mesh without torch.distributed initialised.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str (the attn_implementation name), got {type(name).__name__}: pass a "
+                        "SequenceParallel as sp=sp")  # fmt: skip
     if sp is not None:
         layout, group, ulysses_group = sequence_parallel_arguments(
             "hf.register", sp, layout=layout, group=group, ulysses_group=ulysses_group, mesh=mesh

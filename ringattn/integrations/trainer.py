@@ -156,8 +156,7 @@ class RingTrainerMixin:
         if not prepared or fn.layout != self.sp.layout or not self._same_groups(fn):
             raise ValueError(
                 f"model: prepare it for ring attention over sp's group in sp's layout ({self.sp.layout!r}) on every "
-                "rank: hf.prepare(model, hf.register(name, layout=sp.layout, group=sp.group)), over a grid "
-                "hf.register(name, layout=sp.layout, group=sp.group, ulysses_group=sp.ulysses_group); got "
+                "rank: hf.prepare(model, hf.register(name, sp=sp)); got "
                 f"attn_implementation={name!r}" + (f" ({fn!r})" if prepared else "")
             )
 

@@ -83,8 +83,14 @@ def _alone_if_single(group: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
     return None if group is None or dist.get_world_size(group) == 1 else group
 
 
-def grid_groups(ulysses_group: Group = None, ring_group_: Group = None, mesh: DeviceMesh | None = None) -> Grid:
-    """The Grid a call's `ulysses_group`, `ring_group` and `mesh` arguments stand for.
+def grid_groups(
+    ulysses_group: Group = None,
+    ring_group_: Group = None,
+    mesh: DeviceMesh | None = None,
+    ring_name: str = "ring_group",
+) -> Grid:
+    """The Grid a call's `ulysses_group`, `ring_group` and `mesh` arguments stand for; `ring_name` is what the caller
+    calls its ring argument (ring_group, or group), for the errors.
 
     - mesh: a DeviceMesh with dimensions named "ulysses" and "ring" (and possibly others, e.g. "dp"); the groups
       must then be None.
@@ -113,7 +119,7 @@ def grid_groups(ulysses_group: Group = None, ring_group_: Group = None, mesh: De
         ulysses, ring = (check_live(mesh.get_group(dim), f"mesh[{dim!r}]") for dim in ("ulysses", "ring"))
         return Grid(_alone_if_single(ulysses), _alone_if_single(ring))
     ulysses = ring_group(ulysses_group, name="ulysses_group")
-    ring = ring_group(ring_group_, name="ring_group")
+    ring = ring_group(ring_group_, name=ring_name)
     if ulysses_group is None:
         return Grid(None, _alone_if_single(ring if ring is not None else dist.group.WORLD))
     return Grid(_alone_if_single(ulysses), _alone_if_single(ring))
@@ -133,10 +139,10 @@ def grid_arguments(
     """
     if ulysses_group is None and mesh is None:
         raise ValueError("a Ulysses x ring grid needs ulysses_group or a mesh with dimensions 'ulysses' and 'ring'")
-    grid = grid_groups(ulysses_group, ring_group_, mesh)
+    grid = grid_groups(ulysses_group, ring_group_, mesh, ring_name="group")
     if mesh is not None:
         return grid, mesh.get_group("ulysses"), mesh.get_group("ring")
-    return grid, ring_group(ulysses_group, name="ulysses_group"), ring_group(ring_group_, name="ring_group")
+    return grid, ring_group(ulysses_group, name="ulysses_group"), ring_group(ring_group_, name="group")
 
 
 def grid_all_gather(tensor: torch.Tensor, grid: Grid) -> torch.Tensor:

@@ -214,7 +214,7 @@ def shard(x: torch.Tensor, dim: int = 1, group: Group = None, layout: str = "zig
         RuntimeError: torch.distributed not initialised.
     """
     if ulysses_group is not None:
-        return _grid_shard(x, dim, grid_groups(ulysses_group, group), layout)
+        return _grid_shard(x, dim, grid_groups(ulysses_group, group, ring_name="group"), layout)
     group = ring_group(group)
     with shared_refusals("shard", group):
         check_layout(layout)
@@ -253,7 +253,7 @@ def unshard(
         RuntimeError: torch.distributed not initialised.
     """
     if ulysses_group is not None:
-        return _grid_unshard(x_local, dim, grid_groups(ulysses_group, group), layout)
+        return _grid_unshard(x_local, dim, grid_groups(ulysses_group, group, ring_name="group"), layout)
     group = ring_group(group)
     with shared_refusals("unshard", group):
         check_layout(layout)
@@ -303,7 +303,7 @@ def position_ids(
     """
     check_layout(layout)
     if ulysses_group is not None:
-        grid = grid_groups(ulysses_group, group)
+        grid = grid_groups(ulysses_group, group, ring_name="group")
         return grid_shard_indices(seqlen, grid.ulysses_rank, grid.ulysses_size, grid.ring_rank, grid.ring_size,
                                   layout, device=device)  # fmt: skip
     rank, world_size = _group_rank_and_size(ring_group(group))

@@ -123,6 +123,8 @@ def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation, uly
     name = hf.register("ringattn-trainer", sp=sp)  # sp's groups (a ring, or a Ulysses x ring grid) and layout
     with pytest.raises(ValueError, match="hf.register takes its groups and layout from sp: pass sp without layout"):
         hf.register("ringattn-bad", sp=sp, layout=sp.layout)
+    with pytest.raises(TypeError, match="name must be a str .* got SequenceParallel: pass a SequenceParallel as sp="):
+        hf.register(sp)  # sp where the name goes
     model = hf.prepare(_tiny_llama(), name)
     overrides = dict(accelerator_config={"dispatch_batches": False}) if streamed else {}
     args = _args(out_dir, global_batch // dp, accumulation=accumulation, **overrides)

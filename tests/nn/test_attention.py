@@ -194,6 +194,9 @@ def _grid_layer_matches_reference(rank, world_size):
         )
     with pytest.raises(ValueError, match="pass either mesh or process groups"):
         ringattn.nn.RingAttention(mesh=mesh, group=mesh["ring"], layout="contiguous")
+    # the ring is `group` here (ring_group is ulysses_ring_attn_func's name for it)
+    with pytest.raises(TypeError, match="^group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None"):
+        ringattn.nn.RingAttention(ulysses_group=torch.distributed.group.WORLD, group="ring", layout="contiguous")
     return True
 
 

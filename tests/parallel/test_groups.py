@@ -118,6 +118,7 @@ def test_a_destroyed_group_is_refused_not_taken_for_the_group_now_of_its_name(tm
         old = dist.new_group([0])
         layer = ringattn.nn.RingAttention(causal=True, layout="zigzag", group=old)
         sp = ringattn.SequenceParallel(layout="zigzag")  # the world: its rank is read at each use
+        sp_old = ringattn.SequenceParallel(group=old, layout="zigzag")
         dist.destroy_process_group()
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/b", rank=0, world_size=1)
         new = dist.new_group([0])
@@ -127,5 +128,8 @@ def test_a_destroyed_group_is_refused_not_taken_for_the_group_now_of_its_name(tm
             with pytest.raises(ValueError, match="group is a process group that dist.destroy_process_group took down"):
                 call()
         assert (sp.rank, sp.world_size) == (0, 1) and sp.position_ids(8).tolist() == list(range(8))
+        # a layer built from a SequenceParallel of the old group names sp's group, not an argument never passed
+        with pytest.raises(ValueError, match="sp.group is a process group that dist.destroy_process_group took"):
+            ringattn.nn.RingAttention(causal=True, sp=sp_old)
     finally:
         dist.destroy_process_group()
