@@ -121,6 +121,7 @@ fi
 # torchrun's stderr is kept in a file as well, for the exit status of the rank that failed first: torchrun itself
 # exits 1, where the rank's own status (2: bad arguments) says more
 err_log=$(mktemp "${TMPDIR:-/tmp}/ringattn-torchrun.XXXXXX")
+trap 'rm -f "$err_log"' EXIT
 status=0
 { "${run[@]}" "$@" 2>&1 1>&3 3>&- | tee "$err_log" >&2; } 3>&1 || status=$?
 if [[ "$status" -eq 1 ]]; then
@@ -130,7 +131,6 @@ if [[ "$status" -eq 1 ]]; then
     status="$first"
   fi
 fi
-rm -f "$err_log"
 
 if [[ "$status" -eq 124 && -n "${TIMEOUT:-}" ]]; then
   echo "torchrun.sh: stopped after TIMEOUT=${TIMEOUT}" >&2
