@@ -48,7 +48,7 @@ from .parallel.documents import (
     document_ids,
     shard_documents,
 )
-from .parallel.groups import Group, ring_group
+from .parallel.groups import Group, or_world, ring_group
 from .parallel.steps import state_dtype
 
 
@@ -362,7 +362,7 @@ def check_ring_inputs(
         raise RuntimeError(
             f"{call} needs torch.distributed initialised (dist.init_process_group); for one device use flash_attn_func"
         )
-    return scale, (group if group is not None else dist.group.WORLD).group_name
+    return scale, or_world(group).group_name
 
 
 def check_ring_group(q: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -64,7 +64,7 @@ from .parallel.grid import (
     grid_arguments,
     shared_grid_refusals,
 )
-from .parallel.groups import Group, check_live, copy_sharing_groups, ring_group
+from .parallel.groups import Group, check_live, copy_sharing_groups, or_world, ring_group
 from .parallel.layout import (
     check_layout,
     check_pad_value,
@@ -262,7 +262,7 @@ def _cross_entropy(logits, labels, place, ignore_index: int, grad_reduction: str
     if isinstance(place, Grid):  # "" for a dimension of degree 1
         names, ranks = ["" if g is None else g.group_name for g in (place.ulysses, place.ring)], place.size
     else:
-        group = dist.group.WORLD if place is None else place
+        group = or_world(place)
         names, ranks = [group.group_name], dist.get_world_size(group)
     totals = cross_entropy_totals_op(stats, names, agree, ignore_index, grad_reduction, logits.shape[-1])
     total, count = totals[0], totals[1].clamp(min=1.0)

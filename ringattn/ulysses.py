@@ -13,7 +13,6 @@ Signatures follow ring_attn_func's: every argument after q, k, v (and cu_seqlens
 """
 
 import torch
-import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .functional import (
@@ -29,7 +28,7 @@ from .ops.validation import check_flag, check_flash_attn_options
 from .parallel.agreement import ring_signature
 from .parallel.documents import check_cu_seqlens_tensor, checked_fingerprint
 from .parallel.grid import Grid, UlyssesRingSignature, agree_across_grid, grid_groups, shared_grid_refusals
-from .parallel.groups import Group
+from .parallel.groups import Group, or_world
 from .parallel.layout import check_layout, chunks_per_rank
 from .parallel.ulysses import heads_to_seq, rank_heads, seq_to_heads
 
@@ -285,4 +284,4 @@ def _own_group(ring_group: Group, mesh, ulysses_group: Group) -> Group:
         return mesh.get_group("ring")
     if ring_group is not None:
         return ring_group
-    return ulysses_group if ulysses_group is not None else dist.group.WORLD
+    return or_world(ulysses_group)

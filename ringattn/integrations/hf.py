@@ -114,7 +114,7 @@ from ..nn.attention import in_autocast_dtype
 from ..parallel.agreement import shared_refusals
 from ..parallel.documents import check_cu_seqlens, check_cu_seqlens_tensor
 from ..parallel.grid import Grid, GridSignature, agree_across_grid, grid_arguments, shared_grid_refusals
-from ..parallel.groups import Group, ring_group
+from ..parallel.groups import Group, or_world, ring_group
 from ..parallel.layout import check_layout, check_local_seqlen, grid_shard_indices, shard_indices
 from ..sequence_parallel import SequenceParallel, document_positions, sequence_parallel_arguments
 from ..ulysses import ulysses_ring_attn_func, ulysses_ring_attn_varlen_func
@@ -313,7 +313,7 @@ class RingAttentionForTransformers:
             ring, ulysses = (g.group_name if g is not None else "" for g in (self.grid.ring, self.grid.ulysses))
             return checked_position_ids_op(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, tokens, ring,
                                            self.layout, self.name, ulysses)  # fmt: skip
-        group = self.group if self.group is not None else dist.group.WORLD
+        group = or_world(self.group)
         return checked_position_ids_op(position_ids, cu_seqlens_q, cu_seqlens_k, attention_mask, tokens,
                                        group.group_name, self.layout, self.name)  # fmt: skip
 

@@ -50,6 +50,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "(or pip install transformers accelerate)"
     ) from e
 
+from ..parallel.groups import or_world
 from ..sequence_parallel import IGNORE_INDEX, SequenceParallel, ShardedBatch, cross_entropy
 from . import hf
 
@@ -62,7 +63,7 @@ SHARDED = "ringattn_sharded"  # the key get_batch_samples adds to each batch
 
 def _ranks(group: dist.ProcessGroup | None) -> list[int]:
     """The global ranks of a process group (None: the world)."""
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.get_process_group_ranks(or_world(group))
 
 
 def _sequence_groups(sp: SequenceParallel) -> tuple[tuple[int, ...], tuple[int, ...]]:

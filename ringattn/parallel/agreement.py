@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import CommunicationError, check_usable, mark_unusable, p2p_timeout_s, wait_all
+from .groups import or_world
 
 AGREEMENT_ENV = "RINGATTN_AGREEMENT"
 AGREEMENT_MODES = ("always", "off")
@@ -457,7 +458,7 @@ def cpu_channel(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, lis
     all_gather on the group is the only GPU work) and shared by the groups of the same ranks: no wait for the stream
     at the calls after.
     """
-    group = group if group is not None else dist.group.WORLD
+    group = or_world(group)
     found = _channels.get(group)
     if found is None:
         if "gloo" in str(dist.get_backend(group)).lower():

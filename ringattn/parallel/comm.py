@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .groups import or_world
+
 P2P_TIMEOUT_ENV = "RINGATTN_P2P_TIMEOUT_S"
 GROUP_TIMEOUT_ENV = "RINGATTN_TIMEOUT"  # ringattn.distributed's process-group timeout, the fallback
 DEFAULT_P2P_TIMEOUT_S = 300.0
@@ -68,21 +70,17 @@ class CommunicationError(RuntimeError):
 _unusable: "weakref.WeakKeyDictionary[dist.ProcessGroup, str]" = weakref.WeakKeyDictionary()
 
 
-def _or_world(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.group.WORLD
-
-
 def mark_unusable(group: dist.ProcessGroup | None, why: str) -> None:
     """Record that no further exchange may use `group` (None: the world) on this rank, and `why` (the first reason
     is kept): what its peers have pending is unknown, or its ranks are out of step (check_usable raises)."""
-    _unusable.setdefault(_or_world(group), why)
+    _unusable.setdefault(or_world(group), why)
 
 
 def check_usable(group: dist.ProcessGroup | None, what: str) -> None:
     """Raise CommunicationError naming `what` when an earlier call left `group` unusable on this rank (mark_unusable),
     before any exchange on it: one would pair with a peer's pending or other call, which gloo may answer by
     aborting the process, or return another call's data."""
-    why = _unusable.get(_or_world(group))
+    why = _unusable.get(or_world(group))
     if why is not None:
         raise CommunicationError(
             f"{what}: the group cannot be used again on this rank: {why}. Exit, or destroy the group and create a "
@@ -130,7 +128,7 @@ class RingComm:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None):
-        self.group = _or_world(group)
+        self.group = or_world(group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.send_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.world_size)

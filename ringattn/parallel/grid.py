@@ -34,7 +34,7 @@ from .agreement import (
 )
 from .agreement import shared_refusals as _shared_refusals
 from .comm import CommunicationError
-from .groups import Group, check_live, ring_group
+from .groups import Group, check_live, or_world, ring_group
 
 MESH_DIMS = ("ulysses", "ring")  # the dimension names a 2-D DeviceMesh must have
 
@@ -121,7 +121,7 @@ def grid_groups(
     ulysses = ring_group(ulysses_group, name="ulysses_group")
     ring = ring_group(ring_group_, name=ring_name)
     if ulysses_group is None:
-        return Grid(None, _alone_if_single(ring if ring is not None else dist.group.WORLD))
+        return Grid(None, _alone_if_single(or_world(ring)))
     return Grid(_alone_if_single(ulysses), _alone_if_single(ring))
 
 

@@ -12,6 +12,11 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 Group = dist.ProcessGroup | DeviceMesh | None  # what a `group` argument takes
 
 
+def or_world(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """group, or the world's ProcessGroup for None (the default group)."""
+    return group if group is not None else dist.group.WORLD
+
+
 def ring_group(group: Group, name: str = "group") -> dist.ProcessGroup | None:
     """The ProcessGroup (None: the default group) that `group` stands for.
 
