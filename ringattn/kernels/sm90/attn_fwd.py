@@ -56,15 +56,23 @@ def _softmax_tile(s, m_i, l_i, n0, band, MASKED: gl.constexpr, LOWER: gl.constex
     MASKED masks keys past seqlen_k and outside each row's band (lower, upper) with -inf; a row with no key yet
     keeps m = -inf and gets P = 0."""
     offs_m, seqlen_k, lower, upper, qk_scale, cap_scale = band
-    if SOFTCAP:
-        s = _tanh(s * cap_scale)
     if MASKED:
         offs_n = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
         visible = offs_n[None, :] < seqlen_k
         if LOWER or UPPER:
             visible = visible & _band_visible(offs_m[:, None], offs_n[None, :], lower, upper, LOWER, UPPER)
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    s_max = gl.max(s, 1)
+    if SOFTCAP:
+        # tanh is increasing: the capped row max is the max's tanh, so the max runs beside the tanh of the scores,
+        # not after it (a row with every key masked keeps -inf, where tanh would give -1)
+        s = _tanh(s * cap_scale)
+        if MASKED:
+            s = gl.where(visible, s, float("-inf"))
+            s_max = gl.where(s_max == float("-inf"), s_max, _tanh(s_max * cap_scale))
+        else:
+            s_max = _tanh(s_max * cap_scale)
+    m_new = gl.maximum(m_i, s_max * qk_scale)
     if MASKED:
         # a row that has seen no key yet keeps m = -inf and subtracts 0 instead (exp2(-inf - 0) = 0), as the
         # portable kernels (kernels/portable/common.py): 0 kept as its max would scale its first visible keys' P
