@@ -9,7 +9,9 @@ Each tree runs in its own process (a package can be imported once per process), 
 B x S = 32768 tokens, the grid of --head-dims, --seqlens, K/V heads 32 and 8, causal or not, --softcaps) with
 triton.testing.do_bench (median), and records the sum of its forward's output, so that trees whose kernels round
 differently show it. Writes JSON (environment, one record per tree, round, cell and mode) and prints per cell the
-median over rounds of each tree and their ratio.
+median over rounds of each tree, their ratio, and the range of the rounds' own ratios: on an H100 the same code has
+moved by up to 5% of forward+backward time between two processes, so a ratio means something only where it stays
+outside that range's spread (comparing a tree with itself shows the spread).
 """
 
 import argparse
@@ -108,16 +110,25 @@ def main(argv: list[str] | None = None) -> None:
         for tree, label in zip(args.trees, args.labels, strict=True):
             records += [dict(r, tree=label, round=round_) for r in _worker(tree, cells)]
     args.out.write_text(json.dumps(dict(environment=_environment(), command=sys.argv, records=records), indent=1))
-    a, b = args.labels
-    print(f"| D | S | Hkv | causal | softcap | mode | {a} ms | {b} ms | {b} / {a} |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(table(records, args.labels))
+
+
+def table(records: list[dict], labels: tuple[str, str]) -> str:
+    """Markdown table of records (as main writes them): per cell and mode, each tree's median ms over the rounds,
+    their ratio, and the lowest and highest of the rounds' own ratios (B's time in round r over A's), the spread a
+    ratio has to leave before it says more than the GPU's drift between processes."""
+    a, b = labels
     fields = ("D", "S", "Hkv", "causal", "softcap", "mode")
-    keys = sorted({tuple(r[f] for f in fields) for r in records}, reverse=True)
-    for key in keys:
-        ms = {label: statistics.median(r["ms"] for r in records
-                                       if r["tree"] == label and tuple(r[f] for f in fields) == key)
-              for label in args.labels}  # fmt: skip
-        print("| " + " | ".join(map(str, key)) + f" | {ms[a]:.3f} | {ms[b]:.3f} | {ms[b] / ms[a]:.3f} |")
+    lines = [f"| D | S | Hkv | causal | softcap | mode | {a} ms | {b} ms | {b} / {a} | rounds' {b} / {a} |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for key in sorted({tuple(r[f] for f in fields) for r in records}, reverse=True):
+        ms = {(r["tree"], r["round"]): r["ms"] for r in records if tuple(r[f] for f in fields) == key}
+        rounds = sorted({round_ for _, round_ in ms})
+        median = {label: statistics.median(ms[label, round_] for round_ in rounds) for label in labels}
+        ratios = [ms[b, round_] / ms[a, round_] for round_ in rounds]
+        lines.append("| " + " | ".join(map(str, key)) + f" | {median[a]:.3f} | {median[b]:.3f} | "
+                     f"{median[b] / median[a]:.3f} | {min(ratios):.3f} to {max(ratios):.3f} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
