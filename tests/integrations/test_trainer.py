@@ -246,6 +246,12 @@ def _refusals(rank, world_size, out_dir):
     with pytest.raises(ValueError, match=r"in sp's layout \('zigzag'\)"):
         RingTrainer(model=contiguous, args=args, train_dataset=dataset, sp=sp)
     model = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout))
+    # regression: an encoder (bidirectional attention) trained with next-token labels, its padding attended
+    encoder = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout))
+    for layer in encoder.model.layers:
+        layer.self_attn.is_causal = False
+    with pytest.raises(ValueError, match=r"trains causal language models .* LlamaAttention attend\(s\) both ways"):
+        RingTrainer(model=encoder, args=args, train_dataset=dataset, sp=sp)
     with pytest.raises(ValueError, match="average_tokens_across_devices must be True"):
         RingTrainer(model=model, args=_args(out_dir, 1, average_tokens_across_devices=False), sp=sp)
     # regression: evaluation during training was accepted here and raised at its first evaluation, steps later
@@ -290,8 +296,9 @@ def test_one_ring_takes_the_batches_of_one_process(tmp_path):
 
 
 def test_ring_trainer_refuses_what_it_would_train_wrongly(tmp_path):
-    """A model not prepared for this ring, a loss other than the mean over every token, evaluation, inputs the ring
-    cannot attend like the model (left padding, unknown per-token inputs): errors naming the argument, on 1 rank."""
+    """A model not prepared for this ring, an encoder, a loss other than the mean over every token, evaluation, inputs
+    the ring cannot attend like the model (left padding, unknown per-token inputs): errors naming the argument, on 1
+    rank."""
     assert run_ranks(_refusals, 1, str(tmp_path)) == [True]
 
 
