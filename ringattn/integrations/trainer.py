@@ -33,11 +33,11 @@ and changes what each rank computes:
   train batch size (per-device batch x accumulation steps x rings, not x ranks; train_samples_per_second comes
   from it), the floating point operations (each rank runs 1 / cp of the tokens) and num_input_tokens_seen.
 
-It trains causal language models: a model whose attention goes both ways (an encoder; a module's is_causal False)
-is refused, as the labels would be shifted and the padding attended. Evaluation and prediction are not supported
-(evaluate and predict raise NotImplementedError). Works with subclasses of Trainer through RingTrainerMixin, e.g.
-TRL's SFTTrainer (`class RingSFTTrainer(RingTrainerMixin, SFTTrainer)`), whose compute_loss it replaces (TRL's token
-accuracy and entropy are not logged).
+It trains causal language models: a model without a head that generates (an encoder) or whose language model
+attends both ways (a module's is_causal False) is refused, as the labels would be shifted and the padding
+attended. Evaluation and prediction are not supported (evaluate and predict raise NotImplementedError). Works with
+subclasses of Trainer through RingTrainerMixin, e.g. TRL's SFTTrainer (`class RingSFTTrainer(RingTrainerMixin,
+SFTTrainer)`), whose compute_loss it replaces (TRL's token accuracy and entropy are not logged).
 """
 
 import torch
@@ -162,15 +162,17 @@ class RingTrainerMixin:
                 "rank: hf.prepare(model, hf.register(name, sp=sp)); got "
                 f"attn_implementation={name!r}" + (f" ({fn!r})" if prepared else "")
             )
-        bidirectional = sorted(
-            {type(m).__name__ for m in self.model.modules() if getattr(m, "is_causal", None) is False}
-        )
-        if bidirectional:
+        # the language model alone: a vision tower beside it (Gemma 3's SigLIP) attends both ways on its own tokens
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
+        bidirectional = sorted({type(m).__name__ for m in decoder.modules() if getattr(m, "is_causal", None) is False})
+        if not self.model.can_generate() or bidirectional:
+            why = f"its {', '.join(bidirectional)} attend(s) both ways (is_causal=False)" if bidirectional else (
+                "it has no head that generates (an encoder, or a classification head)")  # fmt: skip
             raise ValueError(
                 f"model: {type(self).__name__} trains causal language models (labels shifted to the next token, right "
-                f"padding left out: the ring attends causally), but {', '.join(bidirectional)} attend(s) both ways "
-                "(is_causal=False, an encoder): train it with SequenceParallel's toolkit (shard_batch(..., "
-                "shift=False, attention_mask=...) and the model run with the batch's cu_seqlens: guide.md)"
+                f"padding left out: the ring attends causally); got {type(self.model).__name__}: {why}. Train others "
+                "with SequenceParallel's toolkit (shard_batch(..., shift=False, attention_mask=...) and the model run "
+                "with the batch's cu_seqlens: guide.md)"
             )
 
     def _same_groups(self, fn: "hf.RingAttentionForTransformers") -> bool:

@@ -24,7 +24,12 @@ from tests.distributed import run_ranks
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'hf')")
 pytest.importorskip("accelerate", reason="accelerate is not installed (extra 'hf')")
 # imported here, once: the ranks fork from this process with them loaded (seconds each otherwise)
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
 
 import ringattn  # noqa: E402
 from ringattn.integrations import hf  # noqa: E402
@@ -246,12 +251,15 @@ def _refusals(rank, world_size, out_dir):
     with pytest.raises(ValueError, match=r"in sp's layout \('zigzag'\)"):
         RingTrainer(model=contiguous, args=args, train_dataset=dataset, sp=sp)
     model = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout))
-    # regression: an encoder (bidirectional attention) trained with next-token labels, its padding attended
+    # regression: an encoder (bidirectional attention) or a classifier trained with next-token labels
     encoder = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout))
     for layer in encoder.model.layers:
         layer.self_attn.is_causal = False
     with pytest.raises(ValueError, match=r"trains causal language models .* LlamaAttention attend\(s\) both ways"):
         RingTrainer(model=encoder, args=args, train_dataset=dataset, sp=sp)
+    headless = hf.prepare(_tiny_llama().model, "ringattn-trainer")  # no logits: an AttributeError in compute_loss
+    with pytest.raises(ValueError, match="got LlamaModel: it has no head that generates"):
+        RingTrainer(model=headless, args=args, train_dataset=dataset, sp=sp)
     with pytest.raises(ValueError, match="average_tokens_across_devices must be True"):
         RingTrainer(model=model, args=_args(out_dir, 1, average_tokens_across_devices=False), sp=sp)
     # regression: evaluation during training was accepted here and raised at its first evaluation, steps later
