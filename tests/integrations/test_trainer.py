@@ -25,6 +25,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("accelerate", reason="accelerate is not installed (extra 'hf')")
 # imported here, once: the ranks fork from this process with them loaded (seconds each otherwise)
 from transformers import (  # noqa: E402
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
     LlamaConfig,
     LlamaForCausalLM,
     Trainer,
@@ -257,6 +259,13 @@ def _refusals(rank, world_size, out_dir):
         layer.self_attn.is_causal = False
     with pytest.raises(ValueError, match=r"trains causal language models .* LlamaAttention attend\(s\) both ways"):
         RingTrainer(model=encoder, args=args, train_dataset=dataset, sp=sp)
+    # a vision tower beside the language model is not asked (Gemma 3's SigLIP attends both ways on its own tokens)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, vocab_size=VOCAB)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    RingTrainer(model=hf.prepare(Gemma3ForConditionalGeneration(config), "ringattn-trainer"), args=args, sp=sp)
     headless = hf.prepare(_tiny_llama().model, "ringattn-trainer")  # no logits: an AttributeError in compute_loss
     with pytest.raises(ValueError, match="got LlamaModel: it has no head that generates"):
         RingTrainer(model=headless, args=args, train_dataset=dataset, sp=sp)
