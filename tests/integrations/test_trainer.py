@@ -253,7 +253,8 @@ def _refusals(rank, world_size, out_dir):
     with pytest.raises(ValueError, match=r"in sp's layout \('zigzag'\)"):
         RingTrainer(model=contiguous, args=args, train_dataset=dataset, sp=sp)
     model = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout))
-    # regression: an encoder (bidirectional attention) or a classifier trained with next-token labels
+    # regression: an encoder (bidirectional attention) or a model without a head that generates, trained with
+    # next-token labels
     encoder = hf.prepare(_tiny_llama(), hf.register("ringattn-trainer", layout=sp.layout))
     for layer in encoder.model.layers:
         layer.self_attn.is_causal = False
