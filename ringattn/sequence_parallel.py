@@ -178,6 +178,7 @@ def cross_entropy(
     group: Group = None,
     ignore_index: int = IGNORE_INDEX,
     grad_reduction: str = "sum",
+    num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy over every counted token of the group's sequence shards; a collective.
 
@@ -189,6 +190,13 @@ def cross_entropy(
     With grad_reduction="mean" the share is scaled by the group size, for a gradient all-reduce that
     averages (DistributedDataParallel or FSDP over this group).
 
+    With gradient accumulation, pass num_items_in_batch (Hugging Face's name): the counted tokens of
+    every micro-batch of the optimizer step over the group, which then divides instead of this call's
+    count, so that the micro-batches' losses and gradients sum to those of the step's mean over every
+    counted token (micro-batches of different lengths weighted by their tokens, not alike). Over a ring
+    every rank holds the same unsharded batches, so it is the count of their shifted labels:
+    sum((shift_labels(labels) != ignore_index).sum() for labels in the step's batches).
+
     When no token of the group is counted the loss is 0 with zero gradients (F.cross_entropy's
     mean would give NaN).
 
@@ -198,31 +206,50 @@ def cross_entropy(
         group: the sequence-parallel group (default: the world), or a 1-D DeviceMesh.
         ignore_index: label of tokens left out of the loss and the count.
         grad_reduction: "sum" or "mean", how the parameter gradients will be combined over the group.
+        num_items_in_batch: None, or an int or integer tensor of one element >= this call's count over the group:
+            the divisor, as above.
     Returns:
         a 0-dim tensor in fp32 (float64 for float64 logits).
     Raises (on every rank of the group, whichever rank's input is wrong):
-        TypeError: logits not a floating tensor, labels not an integer tensor.
+        TypeError: logits not a floating tensor, labels not an integer tensor, num_items_in_batch neither None,
+            an int nor an integer tensor of one element.
         ValueError: labels' shape does not match logits' leading dims; a label outside [0, vocab) that is not
-            ignore_index; unknown grad_reduction; ranks that pass different ignore_index or grad_reduction.
+            ignore_index; unknown grad_reduction; ranks that pass different ignore_index, grad_reduction or
+            num_items_in_batch; num_items_in_batch below this call's count over the group (a rank's own count,
+            say).
         RuntimeError: torch.distributed not initialised.
     """
-    return _agreed_cross_entropy("cross_entropy", logits, labels, ring_group(group), ignore_index, grad_reduction)
+    return _agreed_cross_entropy("cross_entropy", logits, labels, ring_group(group), ignore_index, grad_reduction,
+                                 num_items_in_batch)  # fmt: skip
 
 
-def _agreed_cross_entropy(call: str, logits, labels, place, ignore_index: int, grad_reduction: str) -> torch.Tensor:
+def _agreed_cross_entropy(call: str, logits, labels, place, ignore_index: int, grad_reduction: str,
+                          num_items_in_batch) -> torch.Tensor:  # fmt: skip
     """cross_entropy as `call` over `place`, a group (None: the world) or a Grid: its local checks (a rank's refusal
     raised by every rank), then the loss, whose summing op makes the ranks' agreement on the call."""
     refusals = shared_grid_refusals(call, place) if isinstance(place, Grid) else shared_refusals(call, place)
     with refusals:
-        _check_cross_entropy(logits, labels, ignore_index, grad_reduction)
-    return _cross_entropy(logits, labels, place, ignore_index, grad_reduction, agree=call)
+        _check_cross_entropy(logits, labels, ignore_index, grad_reduction, num_items_in_batch)
+    return _cross_entropy(logits, labels, place, ignore_index, grad_reduction, num_items_in_batch, agree=call)
 
 
-def _check_cross_entropy(logits, labels, ignore_index: int, grad_reduction: str) -> None:
+def _check_cross_entropy(logits, labels, ignore_index: int, grad_reduction: str, num_items_in_batch) -> None:
     """cross_entropy's local checks. The labels' range is checked (one host sync) except while torch.compile traces:
-    on a GPU, F.cross_entropy would stop the process on a device-side assert."""
+    on a GPU, F.cross_entropy would stop the process on a device-side assert. num_items_in_batch's value is checked
+    once the ranks agree on it (cross_entropy_totals_op)."""
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
+    items = num_items_in_batch
+    integer_tensor = (
+        isinstance(items, torch.Tensor)
+        and items.numel() == 1
+        and not (items.is_floating_point() or items.is_complex() or items.dtype == torch.bool)
+    )
+    if items is not None and (isinstance(items, bool) or not (isinstance(items, int) or integer_tensor)):
+        raise TypeError(
+            "num_items_in_batch must be None, an int or an integer tensor of one element (the step's counted "
+            f"tokens), got {_described(items)}"
+        )
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
         raise TypeError(f"logits must be a floating tensor of shape (..., vocab), got {_described(logits)}")
     integer = isinstance(labels, torch.Tensor) and not (labels.is_floating_point() or labels.is_complex())
@@ -249,7 +276,8 @@ def _described(x) -> str:
     return f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def _cross_entropy(logits, labels, place, ignore_index: int, grad_reduction: str, agree: str) -> torch.Tensor:
+def _cross_entropy(logits, labels, place, ignore_index: int, grad_reduction: str, num_items_in_batch,
+                   agree: str) -> torch.Tensor:  # fmt: skip
     """cross_entropy as `agree`, its local checks passed, with its counts summed over `place`: a group (None: the
     world), or a Grid (its Ulysses group, then its ring), after the ranks' agreement on the call in the summing op;
     the gradient scale of "mean" is the number of ranks."""
@@ -264,7 +292,8 @@ def _cross_entropy(logits, labels, place, ignore_index: int, grad_reduction: str
     else:
         group = or_world(place)
         names, ranks = [group.group_name], dist.get_world_size(group)
-    totals = cross_entropy_totals_op(stats, names, agree, ignore_index, grad_reduction, logits.shape[-1])
+    items = None if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).reshape(())
+    totals = cross_entropy_totals_op(stats, items, names, agree, ignore_index, grad_reduction, logits.shape[-1])
     total, count = totals[0], totals[1].clamp(min=1.0)
     grad_scale = float(ranks) if grad_reduction == "mean" else 1.0
     return _GlobalMean.apply(local_sum, total, count, grad_scale)
@@ -272,26 +301,36 @@ def _cross_entropy(logits, labels, place, ignore_index: int, grad_reduction: str
 
 @torch.library.custom_op(
     "ringattn::cross_entropy_totals", mutates_args=(),
-    schema="(Tensor stats, str[] group_names, str agree, int ignore_index, str grad_reduction, SymInt vocab) -> "
-    "Tensor",
+    schema="(Tensor stats, Tensor? num_items, str[] group_names, str agree, int ignore_index, str grad_reduction, "
+    "SymInt vocab) -> Tensor",
 )  # fmt: skip
-def cross_entropy_totals_op(stats, group_names, agree, ignore_index, grad_reduction, vocab):
+def cross_entropy_totals_op(stats, num_items, group_names, agree, ignore_index, grad_reduction, vocab):
     """stats (2,) float64, this rank's loss sum and counted tokens, summed over the group named in `group_names`
     (one name), or over a grid's (two: its Ulysses group and its ring, "" for a dimension of degree 1), after the
-    ranks' agreement on call `agree`'s signature (ignore_index, grad_reduction, the vocab; over a grid,
-    agree_across_grid).
-    One custom op, so that torch.compile traces neither the exchanges nor the all-reduces."""
+    ranks' agreement on call `agree`'s signature (ignore_index, grad_reduction, the vocab, num_items: None or a
+    0-dim integer tensor, the count to return instead; over a grid, agree_across_grid).
+    One custom op, so that torch.compile traces neither the exchanges nor the all-reduces.
+    Raises (on every rank alike, from the agreed values): ValueError: num_items below the summed count."""
     if len(group_names) == 1:
         place = _resolve_process_group(group_names[0])
         groups = [place]
     else:
         place = Grid(*(_resolve_process_group(name) if name else None for name in group_names))
         groups = place.groups
-    fields = (ignore_index, grad_reduction, int(vocab))
+    items = None if num_items is None else int(num_items)
+    fields = (ignore_index, grad_reduction, int(vocab), float("-inf") if items is None else float(items))
     agree_on(agree, place, lambda: fields, CrossEntropySignature, GridCrossEntropySignature)
     totals = stats.clone()
     for group in groups:
         dist.all_reduce(totals, group=group)
+    if items is not None:
+        count = int(totals[1])
+        if items < count:
+            raise ValueError(
+                "num_items_in_batch must count the counted tokens of every batch of the step over the group, at "
+                f"least this call's {count}, got {items}"
+            )
+        totals[1] = items
     return totals
 
 
@@ -803,12 +842,13 @@ class SequenceParallel:
         labels: torch.Tensor,
         ignore_index: int = IGNORE_INDEX,
         grad_reduction: str = "sum",
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The unsharded mean loss from this rank's logits and shifted labels (module-level cross_entropy), its
         counts summed over the group (over every rank of the grid; grad_reduction="mean" scales by U x R)."""
         place = self.grid if self.grid is not None else self.group
         return _agreed_cross_entropy("SequenceParallel.cross_entropy", logits, labels, place, ignore_index,
-                                     grad_reduction)  # fmt: skip
+                                     grad_reduction, num_items_in_batch)  # fmt: skip
 
     def sync_gradients(self, parameters) -> None:
         """Sum gradients over the group, or over every rank of the grid (module-level sync_gradients)."""

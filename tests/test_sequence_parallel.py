@@ -108,6 +108,47 @@ def _toolkit_matches_unsharded(rank, world_size, backend, seqlen):
     return True
 
 
+def _accumulation_matches_unsharded(rank, world_size):
+    vocab, seqlen = 11, 16
+    gen = torch.Generator().manual_seed(5)
+    micro_batches = []
+    for batch, ignored in ((2, 0.7), (1, 0.1)):  # few counted tokens, then many: the means weigh them alike
+        input_ids = torch.randint(0, vocab, (batch, seqlen), generator=gen)
+        labels = torch.where(torch.rand(batch, seqlen, generator=gen) < ignored, IGNORE_INDEX, input_ids)
+        micro_batches.append((input_ids, labels))
+    counted = [int((shift_labels(labels) != IGNORE_INDEX).sum()) for _, labels in micro_batches]
+    ref_model = _per_token_model(vocab, 8, "cpu")
+    logits = [ref_model(input_ids).flatten(0, 1) for input_ids, _ in micro_batches]
+    targets = [shift_labels(labels).flatten() for _, labels in micro_batches]
+    ref_loss = F.cross_entropy(torch.cat(logits), torch.cat(targets), ignore_index=IGNORE_INDEX)
+    ref_loss.backward()
+
+    sp = ringattn.SequenceParallel(layout="zigzag")
+    model = _per_token_model(vocab, 8, "cpu")
+    # the step's count as Hugging Face's Trainer passes it (a tensor), then as an int
+    num_items = (torch.tensor(sum(counted)), sum(counted))
+    losses, means = [], []
+    for (input_ids, labels), items in zip(micro_batches, num_items, strict=True):
+        batch = sp.shard_batch(input_ids, labels)
+        losses.append(sp.cross_entropy(model(batch.input_ids), batch.labels, num_items_in_batch=items))
+        losses[-1].backward()
+        means.append(cross_entropy(model(batch.input_ids), batch.labels).detach())
+    sync_gradients(model)
+    torch.testing.assert_close(sum(losses), ref_loss.detach(), rtol=1e-14, atol=0)
+    for p, p_ref in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-12, atol=1e-15)
+    # each micro-batch's own mean, accumulated, is another loss: the test tells them apart
+    assert abs(float(sum(means)) / len(means) - float(ref_loss)) > 1e-3
+    return True
+
+
+def test_accumulated_micro_batches_with_num_items_in_batch_equal_the_steps_mean():
+    """Gradient accumulation outside RingTrainer: cross_entropy's num_items_in_batch (the step's counted tokens,
+    from the unsharded labels, as a tensor or an int) makes two micro-batches of different counted tokens sum to
+    the loss and, after sync_gradients, the gradients of the mean over every counted token of both, float64."""
+    assert run_ranks(_accumulation_matches_unsharded, 2) == [True, True]
+
+
 def _loss_on_a_grid_of_one(rank, world_size):
     own = [dist.new_group([r]) for r in range(world_size)][rank]  # every process creates every group
     sp = ringattn.SequenceParallel(ulysses_group=own)  # U = 1 x R = 1: nothing to sum over
@@ -449,10 +490,17 @@ def _toolkit_refusals_on_one_rank(rank, world_size):
         "sync_gradients-parameters": lambda: sp.sync_gradients(params),
         "cross_entropy-vocab-size": lambda: cross_entropy(torch.zeros(2, 6, 6 if rank == 1 else 5), labels),
         "shard_batch-labels-dtype": lambda: sp.shard_batch(input_ids, input_ids.int() if rank == 1 else input_ids),
+        "cross_entropy-num_items": lambda: cross_entropy(logits, labels, num_items_in_batch=24 + rank),
+        # on every rank alike: each rank's own count (12) where the group's is 24
+        "cross_entropy-num_items-low": lambda: cross_entropy(logits, labels, num_items_in_batch=torch.tensor(12)),
     }
     results = raised_errors(cases)
     float_labels = labels.double() if rank == 1 else labels
-    results.update(raised_errors({"cross_entropy-dtype": lambda: cross_entropy(logits, float_labels)}, TypeError))
+    float_items = 24.0 if rank == 1 else 24
+    results.update(raised_errors({
+        "cross_entropy-dtype": lambda: cross_entropy(logits, float_labels),
+        "cross_entropy-num_items-type": lambda: cross_entropy(logits, labels, num_items_in_batch=float_items),
+    }, TypeError))  # fmt: skip
     embedding = torch.nn.Embedding(4, 2, sparse=rank == 1)
     embedding(torch.tensor([1])).sum().backward()
     results.update(raised_errors({"sync_gradients-sparse": lambda: sp.sync_gradients(embedding)}, TypeError))
@@ -500,6 +548,12 @@ def test_a_refusal_of_the_toolkit_on_one_rank_is_raised_by_every_rank():
         "group ranks [1] differ",
         "cross_entropy-dtype": "cross_entropy refused on group rank 1 of 2: labels must be an integer tensor, got "
         "torch.float64 of shape (2, 6)",
+        "cross_entropy-num_items": "cross_entropy: the ranks of the group disagree on num_items_in_batch (-inf: None) "
+        "(rank 0: 24.0, rank 1: 25.0)",
+        "cross_entropy-num_items-low": "num_items_in_batch must count the counted tokens of every batch of the step "
+        "over the group, at least this call's 24, got 12",
+        "cross_entropy-num_items-type": "cross_entropy refused on group rank 1 of 2: num_items_in_batch must be None, "
+        "an int or an integer tensor of one element (the step's counted tokens), got float",
         # regression: "reshape is not implemented for sparse tensors"
         "sync_gradients-sparse": "SequenceParallel.sync_gradients refused on group rank 1 of 2: sync_gradients sums "
         "dense gradients: a parameter has a sparse .grad on this rank",

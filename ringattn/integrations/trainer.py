@@ -23,7 +23,7 @@ and changes what each rank computes:
   documents from the batch's position_ids), and their counted targets are all-reduced over the world once.
   compute_loss runs the model on this rank's shard with its position_ids (and packed documents' boundaries as
   cu_seq_lens_q/k) and takes ringattn's cross_entropy over
-  the world (grad_reduction="mean"), scaled by the batch's share of the step's counted targets: the step's losses
+  the world (grad_reduction="mean") with the step's counted targets as its num_items_in_batch: the step's losses
   sum, on every rank, to the mean over every counted token of the step's global batch (all rings, all accumulated
   batches), as Trainer's average_tokens_across_devices defines it. Each rank's gradient is its share scaled by
   W, and DistributedDataParallel's average over the W ranks gives the gradient of that
@@ -209,24 +209,24 @@ class RingTrainerMixin:
         return loader
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
-        """Trainer's batches of one optimizer step, each sharded here, with its share of the step's counted tokens.
+        """Trainer's batches of one optimizer step, each sharded here, with the step's counted tokens.
 
         Adds to each batch (a dict every rank of the ring holds in full, see `shard`) the key SHARDED: (this rank's
-        ShardedBatch, 0-dim fp32 share): the batch's number of counted targets over every rank's shard (all
-        rings) / that of all the step's batches. One all_reduce of num_batches float64 over the world.
+        ShardedBatch, int): the number of counted targets of all the step's batches over every rank's shard (all
+        rings). One all_reduce of a float64 over the world.
         Returns:
-            (the batches, None): the count is in the shares, not in Trainer's num_items_in_batch; no batches where
-            the data ran out (Trainer then starts it again), as on every rank.
+            (the batches, None): the count is in SHARDED, not in Trainer's num_items_in_batch (Trainer's counts
+            every rank of a ring alike); no batches where the data ran out (Trainer then starts it again), as on
+            every rank.
         """
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         sharded = [self.shard(inputs) for inputs in batch_samples]
-        counts = torch.zeros(num_batches, dtype=torch.float64, device=device)  # fewer batches: zeros after them
-        if sharded:
-            counts[: len(sharded)] = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in sharded])
-        dist.all_reduce(counts)  # counted targets of each batch over the world
-        shares = (counts / counts.sum().clamp(min=1.0)).float()  # (num_batches,)
-        for inputs, batch, share in zip(batch_samples, sharded, shares[: len(sharded)], strict=True):
-            inputs[SHARDED] = (batch, share)
+        count = torch.zeros((), dtype=torch.float64, device=device)
+        for batch in sharded:
+            count += (batch.labels != IGNORE_INDEX).sum()
+        dist.all_reduce(count)  # the step's counted targets over the world
+        for inputs, batch in zip(batch_samples, sharded, strict=True):
+            inputs[SHARDED] = (batch, int(count))
         return batch_samples, None
 
     def shard(self, inputs) -> ShardedBatch:
@@ -265,20 +265,21 @@ class RingTrainerMixin:
         Args:
             inputs: a batch from get_batch_samples (with its SHARDED entry), or a batch as `shard` takes it (then
                 the loss is this batch's mean).
-            num_items_in_batch: unused (the counts are in the SHARDED shares).
+            num_items_in_batch: unused (the step's count is in SHARDED).
         Returns:
             the 0-dim fp32 loss: sum of this batch's per-token losses over every rank's shard / the step's number
             of counted targets; with return_outputs, also the model's outputs (this rank's logits).
         Raises:
             ValueError: as `shard`.
         """
-        batch, share = inputs[SHARDED] if SHARDED in inputs else (self.shard(inputs), 1.0)
+        batch, step_count = inputs[SHARDED] if SHARDED in inputs else (self.shard(inputs), None)
         documents = (
             {} if batch.cu_seqlens is None else dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
         )
         outputs = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **documents)
-        # the batch's mean over every rank's tokens, its gradient this rank's share x W for DDP's mean over W ranks
-        loss = cross_entropy(outputs.logits, batch.labels, grad_reduction="mean") * share
+        # the batch's sum over every rank's tokens / the step's count, its gradient this rank's share x W for DDP's
+        # mean over W ranks
+        loss = cross_entropy(outputs.logits, batch.labels, grad_reduction="mean", num_items_in_batch=step_count)
         return (loss, outputs) if return_outputs else loss
 
     def get_total_train_batch_size(self, args) -> int:

@@ -38,7 +38,7 @@ from .groups import or_world
 AGREEMENT_ENV = "RINGATTN_AGREEMENT"
 AGREEMENT_MODES = ("always", "off")
 MAGIC = 0x52_49_4E_47  # "RING": a vector that does not start with it did not come from encode_header
-VERSION = 6
+VERSION = 7
 HEADER_LEN = 40  # int64, the same for every call
 NAME_SLOTS = 4  # the call's name: up to 32 bytes of UTF-8
 FIELD_SLOTS = HEADER_LEN - 4 - NAME_SLOTS  # after magic, version, the name, the refusal and its message's length
@@ -130,9 +130,14 @@ class CrossEntropySignature(NamedTuple):
     ignore_index: int
     grad_reduction: str
     vocab: int
+    num_items_in_batch: float  # -inf: None (else an int, exact below 2^53)
 
-    labels = {"ignore_index": "ignore_index", "grad_reduction": "grad_reduction", "vocab": "logits.shape[-1] (vocab)"}
-    expected = "Every rank must pass logits over the same vocab, and the same ignore_index and grad_reduction."
+    labels = {"ignore_index": "ignore_index", "grad_reduction": "grad_reduction", "vocab": "logits.shape[-1] (vocab)",
+              "num_items_in_batch": "num_items_in_batch (-inf: None)"}  # fmt: skip
+    expected = (
+        "Every rank must pass logits over the same vocab, and the same ignore_index, grad_reduction and "
+        "num_items_in_batch."
+    )
 
 
 class SyncGradientsSignature(NamedTuple):
