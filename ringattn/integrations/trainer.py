@@ -215,9 +215,9 @@ class RingTrainerMixin:
         ShardedBatch, int): the number of counted targets of all the step's batches over every rank's shard (all
         rings). One all_reduce of a float64 over the world.
         Returns:
-            (the batches, None): the count is in SHARDED, not in Trainer's num_items_in_batch (Trainer's counts
-            every rank of a ring alike); no batches where the data ran out (Trainer then starts it again), as on
-            every rank.
+            (the batches, None): the count is in SHARDED, not in Trainer's num_items_in_batch (which would count
+            a ring's tokens once per rank); no batches where the data ran out (Trainer then starts it again), as
+            on every rank.
         """
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         sharded = [self.shard(inputs) for inputs in batch_samples]
