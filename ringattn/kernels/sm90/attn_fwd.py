@@ -35,6 +35,17 @@ def _tanh(x):
 
 
 @gluon.jit
+def _capped(x, cap_scale, MASKED: gl.constexpr):
+    """tanh(x * cap_scale); MASKED keeps x's -inf (masked scores, a row with every key masked) at -inf, where tanh
+    gives -1. Taken from x itself, so that no mask stays live across the tanh (it spilled); a score that overflowed
+    fp32 to -inf (|q . k| > 3.4e38) counts as masked there."""
+    t = _tanh(x * cap_scale)
+    if MASKED:
+        t = gl.where(x == float("-inf"), x, t)
+    return t
+
+
+@gluon.jit
 def _band_visible(offs_m, offs_n, lower, upper, LOWER: gl.constexpr, UPPER: gl.constexpr):
     """(rows, keys) bool of rows offs_m against keys offs_n (broadcast as the two are laid out): the key is at or
     after row + lower (LOWER) and at or before row + upper (UPPER); one of the two is set."""
@@ -65,13 +76,9 @@ def _softmax_tile(s, m_i, l_i, n0, band, MASKED: gl.constexpr, LOWER: gl.constex
     s_max = gl.max(s, 1)
     if SOFTCAP:
         # tanh is increasing: the capped row max is the max's tanh, so the max runs beside the tanh of the scores,
-        # not after it (a row with every key masked keeps -inf, where tanh would give -1)
-        s = _tanh(s * cap_scale)
-        if MASKED:
-            s = gl.where(visible, s, float("-inf"))
-            s_max = gl.where(s_max == float("-inf"), s_max, _tanh(s_max * cap_scale))
-        else:
-            s_max = _tanh(s_max * cap_scale)
+        # not after it
+        s = _capped(s, cap_scale, MASKED)
+        s_max = _capped(s_max, cap_scale, MASKED)
     m_new = gl.maximum(m_i, s_max * qk_scale)
     if MASKED:
         # a row that has seen no key yet keeps m = -inf and subtracts 0 instead (exp2(-inf - 0) = 0), as the
