@@ -240,20 +240,15 @@ def _check_cross_entropy(logits, labels, ignore_index: int, grad_reduction: str,
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
     items = num_items_in_batch
-    integer_tensor = (
-        isinstance(items, torch.Tensor)
-        and items.numel() == 1
-        and not (items.is_floating_point() or items.is_complex() or items.dtype == torch.bool)
-    )
-    if items is not None and (isinstance(items, bool) or not (isinstance(items, int) or integer_tensor)):
+    one_count = _integer_tensor(items) and items.numel() == 1
+    if items is not None and (isinstance(items, bool) or not (isinstance(items, int) or one_count)):
         raise TypeError(
             "num_items_in_batch must be None, an int or an integer tensor of one element (the step's counted "
             f"tokens), got {_described(items)}"
         )
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
         raise TypeError(f"logits must be a floating tensor of shape (..., vocab), got {_described(logits)}")
-    integer = isinstance(labels, torch.Tensor) and not (labels.is_floating_point() or labels.is_complex())
-    if not integer or labels.dtype == torch.bool:
+    if not _integer_tensor(labels):
         raise TypeError(f"labels must be an integer tensor, got {_described(labels)}")
     if labels.shape != logits.shape[:-1]:
         raise ValueError(
@@ -269,6 +264,11 @@ def _check_cross_entropy(logits, labels, ignore_index: int, grad_reduction: str,
                 f"labels must be in [0, {vocab}) (logits' vocab) or ignore_index ({ignore_index}), got "
                 f"{labels[outside][0].item()}"
             )
+
+
+def _integer_tensor(x) -> bool:
+    """Whether x is a tensor of an integer dtype (not bool)."""
+    return isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
 
 
 def _described(x) -> str:
