@@ -15,7 +15,9 @@ a map-style dataset of dicts {input_ids, labels} (S,): the loss falls below log(
 tokens back, across ranks.
 
 Output (rank 0): Trainer's log every --log-every steps (loss: the mean over every scored token of the global
-batch) and its final metrics (train_samples_per_second counts each sample once, not once per rank of its ring).
+batch), its final metrics (train_samples_per_second counts each sample once, not once per rank of its ring) and the
+loss on --eval-samples held-out samples (eval_loss: the mean over every scored token, the samples spread over the
+rings).
 
 Defaults: on GPUs seqlen 8192 x cp, dim 512, 4 layers, 8 heads (2 KV heads) of 64, bf16 autocast, 200 steps; on CPU
 ranks (Triton interpreter) seqlen 32 x cp, dim 64, 2 layers, 2 heads (1 KV head) of 32, fp32, 40 steps: about 40 s
@@ -52,6 +54,7 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     p.add_argument("--seqlen", type=int, default=None, help="tokens per sample; default 8192 x cp (GPU), 32 x cp (CPU)")
     p.add_argument("--batch", type=int, default=1 if on_gpu else 2, help="samples per ring and step")
     p.add_argument("--samples", type=int, default=2048, help="samples in the dataset")
+    p.add_argument("--eval-samples", type=int, default=64 if on_gpu else 8, help="held-out samples evaluated after")
     p.add_argument("--vocab", type=int, default=64 if on_gpu else 16)
     p.add_argument("--dim", type=int, default=512 if on_gpu else 64)
     p.add_argument("--layers", type=int, default=4 if on_gpu else 2)
@@ -70,8 +73,10 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
     problems = []
     if args.cp < 1 or world_size % args.cp:
         problems.append(f"--cp {args.cp} must divide the number of ranks, {world_size}")
-    if args.seqlen < 4 or args.vocab < 3 or min(args.batch, args.samples, args.steps) < 1:
-        problems.append("--seqlen must be at least 4, --vocab at least 3, --batch, --samples and --steps at least 1")
+    if args.seqlen < 4 or args.vocab < 3 or min(args.batch, args.samples, args.eval_samples, args.steps) < 1:
+        problems.append(
+            "--seqlen must be at least 4, --vocab at least 3, --batch, --samples, --eval-samples and --steps at least 1"
+        )
     if min(args.dim, args.layers, args.heads, args.kv_heads) < 1:
         problems.append("--dim, --layers, --heads and --kv-heads must be positive")
     elif args.dim % args.heads or (args.dim // args.heads) % 8 or args.dim // args.heads > MAX_HEAD_DIM:
@@ -80,6 +85,12 @@ def parse_args(world_size: int, on_gpu: bool) -> argparse.Namespace:
         problems.append("--heads must be a multiple of --kv-heads")
     exit_on_bad_arguments(p, problems)
     return args
+
+
+def copy_task_samples(n: int, seqlen: int, vocab: int, seed: int) -> list[dict]:
+    """n samples {input_ids, labels} (seqlen,) of the copy task."""
+    tokens, labels = copy_task_batch(n, seqlen, vocab, seed)  # (n, seqlen) each
+    return [{"input_ids": t, "labels": lab} for t, lab in zip(tokens, labels, strict=True)]
 
 
 def main() -> None:
@@ -102,19 +113,21 @@ def main() -> None:
     torch.manual_seed(args.seed)  # the same weights on every rank
     model = hf.prepare(LlamaForCausalLM(config), hf.register(sp=sp))
 
-    tokens, labels = copy_task_batch(args.samples, args.seqlen, args.vocab, args.seed)  # (samples, S) each
-    dataset = [{"input_ids": t, "labels": lab} for t, lab in zip(tokens, labels, strict=True)]  # the same everywhere
+    dataset = copy_task_samples(args.samples, args.seqlen, args.vocab, args.seed)  # the same on every rank
+    held_out = copy_task_samples(args.eval_samples, args.seqlen, args.vocab, args.seed + 1)
 
     training = TrainingArguments(
         output_dir=str(args.out), max_steps=args.steps, per_device_train_batch_size=args.batch,
+        per_device_eval_batch_size=args.batch,
         learning_rate=args.lr, warmup_steps=min(10, args.steps // 4), logging_steps=args.log_every,
         bf16=on_gpu, use_cpu=not on_gpu, save_strategy="no", report_to="none", seed=args.seed,
     )  # fmt: skip
     rings = env.world_size // args.cp
     log(f"{env.world_size} ranks: {rings} ring(s) of {args.cp}; a step: {args.batch * rings} samples of {args.seqlen}")
-    trainer = RingTrainer(model=model, args=training, train_dataset=dataset, sp=sp)
+    trainer = RingTrainer(model=model, args=training, train_dataset=dataset, eval_dataset=held_out, sp=sp)
     metrics = trainer.train().metrics
     log(f"final: loss {metrics['train_loss']:.4f}, {metrics['train_samples_per_second']:.2f} samples/s")
+    log(f"held out: eval_loss {trainer.evaluate()['eval_loss']:.4f} over {args.eval_samples} samples")
     del trainer, model  # Trainer's DDP model holds the process group: released before it is destroyed (destroy())
     destroy()
 

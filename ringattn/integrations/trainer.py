@@ -33,19 +33,28 @@ and changes what each rank computes:
   train batch size (per-device batch x accumulation steps x rings, not x ranks; train_samples_per_second comes
   from it), the floating point operations (each rank runs 1 / cp of the tokens) and num_input_tokens_seen.
 
+- Evaluation (evaluate, and Trainer's eval_strategy, eval_on_start, load_best_model_at_end): the eval dataloader is
+  sharded over the rings without topping up the short last batches, each rank sums the per-token losses and counts
+  of its shards, and one all_reduce over the world gives eval_loss, the mean over every counted token of the eval
+  dataset (Trainer's is the mean of each batch's mean); eval_samples_per_second counts each sample once
+  (eval_steps_per_second takes Trainer's steps of eval_batch_size x ranks samples). The loss only: compute_metrics
+  is refused (it needs every token's logits: gather them with sp.gather), as is predict.
+
 It trains causal language models: a model without a head that generates (an encoder) or whose language model
 attends both ways (a module's is_causal False) is refused, as the labels would be shifted and the padding
-attended. Evaluation and prediction are not supported (evaluate and predict raise NotImplementedError). Works with
-subclasses of Trainer through RingTrainerMixin, e.g. TRL's SFTTrainer (`class RingSFTTrainer(RingTrainerMixin,
-SFTTrainer)`), whose compute_loss it replaces (TRL's token accuracy and entropy are not logged).
+attended. Works with subclasses of Trainer through RingTrainerMixin, e.g. TRL's SFTTrainer (`class
+RingSFTTrainer(RingTrainerMixin, SFTTrainer)`), whose compute_loss it replaces (TRL's token accuracy and entropy are
+not logged).
 """
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 try:
     import transformers
     from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+    from transformers.trainer_utils import EvalLoopOutput
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "ringattn.integrations.trainer needs transformers and accelerate: pip install 'ringattn[hf]' "
@@ -112,8 +121,9 @@ class RingTrainerMixin:
         ValueError: the model is not prepared for ring attention in sp's layout over sp's group; the Trainer does not
             run one process per rank of the world (accelerate's num_processes differs from the world size: launch
             with torchrun); label_smoothing_factor or compute_loss_func given, or average_tokens_across_devices False
-            (the loss is ringattn's cross-entropy over every token); the SequenceParallel groups are not disjoint rings
-            of one size (ring_index).
+            (the loss is ringattn's cross-entropy over every token); compute_metrics given (evaluation gives the loss
+            only); the model is not a causal language model; the SequenceParallel groups are not disjoint rings of
+            one size (ring_index).
     """
 
     def __init__(self, *args, sp: SequenceParallel, **kwargs):
@@ -144,14 +154,11 @@ class RingTrainerMixin:
                 f"{type(self).__name__} averages the loss over every counted token of the global batch: "
                 "average_tokens_across_devices must be True (the default), got False"
             )
-        evaluating = {"eval_strategy": self.args.eval_strategy != "no", "eval_on_start": self.args.eval_on_start,
-                      "load_best_model_at_end": self.args.load_best_model_at_end}  # fmt: skip
-        if any(evaluating.values()):
-            shown = {k: getattr(self.args, k) for k, on in evaluating.items() if on}
-            given = ", ".join(f"{k}={getattr(v, 'value', v)!r}" for k, v in shown.items())  # a strategy by its value
+        if self.compute_metrics is not None:
             raise ValueError(
-                f"{NO_EVALUATION.format(type(self).__name__)}; so eval_strategy must be 'no', eval_on_start and "
-                f"load_best_model_at_end False (it would stop at the first evaluation), got {given}"
+                f"compute_metrics: {type(self).__name__} evaluates the loss only (eval_loss); metrics from the "
+                "logits need every token's logits (gather them with sp.gather): pass None, got "
+                f"{self.compute_metrics!r}"
             )
         name = self.model.config._attn_implementation
         fn = transformers.AttentionInterface().get(name)
@@ -193,7 +200,20 @@ class RingTrainerMixin:
             ValueError: accelerate did not shard it by batch sampler or iterable dataset (e.g. dispatch_batches=True,
                 the default for an IterableDataset: pass accelerator_config={"dispatch_batches": False}).
         """
-        loader = super().get_train_dataloader()
+        return self._over_rings(super().get_train_dataloader(), evaluation=False)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """Trainer's eval dataloader, sharded over the rings as get_train_dataloader's, the last batches not topped up
+        (each sample evaluated once).
+
+        Raises:
+            ValueError: as get_train_dataloader; an iterable dataset over several ranks (accelerate would complete its
+                last batch with its first samples, counted twice).
+        """
+        return self._over_rings(super().get_eval_dataloader(eval_dataset), evaluation=True)
+
+    def _over_rings(self, loader, evaluation: bool):
+        """`loader`, accelerate's shard of a dataloader over the ranks, told the rings instead."""
         if self.accelerator.num_processes == 1:
             return loader  # not sharded
         shard = loader.batch_sampler if isinstance(loader.batch_sampler, BatchSamplerShard) else loader.dataset
@@ -203,9 +223,15 @@ class RingTrainerMixin:
                 f"got a {type(loader).__name__} over a {type(loader.dataset).__name__}. For an IterableDataset pass "
                 'TrainingArguments(accelerator_config={"dispatch_batches": False})'
             )
+        if evaluation and isinstance(shard, IterableDatasetShard):
+            raise ValueError(
+                f"eval_dataset: {type(self).__name__} evaluates a dataset with a length (map-style); over an "
+                "IterableDataset accelerate completes the last batch with its first samples, which the loss would "
+                "count twice"
+            )
         shard.num_processes, shard.process_index = self.rings, self.ring
-        if self.rings == 1 and isinstance(shard, BatchSamplerShard):
-            shard.even_batches = False  # one ring: the batches of one process, the last one short (not topped up)
+        if isinstance(shard, BatchSamplerShard) and (evaluation or self.rings == 1):
+            shard.even_batches = False  # the short last batches as they are (one ring: those of one process)
         return loader
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
@@ -273,14 +299,19 @@ class RingTrainerMixin:
             ValueError: as `shard`.
         """
         batch, step_count = inputs[SHARDED] if SHARDED in inputs else (self.shard(inputs), None)
-        documents = (
-            {} if batch.cu_seqlens is None else dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
-        )
-        outputs = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **documents)
+        outputs = self._forward(model, batch)
         # the batch's sum over every rank's tokens / the step's count, its gradient this rank's share x W for DDP's
         # mean over W ranks
         loss = cross_entropy(outputs.logits, batch.labels, grad_reduction="mean", num_items_in_batch=step_count)
         return (loss, outputs) if return_outputs else loss
+
+    @staticmethod
+    def _forward(model, batch: ShardedBatch):
+        """The model's outputs on this rank's shard, with its positions (and packed documents' boundaries)."""
+        documents = (
+            {} if batch.cu_seqlens is None else dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens)
+        )
+        return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **documents)
 
     def get_total_train_batch_size(self, args) -> int:
         """Samples per optimizer step: per-device batch x accumulation steps x rings (Trainer's x ranks / ring size)."""
@@ -296,17 +327,60 @@ class RingTrainerMixin:
         super()._track_num_input_tokens(inputs)
         self.state.num_input_tokens_seen = seen + (self.state.num_input_tokens_seen - seen) // self.sp.world_size
 
-    def evaluate(self, *args, **kwargs):
-        raise NotImplementedError(NO_EVALUATION.format(type(self).__name__))
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):  # fmt: skip
+        """Trainer.evaluate's loop: eval_loss, the mean loss over every counted token of the dataloader's batches
+        (get_eval_dataloader: each sample on one ring), from every rank's shards; the model under accelerate's
+        autocast. One all_reduce of four float64 over the world at the end (each batch's forward is a collective
+        over its ring); a refused batch is skipped and its refusal raised after it, on every rank.
+
+        Returns:
+            EvalLoopOutput without predictions or labels: metrics {metric_key_prefix + "_loss": the mean} and
+            num_samples, the samples over the rings.
+        Raises (on every rank, the first refusal of the lowest rank with one):
+            ValueError: as `shard`; a label outside the logits' vocabulary that is not -100; no counted label in
+                the whole dataset.
+        """
+        model = self.model
+        model.eval()
+        self.callback_handler.eval_dataloader = dataloader
+        totals = torch.zeros(4, dtype=torch.float64, device=self.args.device)  # loss sum, count, samples, refusals
+        refusal = None  # this rank's first, raised after the all_reduce on every rank: the other rings go on to it
+        for inputs in dataloader:
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+            totals[2] += inputs["input_ids"].shape[0] / self.sp.world_size  # each rank of a ring holds the batch
+            try:
+                batch = self.shard(inputs)  # refused on every rank of this ring alike
+            except ValueError as e:
+                totals[3], refusal = totals[3] + 1, refusal or str(e)
+                continue
+            with torch.no_grad(), self.accelerator.autocast():
+                logits = self._forward(model, batch).logits
+            vocab, labels = logits.shape[-1], batch.labels.flatten()
+            counted = labels != IGNORE_INDEX
+            if bool((counted & ((labels < 0) | (labels >= vocab))).any()):
+                totals[3] += 1
+                refusal = refusal or f"eval_dataset: labels must be -100 or in [0, {vocab}) (the logits' vocab)"
+                continue
+            flat = logits.reshape(-1, vocab).to(torch.promote_types(logits.dtype, torch.float32))
+            totals[0] += F.cross_entropy(flat, labels, ignore_index=IGNORE_INDEX, reduction="sum").double()
+            totals[1] += counted.sum()
+        dist.all_reduce(totals)
+        loss_sum, count, samples, refused = totals.tolist()
+        if refused:
+            refusals: list = [None] * dist.get_world_size()
+            dist.all_gather_object(refusals, refusal)
+            raise ValueError(next(r for r in refusals if r is not None))
+        if not count:
+            raise ValueError("eval_dataset: no counted label (every label -100): the mean loss is undefined")
+        metrics = {f"{metric_key_prefix}_loss": loss_sum / count}
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=round(samples))
 
     def predict(self, *args, **kwargs):
-        raise NotImplementedError(NO_EVALUATION.format(type(self).__name__))
-
-
-NO_EVALUATION = (
-    "{} trains only: evaluate on every rank with sp.shard_batch, the model and sp.cross_entropy (or gather the "
-    "logits with sp.gather), as in the ringattn guide"
-)
+        raise NotImplementedError(
+            f"{type(self).__name__} does not predict: run the model on every rank's shard (sp.shard_batch) and "
+            "gather the logits with sp.gather, as in the ringattn guide"
+        )
 
 
 class RingTrainer(RingTrainerMixin, transformers.Trainer):

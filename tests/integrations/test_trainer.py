@@ -39,6 +39,7 @@ from ringattn.integrations.trainer import RingTrainer, RingTrainerMixin  # noqa:
 from ringattn.testing import check_close  # noqa: E402
 
 VOCAB, SEQLEN, STEPS = 97, 21, 5  # 21: padded to a multiple of 2 * cp by shard_batch
+EVAL_SAMPLES, EVAL_STEPS = 5, 2  # evaluated at steps 2 and 4, then once after training
 PACKED_LENGTH = 24  # TRL's packed rows: up to 24 tokens of documents back to back
 
 
@@ -51,9 +52,9 @@ def _tiny_llama(dtype=torch.float32):
     return LlamaForCausalLM(config).to(dtype)
 
 
-def _dataset(n):
+def _dataset(n, seed=1):
     """n samples {input_ids, labels} (SEQLEN,), each with its own number of ignored labels."""
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(n):
         input_ids = torch.randint(0, VOCAB, (SEQLEN,), generator=gen)
@@ -87,18 +88,29 @@ def _args(out_dir, batch_size, config=TrainingArguments, accumulation=1, **overr
     )  # fmt: skip
 
 
+def _eval_args(batch_size):
+    """Evaluation every EVAL_STEPS steps, batch_size samples a batch."""
+    return dict(eval_strategy="steps", eval_steps=EVAL_STEPS, per_device_eval_batch_size=batch_size)
+
+
 def _result(trainer, output):
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    """The logged losses (training's, evaluation's), the parameters after training, the metrics of training and of
+    a last evaluation (if the trainer has an eval dataset)."""
+    if trainer.eval_dataset is not None:
+        output.metrics.update(trainer.evaluate())
+    losses = [[log[key] for log in trainer.state.log_history if key in log] for key in ("loss", "eval_loss")]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return losses, params, {**output.metrics, "total_flos": trainer.state.total_flos}  # the logger pops total_flos
 
 
 def _single_process(rank, world_size, out_dir, dtype, global_batch, accumulation, streamed=0):
-    """Plain Trainer, eager attention, the global batch in one process."""
+    """Plain Trainer, eager attention, the global batch in one process; evaluated on EVAL_SAMPLES samples in one
+    batch, so that its eval_loss (the mean of each batch's mean) is the mean over every counted token."""
     model = _tiny_llama(dtype)
     model.set_attn_implementation("eager")
-    args = _args(out_dir, global_batch, accumulation=accumulation)
-    trainer = Trainer(model=model, args=args, train_dataset=_train_dataset(global_batch, accumulation, streamed))
+    args = _args(out_dir, global_batch, accumulation=accumulation, **_eval_args(EVAL_SAMPLES))
+    trainer = Trainer(model=model, args=args, train_dataset=_train_dataset(global_batch, accumulation, streamed),
+                      eval_dataset=_dataset(EVAL_SAMPLES, seed=3))  # fmt: skip
     return _result(trainer, trainer.train())
 
 
@@ -133,27 +145,47 @@ def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation, uly
     with pytest.raises(TypeError, match="name must be a str .* got SequenceParallel: pass a SequenceParallel as sp="):
         hf.register(sp)  # sp where the name goes
     model = hf.prepare(_tiny_llama(), name)
-    overrides = dict(accelerator_config={"dispatch_batches": False}) if streamed else {}
-    args = _args(out_dir, global_batch // dp, accumulation=accumulation, **overrides)
+    args = _args(out_dir, global_batch // dp, accumulation=accumulation, accelerator_config={"dispatch_batches": False},
+                 **_eval_args(1))  # fmt: skip
     dataset = _train_dataset(global_batch, accumulation, streamed)
-    trainer = RingTrainer(model=model, args=args, train_dataset=dataset, sp=sp)
+    evaluated = _dataset(EVAL_SAMPLES, seed=3)  # a sample a batch: the rings evaluate different numbers of tokens
+    trainer = RingTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=evaluated, sp=sp)
     assert (trainer.rings, trainer.ring) == (dp, rank // cp)
-    return _result(trainer, trainer.train())
+    result = _result(trainer, trainer.train())
+    if dp > 1:  # on every rank, from one ring's batch or from none
+        bad = _dataset(2, seed=3)
+        bad[1]["labels"][-1] = VOCAB  # in the second ring's batch only
+        with pytest.raises(ValueError, match=rf"eval_dataset: labels must be -100 or in \[0, {VOCAB}\)"):
+            trainer.evaluate(bad)
+        left_padded = dict(bad[0], attention_mask=torch.arange(SEQLEN) > 0)  # the first ring's batch only
+        with pytest.raises(ValueError, match="an attention_mask with zeros must be right padding"):
+            trainer.evaluate([left_padded, bad[0]])
+        ignored = [{"input_ids": bad[0]["input_ids"], "labels": torch.full((SEQLEN,), -100)}]  # the second: none
+        with pytest.raises(ValueError, match="eval_dataset: no counted label"):
+            trainer.evaluate(ignored)
+    with pytest.raises(ValueError, match="eval_dataset: .* over an IterableDataset accelerate completes"):
+        trainer.evaluate(_Stream(evaluated))
+    return result
 
 
 def check_training(ranks, single_process, samples):
     """Each rank's (losses, parameters, metrics) against the single-process (fp32, float64) runs; `samples` the
     number trained on."""
-    (plain_losses, plain, plain_metrics), (_, ref, _) = single_process
-    for rank, (losses, params, metrics) in enumerate(ranks):
+    ((plain_losses, plain_eval), plain, plain_metrics), (_, ref, _) = single_process
+    for rank, ((losses, eval_losses), params, metrics) in enumerate(ranks):
         assert len(losses) == STEPS
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), rtol=0, atol=1e-5)
+        assert len(eval_losses) == len(plain_eval)
+        torch.testing.assert_close(torch.tensor(eval_losses), torch.tensor(plain_eval), rtol=0, atol=1e-5)
         for name, p in params.items():
             check_close(f"rank {rank} {name} after {STEPS} steps", p, plain[name], ref[name])
         assert metrics["num_input_tokens_seen"] == plain_metrics["num_input_tokens_seen"]
         assert metrics["total_flos"] == pytest.approx(plain_metrics["total_flos"], rel=1e-6)
         counted = metrics["train_samples_per_second"] * metrics["train_runtime"]  # each rounded, to 1e-3 at most
         assert counted == pytest.approx(samples, rel=1e-2), metrics
+        if plain_eval:
+            evaluated = metrics["eval_samples_per_second"] * metrics["eval_runtime"]
+            assert evaluated == pytest.approx(EVAL_SAMPLES, rel=1e-2, abs=0.2), metrics
 
 
 @pytest.fixture(scope="module")
@@ -272,15 +304,12 @@ def _refusals(rank, world_size, out_dir):
         RingTrainer(model=headless, args=args, train_dataset=dataset, sp=sp)
     with pytest.raises(ValueError, match="average_tokens_across_devices must be True"):
         RingTrainer(model=model, args=_args(out_dir, 1, average_tokens_across_devices=False), sp=sp)
-    # regression: evaluation during training was accepted here and raised at its first evaluation, steps later
-    for given, shown in ((dict(eval_strategy="steps", eval_steps=2), "eval_strategy='steps'"),
-                         (dict(eval_on_start=True), "eval_on_start=True")):  # fmt: skip
-        with pytest.raises(ValueError, match=rf"trains only: .*eval_strategy must be 'no'.*got {shown}"):
-            RingTrainer(model=model, args=_args(out_dir, 1, **given), train_dataset=dataset, eval_dataset=dataset,
-                        sp=sp)  # fmt: skip
+    with pytest.raises(ValueError, match="compute_metrics: RingTrainer evaluates the loss only"):
+        RingTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset, sp=sp,
+                    compute_metrics=lambda prediction: {})  # fmt: skip
     trainer = RingTrainer(model=model, args=args, train_dataset=dataset, sp=sp)
-    with pytest.raises(NotImplementedError, match="trains only"):
-        trainer.evaluate()
+    with pytest.raises(NotImplementedError, match="does not predict: .* gather the logits with sp.gather"):
+        trainer.predict(dataset)
     ids = dataset[0]["input_ids"][None]  # (1, S)
     with pytest.raises(ValueError, match="needs input_ids and labels"):
         trainer.shard({"input_ids": ids})
@@ -314,7 +343,7 @@ def test_one_ring_takes_the_batches_of_one_process(tmp_path):
 
 
 def test_ring_trainer_refuses_what_it_would_train_wrongly(tmp_path):
-    """A model not prepared for this ring, an encoder, a loss other than the mean over every token, evaluation, inputs
+    """A model not prepared for this ring, an encoder, a loss other than the mean over every token, metrics, inputs
     the ring cannot attend like the model (left padding, unknown per-token inputs): errors naming the argument, on 1
     rank."""
     assert run_ranks(_refusals, 1, str(tmp_path)) == [True]
