@@ -108,6 +108,16 @@ def ring_index(sp: SequenceParallel) -> tuple[int, int]:
     return len(rings), rings.index(mine)
 
 
+def _raise_refusals(refusal: str | None, refused: bool) -> None:
+    """Where some rank refused its input (`refused`, the same on every rank: from an all_reduce), a ValueError on
+    every rank with the refusal of the lowest rank with one (this rank's: `refusal`, or None); one all_gather_object
+    over the world then."""
+    if refused:
+        refusals: list = [None] * dist.get_world_size()
+        dist.all_gather_object(refusals, refusal)
+        raise ValueError(next(r for r in refusals if r is not None))
+
+
 class RingTrainerMixin:
     """Sequence-parallel training for transformers.Trainer and its subclasses (see the module docstring).
 
@@ -239,20 +249,27 @@ class RingTrainerMixin:
 
         Adds to each batch (a dict every rank of the ring holds in full, see `shard`) the key SHARDED: (this rank's
         ShardedBatch, int): the number of counted targets of all the step's batches over every rank's shard (all
-        rings). One all_reduce of a float64 over the world.
+        rings). One all_reduce of two float64 over the world.
         Returns:
             (the batches, None): the count is in SHARDED, not in Trainer's num_items_in_batch (which would count
             a ring's tokens once per rank); no batches where the data ran out (Trainer then starts it again), as
             on every rank.
+        Raises (on every rank, the refusal of the lowest rank with one):
+            ValueError: as `shard`.
         """
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        sharded = [self.shard(inputs) for inputs in batch_samples]
-        count = torch.zeros((), dtype=torch.float64, device=device)
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # counted targets, refusals
+        try:
+            sharded = [self.shard(inputs) for inputs in batch_samples]  # refused on every rank of this ring alike
+            refusal = None
+        except ValueError as e:  # raised below on every rank: the other rings go on to the all_reduce
+            sharded, refusal, totals[1] = [], str(e), 1
         for batch in sharded:
-            count += (batch.labels != IGNORE_INDEX).sum()
-        dist.all_reduce(count)  # the step's counted targets over the world
+            totals[0] += (batch.labels != IGNORE_INDEX).sum()
+        dist.all_reduce(totals)  # the step's counted targets over the world
+        _raise_refusals(refusal, bool(totals[1]))
         for inputs, batch in zip(batch_samples, sharded, strict=True):
-            inputs[SHARDED] = (batch, int(count))
+            inputs[SHARDED] = (batch, int(totals[0]))
         return batch_samples, None
 
     def shard(self, inputs) -> ShardedBatch:
@@ -367,10 +384,7 @@ class RingTrainerMixin:
             totals[1] += counted.sum()
         dist.all_reduce(totals)
         loss_sum, count, samples, refused = totals.tolist()
-        if refused:
-            refusals: list = [None] * dist.get_world_size()
-            dist.all_gather_object(refusals, refusal)
-            raise ValueError(next(r for r in refusals if r is not None))
+        _raise_refusals(refusal, bool(refused))
         if not count:
             raise ValueError("eval_dataset: no counted label (every label -100): the mean loss is undefined")
         metrics = {f"{metric_key_prefix}_loss": loss_sum / count}

@@ -160,6 +160,9 @@ def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation, uly
         left_padded = dict(bad[0], attention_mask=torch.arange(SEQLEN) > 0)  # the first ring's batch only
         with pytest.raises(ValueError, match="an attention_mask with zeros must be right padding"):
             trainer.evaluate([left_padded, bad[0]])
+        trainer.train_dataset = [bad[0], left_padded] * global_batch  # the second ring's batches refused
+        with pytest.raises(ValueError, match="an attention_mask with zeros must be right padding"):
+            trainer.train()
         ignored = [{"input_ids": bad[0]["input_ids"], "labels": torch.full((SEQLEN,), -100)}]  # the second: none
         with pytest.raises(ValueError, match="eval_dataset: no counted label"):
             trainer.evaluate(ignored)
