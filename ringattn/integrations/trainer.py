@@ -40,9 +40,10 @@ and changes what each rank computes:
   (eval_steps_per_second takes Trainer's steps of eval_batch_size x ranks samples). The loss only: compute_metrics
   is refused (it needs every token's logits: gather them with sp.gather), as is predict.
 
-It trains causal language models: a model without a head that generates (an encoder) or whose language model
-attends both ways (a module's is_causal False) is refused, as the labels would be shifted and the padding
-attended. Works with subclasses of Trainer through RingTrainerMixin, e.g. TRL's SFTTrainer (`class
+It trains causal language models (labels shifted to the next token; right padding left as it is, as no real token
+attends to the padding after it) and encoders with a head per token (PER_TOKEN_HEADS: masked language modelling,
+token classification; labels taken as they are, the padding made a document of its own that no real token attends
+to); other models are refused. Works with subclasses of Trainer through RingTrainerMixin, e.g. TRL's SFTTrainer (`class
 RingSFTTrainer(RingTrainerMixin, SFTTrainer)`), whose compute_loss it replaces (TRL's token accuracy and entropy are
 not logged).
 """
@@ -70,6 +71,7 @@ from . import hf
 INPUT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 RECOMPUTED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 SHARDED = "ringattn_sharded"  # the key get_batch_samples adds to each batch
+PER_TOKEN_HEADS = ("ForMaskedLM", "ForTokenClassification")  # an encoder's heads RingTrainer trains (class names)
 
 
 def _ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -179,18 +181,39 @@ class RingTrainerMixin:
                 "rank: hf.prepare(model, hf.register(name, sp=sp)); got "
                 f"attn_implementation={name!r}" + (f" ({fn!r})" if prepared else "")
             )
-        # the language model alone: a vision tower beside it (Gemma 3's SigLIP) attends both ways on its own tokens
-        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
-        bidirectional = sorted({type(m).__name__ for m in decoder.modules() if getattr(m, "is_causal", None) is False})
-        if not self.model.can_generate() or bidirectional:
-            why = f"its {', '.join(bidirectional)} attend(s) both ways (is_causal=False)" if bidirectional else (
-                "it has no head that generates (an encoder, or a classification head)")  # fmt: skip
-            raise ValueError(
-                f"model: {type(self).__name__} trains causal language models (labels shifted to the next token, right "
-                f"padding left out: the ring attends causally); got {type(self.model).__name__}: {why}. Train others "
-                "with SequenceParallel's toolkit (shard_batch(..., shift=False, attention_mask=...) and the model run "
-                "with the batch's cu_seqlens: guide.md)"
+        self.causal = self._causal_language_model()
+
+    def _causal_language_model(self) -> bool:
+        """True for a causal language model (labels shifted to the next token), False for an encoder with a head
+        per token (labels its own targets: masked language modelling, token classification).
+
+        Raises:
+            ValueError: neither (a model without a head per token, a language model attending both ways).
+        """
+        kind = type(self.model).__name__
+        if self.model.can_generate():
+            # the language model alone: a vision tower beside it (Gemma 3's SigLIP) attends both ways on its own tokens
+            decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
+            bidirectional = sorted(
+                {type(m).__name__ for m in decoder.modules() if getattr(m, "is_causal", None) is False}
             )
+            if not bidirectional:
+                return True
+            why = f"its {', '.join(bidirectional)} attend(s) both ways (is_causal=False) but it generates"
+        else:
+            ways = {getattr(m, "is_causal", None) for m in self.model.modules()} - {None}
+            if ways == {False} and kind.endswith(PER_TOKEN_HEADS):
+                return False
+            why = (
+                "it has neither a head that generates nor an encoder's head per token ("
+                + ", ".join(PER_TOKEN_HEADS)
+                + ")"
+            )
+        raise ValueError(
+            f"model: {type(self).__name__} trains causal language models (labels shifted to the next token) and "
+            f"encoders with a head per token (masked language modelling, token classification: labels unshifted); "
+            f"got {kind}: {why}. Train others with SequenceParallel's toolkit (guide.md)"
+        )
 
     def _same_groups(self, fn: "hf.RingAttentionForTransformers") -> bool:
         """Whether the registered attention runs over sp's ring (and Ulysses group)."""
@@ -276,9 +299,11 @@ class RingTrainerMixin:
         """This rank's shard of a batch (sp.shard_batch); a collective over the ring.
 
         Args:
-            inputs: the batch every rank of the ring holds in full: input_ids (batch, S) and labels (batch, S) (the
-                model's tokens, -100 where no loss is wanted; shifted by shard_batch), optional position_ids (1, S)
-                for packed documents, and an optional attention_mask (batch, S) that is all ones or right padding.
+            inputs: the batch every rank of the ring holds in full: input_ids (batch, S) and labels (batch, S) (-100
+                where no loss is wanted; a causal language model's the tokens, shifted by shard_batch, an encoder's
+                its targets), optional position_ids (1, S) for packed documents, and an optional attention_mask
+                (batch, S) that is all ones or right padding (an encoder's padding becomes documents of its own that
+                no real token attends to; a causal model's real tokens never attend to the padding after them).
         Raises:
             ValueError: no labels; keys other than INPUT_KEYS and RECOMPUTED_KEYS; an attention_mask with zeros
                 that is not right padding or whose padded positions have labels other than -100; as shard_batch
@@ -292,15 +317,18 @@ class RingTrainerMixin:
                 f"documents) and attention_mask (right padding); got keys {sorted(inputs)}"
             )
         mask = inputs.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
+        padded = mask is not None and not bool(mask.all())
+        if padded:
             right_padding = bool((mask[:, 1:] <= mask[:, :-1]).all())
             if not right_padding or bool((labels[mask == 0] != IGNORE_INDEX).any()):
                 raise ValueError(
                     "inputs: an attention_mask with zeros must be right padding (each row ones, then zeros) with "
-                    f"labels {IGNORE_INDEX} on the padding: the ring attends causally over global positions, "
-                    "without a mask"
+                    f"labels {IGNORE_INDEX} on the padding, as the model numbers a row's tokens from its first"
                 )
-        return self.sp.shard_batch(inputs["input_ids"], labels, position_ids=inputs.get("position_ids"))
+        return self.sp.shard_batch(
+            inputs["input_ids"], labels, position_ids=inputs.get("position_ids"), shift=self.causal,
+            attention_mask=mask if padded and not self.causal else None,
+        )  # fmt: skip
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """This batch's part of the step's loss, from this rank's shard (see the module docstring); a collective.

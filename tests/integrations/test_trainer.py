@@ -29,6 +29,8 @@ from transformers import (  # noqa: E402
     Gemma3ForConditionalGeneration,
     LlamaConfig,
     LlamaForCausalLM,
+    ModernBertConfig,
+    ModernBertForMaskedLM,
     Trainer,
     TrainingArguments,
 )
@@ -61,6 +63,35 @@ def _dataset(n, seed=1):
         labels = input_ids.clone()
         labels[: 3 * i % 11] = -100  # a prompt of 0 .. 10 tokens left out of the loss
         samples.append({"input_ids": input_ids, "labels": labels})
+    return samples
+
+
+def _tiny_modernbert(dtype=torch.float32):
+    """A tiny ModernBERT masked LM: a global layer, then a sliding one (8 keys wide, within the sequences); queries
+    and keys scaled up, so that the scores are a few units (what a token attends to shows in the loss)."""
+    config = ModernBertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=VOCAB,
+        local_attention=8, global_attn_every_n_layers=2, attention_dropout=0.0, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = ModernBertForMaskedLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.attn.Wqkv.weight[: 2 * config.hidden_size] *= 8.0
+    return model.to(dtype)
+
+
+def _masked_lm_dataset(n, seed):
+    """n samples {input_ids, attention_mask, labels} (SEQLEN,) of 21, 17, 13 or 9 tokens padded on the right, the
+    labels the tokens at every third position (-100 elsewhere and on the padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        mask = (torch.arange(SEQLEN) < SEQLEN - 4 * (i % 4)).long()
+        input_ids = torch.randint(3, VOCAB, (SEQLEN,), generator=gen) * mask
+        scored = (torch.arange(SEQLEN) % 3 == i % 3) & (mask == 1)
+        samples.append({"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.where(scored, -100)})
     return samples
 
 
@@ -169,6 +200,33 @@ def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation, uly
     with pytest.raises(ValueError, match="eval_dataset: .* over an IterableDataset accelerate completes"):
         trainer.evaluate(_Stream(evaluated))
     return result
+
+
+def _encoder(rank, world_size, out_dir, dtype, ring):
+    """ModernBERT's masked LM on right-padded batches of 2 samples: by RingTrainer over every rank, or by plain
+    Trainer in one process with eager attention (the padding masked, EVAL_SAMPLES evaluated in one batch)."""
+    args = dict(accelerator_config={"dispatch_batches": False}, **_eval_args(1 if ring else EVAL_SAMPLES))
+    datasets = dict(train_dataset=_masked_lm_dataset(STEPS * 2, seed=4), eval_dataset=_masked_lm_dataset(5, seed=5))
+    if ring:
+        _launched_by_torchrun(rank, world_size)
+        sp = ringattn.SequenceParallel()
+        model = hf.prepare(_tiny_modernbert(), hf.register("ringattn-encoder", sp=sp))
+        trainer = RingTrainer(model=model, args=_args(out_dir, 2, **args), sp=sp, **datasets)
+        assert trainer.causal is False
+    else:
+        model = _tiny_modernbert(dtype)
+        model.set_attn_implementation("eager")
+        trainer = Trainer(model=model, args=_args(out_dir, 2, **args), **datasets)
+    return _result(trainer, trainer.train())
+
+
+def test_an_encoder_trains_as_in_one_process(tmp_path):
+    """Masked language modelling (labels unshifted) on right-padded batches: the padding a document of its own that
+    no real token attends to, through ModernBERT's global and sliding layers; on 2 ranks against plain Trainer in
+    one process, every logged loss (training's and evaluation's) within 1e-5, the parameters under the tolerance
+    rule."""
+    single = [run_ranks(_encoder, 1, str(tmp_path), dtype, False)[0] for dtype in (torch.float32, torch.float64)]
+    check_training(run_ranks(_encoder, 2, str(tmp_path), torch.float32, True, timeout=240), single, STEPS * 2)
 
 
 def check_training(ranks, single_process, samples):
@@ -303,8 +361,11 @@ def _refusals(rank, world_size, out_dir):
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
     RingTrainer(model=hf.prepare(Gemma3ForConditionalGeneration(config), "ringattn-trainer"), args=args, sp=sp)
     headless = hf.prepare(_tiny_llama().model, "ringattn-trainer")  # no logits: an AttributeError in compute_loss
-    with pytest.raises(ValueError, match="got LlamaModel: it has no head that generates"):
+    with pytest.raises(ValueError, match="got LlamaModel: it has neither a head that generates nor an encoder's"):
         RingTrainer(model=headless, args=args, train_dataset=dataset, sp=sp)
+    headless_encoder = hf.prepare(_tiny_modernbert().model, "ringattn-trainer")
+    with pytest.raises(ValueError, match=r"got ModernBertModel: .* head per token \(ForMaskedLM, ForTokenClassif"):
+        RingTrainer(model=headless_encoder, args=args, train_dataset=dataset, sp=sp)
     with pytest.raises(ValueError, match="average_tokens_across_devices must be True"):
         RingTrainer(model=model, args=_args(out_dir, 1, average_tokens_across_devices=False), sp=sp)
     with pytest.raises(ValueError, match="compute_metrics: RingTrainer evaluates the loss only"):
