@@ -134,8 +134,8 @@ class RingTrainerMixin:
             run one process per rank of the world (accelerate's num_processes differs from the world size: launch
             with torchrun); label_smoothing_factor or compute_loss_func given, or average_tokens_across_devices False
             (the loss is ringattn's cross-entropy over every token); compute_metrics given (evaluation gives the loss
-            only); the model is not a causal language model; the SequenceParallel groups are not disjoint rings of
-            one size (ring_index).
+            only); the model is neither a causal language model nor an encoder with a head per token; the
+            SequenceParallel groups are not disjoint rings of one size (ring_index).
     """
 
     def __init__(self, *args, sp: SequenceParallel, **kwargs):
@@ -311,7 +311,7 @@ class RingTrainerMixin:
         """
         unknown = set(inputs) - set(INPUT_KEYS) - set(RECOMPUTED_KEYS) - {SHARDED}
         labels = inputs.get("labels")
-        if unknown or labels is None:
+        if unknown or labels is None or "input_ids" not in inputs:
             raise ValueError(
                 f"inputs: {type(self).__name__} needs input_ids and labels, with optional position_ids (packed "
                 f"documents) and attention_mask (right padding); got keys {sorted(inputs)}"
@@ -393,12 +393,12 @@ class RingTrainerMixin:
         refusal = None  # this rank's first, raised after the all_reduce on every rank: the other rings go on to it
         for inputs in dataloader:
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-            totals[2] += inputs["input_ids"].shape[0] / self.sp.world_size  # each rank of a ring holds the batch
             try:
                 batch = self.shard(inputs)  # refused on every rank of this ring alike
             except ValueError as e:
                 totals[3], refusal = totals[3] + 1, refusal or str(e)
                 continue
+            totals[2] += inputs["input_ids"].shape[0] / self.sp.world_size  # each rank of a ring holds the batch
             with torch.no_grad(), self.accelerator.autocast():
                 logits = self._forward(model, batch).logits
             vocab, labels = logits.shape[-1], batch.labels.flatten()

@@ -378,6 +378,8 @@ def _refusals(rank, world_size, out_dir):
     with pytest.raises(ValueError, match="needs input_ids and labels"):
         trainer.shard({"input_ids": ids})
     with pytest.raises(ValueError, match="needs input_ids and labels"):
+        trainer.shard({"labels": ids})
+    with pytest.raises(ValueError, match="needs input_ids and labels"):
         trainer.shard({"input_ids": ids, "labels": ids, "token_type_ids": ids})
     left_padded = torch.ones_like(ids)
     left_padded[:, 0] = 0
