@@ -11,7 +11,8 @@ GQA 32:8) and causal setting. A config is (BLOCK_M, BLOCK_N, num_warps, num_stag
 the candidate lists of the swept --kernels. The forward is timed alone; a dK/dV config is timed as the
 whole backward with the default dQ config, and a dQ config with the default dK/dV config, so the two
 backward sweeps differ only in the kernel under test (each record also holds the time of the kernel
-under test alone, kernel_ms). TFLOP/s: forward 4 B H S^2 D (x 0.5 causal), backward 2.5 x that.
+under test alone, kernel_ms). TFLOP/s: forward 4 B H S^2 D (x 0.5 causal; a window: over the pairs it leaves),
+backward 2.5 x that. --window LEFT RIGHT and --softcap time the sliding-window and soft-capped forms.
 Every config's result is checked against the portable kernels' before timing; a
 config off them is recorded with its error, as one that does not fit. Prints the best config
 per kernel and head dim (least time summed over the K/V head counts and causal settings it runs in) and writes
@@ -111,25 +112,25 @@ def _backend(kernel: str) -> str:
     return kernel.split(".")[0]
 
 
-def _bwd_call(dout, q, k, v, stats, scale: float, causal: bool) -> BwdCall:
+def _bwd_call(dout, q, k, v, stats, scale: float, causal: bool, scores: dict) -> BwdCall:
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    return BwdCall(dout, q, k, v, stats, *grads, scale, causal)
+    return BwdCall(dout, q, k, v, stats, *grads, scale, causal, **scores)
 
 
-def _launched(kernel: str, q, k, v, causal: bool) -> bool:
+def _launched(kernel: str, q, k, v, causal: bool, scores: dict) -> bool:
     """Whether the swept call, on `kernel`'s backend, runs `kernel`: asked of the dispatch, nothing run."""
     if kernel.endswith(".fwd"):
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64, device=q.device)
-        launch = fwd_launch(FwdCall(q, k, v, 1.0, causal, torch.empty_like(q), lse), _backend(kernel))
+        launch = fwd_launch(FwdCall(q, k, v, 1.0, causal, torch.empty_like(q), lse, **scores), _backend(kernel))
         return launch.name == kernel
     stats = torch.empty(3, q.shape[0], q.shape[2], q.shape[1], device=q.device)
-    names = [launch.name for launch in bwd_launches(_bwd_call(q, q, k, v, stats, 1.0, causal), _backend(kernel))]
-    return kernel in names
+    call = _bwd_call(q, q, k, v, stats, 1.0, causal, scores)
+    return kernel in [launch.name for launch in bwd_launches(call, _backend(kernel))]
 
 
-def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool):
+def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal: bool, scores: dict):
     """The launch of backward kernel `kernel` alone, on buffers of its own, the row stats computed once."""
-    call = _bwd_call(dout, q, k, v, attn_bwd_preprocess(out, dout, lse), scale, causal)
+    call = _bwd_call(dout, q, k, v, attn_bwd_preprocess(out, dout, lse), scale, causal, scores)
     return next(launch for launch in bwd_launches(call, _backend(kernel)) if launch.name == kernel)
 
 
@@ -144,16 +145,16 @@ def swept_configs(kernels: list[str], head_dims: list[int], configs: list[str] |
     return {kernel: CANDIDATES[kernel] for kernel in kernels}
 
 
-def _time_config(kernel, q, k, v, dout, out, lse, want_bwd, scale, causal, rep, flops) -> dict:
+def _time_config(kernel, q, k, v, dout, out, lse, want_bwd, scale, causal, scores, rep, flops) -> dict:
     """ms, tflops and kernel_ms of the swept call at the config in force, or its error: one that does not fit the
     GPU, or a result off the portable kernels'."""
     fwd = kernel.endswith(".fwd")
     try:
         if fwd:
-            run = partial(attn_fwd, q, k, v, scale, causal, backend=_backend(kernel))
+            run = partial(attn_fwd, q, k, v, scale, causal, backend=_backend(kernel), **scores)
             got, want = run()[0], out
         else:
-            run = partial(attn_bwd, dout, q, k, v, out, lse, scale, causal, backend=_backend(kernel))
+            run = partial(attn_bwd, dout, q, k, v, out, lse, scale, causal, backend=_backend(kernel), **scores)
             got, want = torch.cat([g.flatten() for g in run()]), torch.cat([g.flatten() for g in want_bwd])
     except OutOfResources as exc:  # e.g. more shared memory than the GPU has: not a candidate here
         return dict(error=str(exc)[:200])
@@ -163,32 +164,34 @@ def _time_config(kernel, q, k, v, dout, out, lse, want_bwd, scale, causal, rep, 
     ms = do_bench(run, warmup=10, rep=rep, return_mode="median")
     kernel_ms = ms  # the forward is one kernel
     if not fwd:
-        alone = _bwd_kernel_alone(kernel, dout, q, k, v, out, lse, scale, causal)
+        alone = _bwd_kernel_alone(kernel, dout, q, k, v, out, lse, scale, causal, scores)
         kernel_ms = do_bench(alone, warmup=10, rep=rep, return_mode="median")
     return dict(ms=ms, tflops=flops[fwd] / ms / 1e9, kernel_ms=kernel_ms)
 
 
-def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, rep: int, candidates: dict) -> list[dict]:
-    """Time each candidate config of each kernel in `candidates` (kernel -> head dim -> configs)."""
+def sweep(seqlen: int, head_dim: int, kv_heads: int, causal: bool, scores: dict, rep: int, candidates: dict) -> list:
+    """Time each candidate config of each kernel in `candidates` (kernel -> head dim -> configs), the scores
+    windowed and soft-capped as `scores` (window, softcap) says."""
     batch = TOKENS // seqlen
     scale = head_dim**-0.5
     q, dout = (torch.randn(batch, seqlen, HEADS, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(batch, seqlen, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     flops = {
-        fwd: attention_flops(batch, HEADS, seqlen, head_dim, causal, "fwd" if fwd else "bwd") for fwd in (True, False)
+        fwd: attention_flops(batch, HEADS, seqlen, head_dim, causal, "fwd" if fwd else "bwd", scores["window"])
+        for fwd in (True, False)
     }
-    out, lse = attn_fwd(q, k, v, scale, causal, backend="portable")  # the reference: the portable kernels
-    want_bwd = attn_bwd(dout, q, k, v, out, lse, scale, causal, backend="portable")
+    out, lse = attn_fwd(q, k, v, scale, causal, backend="portable", **scores)  # the reference: the portable kernels
+    want_bwd = attn_bwd(dout, q, k, v, out, lse, scale, causal, backend="portable", **scores)
     records = []
     for kernel, by_dim in candidates.items():
-        if not _launched(kernel, q, k, v, causal):
+        if not _launched(kernel, q, k, v, causal, scores):
             continue
         for config in by_dim[head_dim]:
             base = dict(kernel=kernel, config=list(config), S=seqlen, B=batch, H=HEADS, Hkv=kv_heads, D=head_dim,
-                        causal=causal)  # fmt: skip
+                        causal=causal, window=list(scores["window"]), softcap=scores["softcap"])  # fmt: skip
             label = f"D{head_dim} Hkv{kv_heads} causal={causal!s:5} {kernel:13} {config}"
             with override_configs({kernel: LaunchConfig(*config)}):
-                record = _time_config(kernel, q, k, v, dout, out, lse, want_bwd, scale, causal, rep, flops)
+                record = _time_config(kernel, q, k, v, dout, out, lse, want_bwd, scale, causal, scores, rep, flops)
             records.append(dict(base, **record))
             print(f"{label}: {record}", flush=True)
     return records
@@ -228,6 +231,9 @@ def main():
     parser.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each: these only")
     parser.add_argument("--defaults", action="store_true",
                         help="each kernel at its default config only, --configs ignored")  # fmt: skip
+    parser.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
+                        help="time the sliding-window form (-1: no limit on that side)")  # fmt: skip
+    parser.add_argument("--softcap", type=float, default=0.0, help="time the soft-capped form")
     parser.add_argument("--rep", type=int, default=100, help="do_bench's rep (ms)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
@@ -236,11 +242,13 @@ def main():
     _check_defaults(args.head_dims)
     args.kernels = args.kernels or list(CANDIDATES)
     candidates = swept_configs(args.kernels, args.head_dims, args.configs, args.defaults)
+    window = (None, None) if args.window is None else tuple(None if side < 0 else side for side in args.window)
+    scores = dict(window=window, softcap=args.softcap)
     records = []
     for head_dim in args.head_dims:
         for kv_heads in args.kv_heads:
             for causal in (False, True):
-                records += sweep(args.seqlen, head_dim, kv_heads, causal, args.rep, candidates)
+                records += sweep(args.seqlen, head_dim, kv_heads, causal, scores, args.rep, candidates)
     best = best_configs(records)
     for name, b in best.items():
         default = "could not run" if b["default_ms"] is None else f"{b['default_ms']:.3f} ms"

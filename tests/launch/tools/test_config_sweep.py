@@ -66,12 +66,14 @@ def test_use_configs_overrides_the_swept_kernels_only_and_restores():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_launched_asks_the_dispatch(causal):
+@pytest.mark.parametrize("scores", [dict(window=(None, None), softcap=0.0), dict(window=(8, 0), softcap=0.0),
+                                    dict(window=(None, None), softcap=30.0)])  # fmt: skip
+def test_launched_asks_the_dispatch(causal, scores):
     """On the CPU the portable kernels are launched; the Hopper ones where the interpreter runs them (the split
-    backward kernels, at the head dims of their table), never the Gluon forward."""
+    backward kernels, at the head dims of their table, for plain scores only), never the Gluon forward."""
     q, k, v = (torch.randn(1, 64, 2, 128) for _ in range(3))
-    launched = {kernel for kernel in config_sweep.CANDIDATES if config_sweep._launched(kernel, q, k, v, causal)}
+    launched = {kernel for kernel in config_sweep.CANDIDATES if config_sweep._launched(kernel, q, k, v, causal, scores)}
     expected = {"portable.fwd", "portable.dkdv", "portable.dq"}
-    if dispatch.hopper_available(Target(None)):
+    if dispatch.hopper_available(Target(None)) and scores["window"] == (None, None) and not scores["softcap"]:
         expected |= {"sm90.dkdv", "sm90.dq"}
     assert launched == expected
