@@ -206,7 +206,8 @@ def _encoder(rank, world_size, out_dir, dtype, ring):
     """ModernBERT's masked LM on right-padded batches of 2 samples: by RingTrainer over every rank, or by plain
     Trainer in one process with eager attention (the padding masked, EVAL_SAMPLES evaluated in one batch)."""
     args = dict(accelerator_config={"dispatch_batches": False}, **_eval_args(1 if ring else EVAL_SAMPLES))
-    datasets = dict(train_dataset=_masked_lm_dataset(STEPS * 2, seed=4), eval_dataset=_masked_lm_dataset(5, seed=5))
+    datasets = dict(train_dataset=_masked_lm_dataset(STEPS * 2, seed=4),
+                    eval_dataset=_masked_lm_dataset(EVAL_SAMPLES, seed=5))  # fmt: skip
     if ring:
         _launched_by_torchrun(rank, world_size)
         sp = ringattn.SequenceParallel()
@@ -409,9 +410,9 @@ def test_one_ring_takes_the_batches_of_one_process(tmp_path):
 
 
 def test_ring_trainer_refuses_what_it_would_train_wrongly(tmp_path):
-    """A model not prepared for this ring, an encoder, a loss other than the mean over every token, metrics, inputs
-    the ring cannot attend like the model (left padding, unknown per-token inputs): errors naming the argument, on 1
-    rank."""
+    """A model not prepared for this ring, a model neither a causal LM nor an encoder with a head per token, a loss
+    other than the mean over every token, metrics, inputs the ring cannot attend like the model (left padding, unknown
+    per-token inputs): errors naming the argument, on 1 rank."""
     assert run_ranks(_refusals, 1, str(tmp_path)) == [True]
 
 
