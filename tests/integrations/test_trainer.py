@@ -245,9 +245,11 @@ def check_training(ranks, single_process, samples):
         assert metrics["total_flos"] == pytest.approx(plain_metrics["total_flos"], rel=1e-6)
         counted = metrics["train_samples_per_second"] * metrics["train_runtime"]  # each rounded, to 1e-3 at most
         assert counted == pytest.approx(samples, rel=1e-2), metrics
-        if plain_eval:
-            evaluated = metrics["eval_samples_per_second"] * metrics["eval_runtime"]
-            assert evaluated == pytest.approx(EVAL_SAMPLES, rel=1e-2, abs=0.2), metrics
+        if plain_eval:  # samples evaluated, each rounded as above
+            evaluated, plain_evaluated = (
+                m["eval_samples_per_second"] * m["eval_runtime"] for m in (metrics, plain_metrics)
+            )
+            assert evaluated == pytest.approx(plain_evaluated, rel=1e-2, abs=0.2), metrics
 
 
 @pytest.fixture(scope="module")
@@ -317,15 +319,18 @@ def _sft(rank, world_size, out_dir, dtype, ring):
     gen = torch.Generator().manual_seed(2)
     lengths = [1, 13, 5, 22, 4, 2, 17, 9, 11, 3, 8, 19, 6, 7, 14]  # 1 to 22 tokens; 141 in all, 6 rows
     dataset = Dataset.from_dict({"input_ids": [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in lengths]})
-    args = _args(out_dir, 1, SFTConfig, packing=True, max_length=PACKED_LENGTH, bf16=False)  # checkpointing on
+    evaluation = _eval_args(1 if ring else 6)  # plain: the 6 packed rows in one batch, its mean over every token
+    # SFTConfig turns gradient checkpointing on
+    args = _args(out_dir, 1, SFTConfig, packing=True, max_length=PACKED_LENGTH, bf16=False, **evaluation)
     model = _tiny_llama(dtype)
+    datasets = dict(train_dataset=dataset, eval_dataset=dataset, processing_class=_tokenizer())
     if ring:
         sp = ringattn.SequenceParallel()
         model = hf.prepare(model, hf.register("ringattn-sft", layout=sp.layout, group=sp.group))
-        trainer = RingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer(), sp=sp)
+        trainer = RingSFTTrainer(model=model, args=args, sp=sp, **datasets)
     else:
         model.set_attn_implementation("eager")
-        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer())
+        trainer = SFTTrainer(model=model, args=args, **datasets)
     return _result(trainer, trainer.train())
 
 
@@ -333,7 +338,7 @@ def test_trl_sft_trainer_with_packing_matches_single_process_training(tmp_path):
     """TRL's SFTTrainer through RingTrainerMixin, packed documents (batch 1 rows, position ids restarting at 0 at
     each document) and SFTConfig's gradient checkpointing (each layer's ring attention runs again in the backward),
     on 2 ranks against SFTTrainer in one process with eager attention (which keeps each document to itself from the
-    same position ids)."""
+    same position ids); evaluated on the packed rows too."""
     pytest.importorskip("trl", reason="TRL is not installed")
     single = [run_ranks(_sft, 1, str(tmp_path), dtype, False)[0] for dtype in (torch.float32, torch.float64)]
     check_training(run_ranks(_sft, 2, str(tmp_path), torch.float32, True, timeout=240), single, STEPS)  # 1 row a step
