@@ -50,7 +50,6 @@ not logged).
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 try:
     import transformers
@@ -376,15 +375,16 @@ class RingTrainerMixin:
                         metric_key_prefix="eval"):  # fmt: skip
         """Trainer.evaluate's loop: eval_loss, the mean loss over every counted token of the dataloader's batches
         (get_eval_dataloader: each sample on one ring), from every rank's shards; the model under accelerate's
-        autocast. One all_reduce of four float64 over the world at the end (each batch's forward is a collective
-        over its ring); a refused batch is skipped and its refusal raised after it, on every rank.
+        autocast. Each batch's forward and loss (sp.cross_entropy: the ring's mean, times this rank's count) are
+        collectives over its ring, then one all_reduce of four float64 over the world sums the rings; a refused batch
+        is skipped and its refusal raised after it, on every rank.
 
         Returns:
             EvalLoopOutput without predictions or labels: metrics {metric_key_prefix + "_loss": the mean} and
             num_samples, the samples over the rings.
         Raises (on every rank, the first refusal of the lowest rank with one):
-            ValueError: as `shard`; a label outside the logits' vocabulary that is not -100; no counted label in
-                the whole dataset.
+            ValueError: as `shard` and sp.cross_entropy (a label outside the logits' vocabulary that is not -100); no
+                counted label in the whole dataset.
         """
         model = self.model
         model.eval()
@@ -393,23 +393,17 @@ class RingTrainerMixin:
         refusal = None  # this rank's first, raised after the all_reduce on every rank: the other rings go on to it
         for inputs in dataloader:
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-            try:
-                batch = self.shard(inputs)  # refused on every rank of this ring alike
+            try:  # refused on every rank of this ring alike
+                batch = self.shard(inputs)
+                with torch.no_grad(), self.accelerator.autocast():
+                    mean = self.sp.cross_entropy(self._forward(model, batch).logits, batch.labels)  # the ring's
             except ValueError as e:
                 totals[3], refusal = totals[3] + 1, refusal or str(e)
                 continue
+            count = (batch.labels != IGNORE_INDEX).sum()
+            totals[0] += mean.double() * count  # summed over the ring's ranks: the ring's loss sum
+            totals[1] += count
             totals[2] += inputs["input_ids"].shape[0] / self.sp.world_size  # each rank of a ring holds the batch
-            with torch.no_grad(), self.accelerator.autocast():
-                logits = self._forward(model, batch).logits
-            vocab, labels = logits.shape[-1], batch.labels.flatten()
-            counted = labels != IGNORE_INDEX
-            if bool((counted & ((labels < 0) | (labels >= vocab))).any()):
-                totals[3] += 1
-                refusal = refusal or f"eval_dataset: labels must be -100 or in [0, {vocab}) (the logits' vocab)"
-                continue
-            flat = logits.reshape(-1, vocab).to(torch.promote_types(logits.dtype, torch.float32))
-            totals[0] += F.cross_entropy(flat, labels, ignore_index=IGNORE_INDEX, reduction="sum").double()
-            totals[1] += counted.sum()
         dist.all_reduce(totals)
         loss_sum, count, samples, refused = totals.tolist()
         _raise_refusals(refusal, bool(refused))

@@ -186,7 +186,8 @@ def _ring_trainer(rank, world_size, out_dir, cp, global_batch, accumulation, uly
     if dp > 1:  # on every rank, from one ring's batch or from none
         bad = _dataset(2, seed=3)
         bad[1]["labels"][-1] = VOCAB  # in the second ring's batch only
-        with pytest.raises(ValueError, match=rf"eval_dataset: labels must be -100 or in \[0, {VOCAB}\)"):
+        outside = rf"labels must be in \[0, {VOCAB}\) \(logits' vocab\) or ignore_index \(-100\), got {VOCAB}"
+        with pytest.raises(ValueError, match=outside):
             trainer.evaluate(bad)
         left_padded = dict(bad[0], attention_mask=torch.arange(SEQLEN) > 0)  # the first ring's batch only
         with pytest.raises(ValueError, match="an attention_mask with zeros must be right padding"):
