@@ -83,10 +83,10 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
 GPU = Target((9, 0))  # the configs the tables give a Hopper GPU
 
 
-def _default_config(kernel: str, head_dim: int) -> tuple | None:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) that the tables give `kernel` for bf16 on a Hopper GPU (None where
-    the Hopper table does not take the head dim)."""
-    config = launch_config(kernel, head_dim, torch.bfloat16, GPU)
+def _default_config(kernel: str, head_dim: int, softcapped: bool = False) -> tuple | None:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) that the tables give `kernel` for bf16 on a Hopper GPU, soft-capped
+    or not (None where the Hopper table does not take the head dim)."""
+    config = launch_config(kernel, head_dim, torch.bfloat16, GPU, softcapped)
     return None if config is None else tuple(config.__dict__.values())
 
 
@@ -134,11 +134,13 @@ def _bwd_kernel_alone(kernel: str, dout, q, k, v, out, lse, scale: float, causal
     return next(launch for launch in bwd_launches(call, _backend(kernel)) if launch.name == kernel)
 
 
-def swept_configs(kernels: list[str], head_dims: list[int], configs: list[str] | None, defaults: bool) -> dict:
+def swept_configs(
+    kernels: list[str], head_dims: list[int], configs: list[str] | None, defaults: bool, softcapped: bool = False
+) -> dict:
     """kernel -> head dim -> the configs to time: CANDIDATES, or `configs` ("BLOCK_M,BLOCK_N,warps,stages" each) for
-    every kernel, or (defaults) each kernel's default config alone."""
+    every kernel, or (defaults) each kernel's default config alone, soft-capped or not."""
     if defaults:
-        return {kernel: {d: [_default_config(kernel, d)] for d in head_dims} for kernel in kernels}
+        return {kernel: {d: [_default_config(kernel, d, softcapped)] for d in head_dims} for kernel in kernels}
     if configs:
         given = [tuple(map(int, c.split(","))) for c in configs]
         return {kernel: dict.fromkeys(head_dims, given) for kernel in kernels}
@@ -211,7 +213,8 @@ def best_configs(records: list[dict]) -> dict:
                 totals[tuple(r["config"])] = totals.get(tuple(r["config"]), 0.0) + r["ms"]
         if totals:
             winner = min(totals, key=totals.get)
-            default_ms = totals.get(_default_config(kernel, head_dim))
+            softcapped = any(r["softcap"] for r in mine)
+            default_ms = totals.get(_default_config(kernel, head_dim, softcapped))
             best[f"{kernel} D{head_dim}"] = dict(config=list(winner), ms=totals[winner], default_ms=default_ms)
     return best
 
@@ -241,7 +244,7 @@ def main():
         parser.error("it times the kernels on a GPU: it needs one (kernel_resources.py compiles them without)")
     _check_defaults(args.head_dims)
     args.kernels = args.kernels or list(CANDIDATES)
-    candidates = swept_configs(args.kernels, args.head_dims, args.configs, args.defaults)
+    candidates = swept_configs(args.kernels, args.head_dims, args.configs, args.defaults, bool(args.softcap))
     window = (None, None) if args.window is None else tuple(None if side < 0 else side for side in args.window)
     scores = dict(window=window, softcap=args.softcap)
     records = []

@@ -141,9 +141,11 @@ def override_configs(configs: dict[str, LaunchConfig]) -> Iterator[None]:
         _overrides.update(saved)
 
 
-def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, target: Target) -> LaunchConfig | None:
-    """The config the launch of `kernel` (a name of KERNELS) at `head_dim` and `dtype` on `target` uses: an
-    override_configs one, else its backend's table's; None where the Hopper table does not take it.
+def launch_config(
+    kernel: str, head_dim: int, dtype: torch.dtype, target: Target, softcapped: bool = False
+) -> LaunchConfig | None:
+    """The config the launch of `kernel` (a name of KERNELS) at `head_dim` and `dtype` on `target`, soft-capped or
+    not, uses: an override_configs one, else its backend's table's; None where the Hopper table does not take it.
 
     Raises:
         ValueError: a name not in KERNELS.
@@ -156,7 +158,7 @@ def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, target: Target
         return _overrides[kernel] if taken else None
     if backend == "portable":
         return portable.launch_config(op, head_dim, dtype, target)
-    return sm90.launch_config(op, head_dim, target)
+    return sm90.launch_config(op, head_dim, target, softcapped)
 
 
 def fwd_launch(call: FwdCall, backend: str | None = None, target: Target | None = None) -> KernelLaunch:
@@ -175,7 +177,7 @@ def bwd_launches(call: BwdCall, backend: str | None = None, target: Target | Non
     head_dim, dtype = call.q.shape[-1], call.q.dtype
     hopper = resolve_backend(backend, target) == "sm90"
     if hopper and sm90.bwd_supported(call, target):
-        return sm90.bwd_launches(call, launch_config("sm90.bwd", head_dim, dtype, target))
+        return sm90.bwd_launches(call, launch_config("sm90.bwd", head_dim, dtype, target, bool(call.softcap)))
     split_dkdv = hopper and sm90.dkdv_supported(call, target)
     split_dq = hopper and sm90.dq_supported(call, target)
     positions = sm90.mask_positions(call) if split_dkdv or split_dq else None

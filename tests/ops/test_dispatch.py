@@ -234,6 +234,19 @@ def test_configs_come_from_the_tables_and_overrides_restore(no_override):
         launch_config("portable.bwd", 64, torch.bfloat16, HOPPER)
 
 
+@needs_hopper_triton
+def test_softcapped_backward_takes_the_softcapped_config_where_there_is_one():
+    """At D = 64 the soft-capped Gluon backward runs SOFTCAPPED's rows a step (TABLE's spill there); at D = 128,
+    capped or not, TABLE's."""
+    assert sm90.SOFTCAPPED["bwd"][64] != sm90.TABLE["bwd"][64]
+    for head_dim, softcap, table in ((64, 0.0, sm90.TABLE), (64, 30.0, sm90.SOFTCAPPED), (128, 30.0, sm90.TABLE)):
+        q, k, v, dout = _tensors(head_dim=head_dim)
+        (launch,) = bwd_launches(_bwd(q, k, v, dout, grads_dtype=torch.float32, softcap=softcap), "sm90", HOPPER)
+        want = table["bwd"][head_dim]
+        assert (launch.kwargs["BLOCK_M"], launch.kwargs["BLOCK_N"]) == (want.block_m, want.block_n), (head_dim, softcap)
+        assert launch_config("sm90.bwd", head_dim, torch.bfloat16, HOPPER, softcapped=bool(softcap)) == want
+
+
 def test_every_kernel_name_is_a_launch_name():
     """KERNELS names what the planners build (the sweep and the resource report go by these names)."""
     q, k, v, dout = _tensors()
@@ -248,7 +261,8 @@ def test_every_kernel_name_is_a_launch_name():
     if HOPPER_TRITON:
         assert names == set(dispatch.KERNELS)
     assert names <= set(dispatch.KERNELS)
-    assert set(inspect.signature(dispatch.launch_config).parameters) == {"kernel", "head_dim", "dtype", "target"}
+    names = {"kernel", "head_dim", "dtype", "target", "softcapped"}
+    assert set(inspect.signature(dispatch.launch_config).parameters) == names
 
 
 def test_short_backwards_run_on_two_streams_on_gpus_only():

@@ -41,8 +41,8 @@ def test_swept_configs_candidates_given_or_defaults():
     ]
 
 
-def _record(kernel, config, causal, ms=None):
-    record = dict(kernel=kernel, config=list(config), D=128, causal=causal)
+def _record(kernel, config, causal, ms=None, head_dim=128, softcap=0.0):
+    record = dict(kernel=kernel, config=list(config), D=head_dim, causal=causal, softcap=softcap)
     return {**record, "ms": ms} if ms is not None else {**record, "error": "out of resource: shared memory"}
 
 
@@ -55,6 +55,17 @@ def test_best_config_sums_both_causal_settings_and_skips_configs_that_failed_in_
     ]  # fmt: skip
     best = config_sweep.best_configs(records)["portable.dq D128"]
     assert best == dict(config=list(steady), ms=15.5, default_ms=16.0)
+
+
+def test_a_soft_capped_sweep_reports_the_soft_capped_default():
+    """Soft-capped, the Gluon backward at D = 64 launches ops/sm90.py's SOFTCAPPED config: the default reported."""
+    table, capped = (config_sweep._default_config("sm90.bwd", 64, softcapped) for softcapped in (False, True))
+    assert table != capped
+    records = [_record("sm90.bwd", config, causal, ms, 64, 30.0)
+               for config, ms in ((table, 5.0), (capped, 2.0)) for causal in (False, True)]  # fmt: skip
+    assert config_sweep.best_configs(records)["sm90.bwd D64"] == dict(config=list(capped), ms=4.0, default_ms=4.0)
+    defaults = config_sweep.swept_configs(["sm90.bwd"], [64], None, True, softcapped=True)
+    assert defaults == {"sm90.bwd": {64: [capped]}}
 
 
 def test_use_configs_overrides_the_swept_kernels_only_and_restores():
