@@ -184,11 +184,11 @@ def bwd_launches(call: BwdCall, backend: str | None = None, target: Target | Non
     if split_dkdv:
         dkdv = sm90.dkdv_launch(call, launch_config("sm90.dkdv", head_dim, dtype, target), positions)
     else:
-        dkdv = portable.dkdv_launch(call, launch_config("portable.dkdv", head_dim, dtype, target))
+        dkdv = portable.dkdv_launch(call, launch_config("portable.dkdv", head_dim, dtype, target), target)
     if split_dq:
         dq = sm90.dq_launch(call, launch_config("sm90.dq", head_dim, dtype, target), positions)
     else:
-        dq = portable.dq_launch(call, launch_config("portable.dq", head_dim, dtype, target))
+        dq = portable.dq_launch(call, launch_config("portable.dq", head_dim, dtype, target), target)
     return dkdv, dq
 
 

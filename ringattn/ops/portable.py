@@ -47,6 +47,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _approx_tanh(dtype: torch.dtype, target: Target) -> bool:
+    """The kernels' APPROX_TANH: soft-capping's tanh by the GPU's tanh.approx for 16-bit inputs on a GPU (its error
+    under their rounding, as the Hopper kernels'); fp32 inputs, and the interpreter (no inline PTX), take it to
+    about one ulp."""
+    return target.gpu and dtype != torch.float32
+
+
 def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, target: Target):
     """TMA descriptors of k and v (B, Sk, Hkv, D) with block (1, block_n, 1, D), or None where TMA cannot load
     them (pointer loads then): a GPU older than Hopper, D not a power of two of at least 16 (it would be padded),
@@ -82,8 +89,9 @@ def fwd_launch(call: FwdCall, cfg: LaunchConfig, target: Target) -> KernelLaunch
         ),
         dict(
             GROUP_SIZE=heads_q // heads_k, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **band_flags, HAS_DOCS=has_docs, MERGE_STATE=call.merge_state,
-            HAS_FINAL_ROWS=call.final is not None, KV_TMA=kv_desc is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **band_flags, APPROX_TANH=_approx_tanh(q.dtype, target),
+            HAS_DOCS=has_docs, MERGE_STATE=call.merge_state, HAS_FINAL_ROWS=call.final is not None,
+            KV_TMA=kv_desc is not None,
             DOT_PRECISION=_dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=True,  # exp2(s * qk_scale - m) as one FMA; explicit, as triton's default will flip
@@ -107,12 +115,13 @@ def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
     )  # fmt: skip
 
 
-def _bwd_common(call: BwdCall) -> tuple[tuple, dict]:
-    """The band arguments (launch.band_args) and the constexprs both backward kernels take."""
+def _bwd_common(call: BwdCall, target: Target) -> tuple[tuple, dict]:
+    """The band arguments (launch.band_args) and the constexprs both backward kernels take on `target`."""
     band, band_flags = band_args(call)
     return band, dict(
         GROUP_SIZE=call.q.shape[2] // call.k.shape[2], HEAD_DIM=call.q.shape[-1],
-        BLOCK_D=padded_head_dim(call.q.shape[-1]), **band_flags, HAS_DOCS=call.q_doc_ids is not None,
+        BLOCK_D=padded_head_dim(call.q.shape[-1]), **band_flags, APPROX_TANH=_approx_tanh(call.q.dtype, target),
+        HAS_DOCS=call.q_doc_ids is not None,
         DOT_PRECISION=_dot_precision(call.q.dtype), LSE_LO=call.q.element_size() > 2,  # 16-bit: hi alone
         enable_fp_fusion=True,  # as the forward's: triton's default (fused multiply-adds on) will flip
     )  # fmt: skip
@@ -131,12 +140,12 @@ def _doc_strides(call: FwdCall | BwdCall) -> tuple[int, int]:
     return call.q_doc_ids.stride(0), call.k_doc_ids.stride(0)
 
 
-def dkdv_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
+def dkdv_launch(call: BwdCall, cfg: LaunchConfig, target: Target) -> KernelLaunch:
     """_attn_bwd_dkdv_kernel adding dK, dV into call.dk, call.dv if call.add_dkdv, else storing them."""
     q, k, v, dout, dk, dv = call.q, call.k, call.v, call.dout, call.dk, call.dv
     batch, seqlen_q, _, _ = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
-    band, common = _bwd_common(call)
+    band, common = _bwd_common(call, target)
     return KernelLaunch(
         "portable.dkdv",
         _attn_bwd_dkdv_kernel,
@@ -153,14 +162,14 @@ def dkdv_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
     )  # fmt: skip
 
 
-def dq_launch(call: BwdCall, cfg: LaunchConfig) -> KernelLaunch:
+def dq_launch(call: BwdCall, cfg: LaunchConfig, target: Target) -> KernelLaunch:
     """_attn_bwd_dq_kernel adding dQ into call.dq if call.add_dq, else storing it, finished rows into
     call.dq_final."""
     q, k, v, dout, dq = call.q, call.k, call.v, call.dout, call.dq
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
     final_dq, *final_strides, final_lo, final_hi = final_args(call.dq_final, dq)
-    band, common = _bwd_common(call)
+    band, common = _bwd_common(call, target)
     return KernelLaunch(
         "portable.dq",
         _attn_bwd_dq_kernel,

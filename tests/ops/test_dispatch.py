@@ -247,6 +247,21 @@ def test_softcapped_backward_takes_the_softcapped_config_where_there_is_one():
         assert launch_config("sm90.bwd", head_dim, torch.bfloat16, HOPPER, softcapped=bool(softcap)) == want
 
 
+def test_portable_kernels_take_tanh_approx_for_16_bit_inputs_on_a_gpu():
+    """Soft-capped, the portable kernels take the GPU's tanh.approx for 16-bit inputs; fp32 inputs and the
+    interpreter (no inline PTX) the exp2 form, to about one ulp."""
+    for dtype, target, approx in (
+        (torch.bfloat16, AMPERE, True),
+        (torch.float16, HOPPER, True),
+        (torch.float32, AMPERE, False),
+        (torch.bfloat16, INTERPRETER, False),
+    ):
+        q, k, v, dout = _tensors(head_dim=96, dtype=dtype)
+        launches = [fwd_launch(_fwd(q, k, v, softcap=30.0), "portable", target)]
+        launches += bwd_launches(_bwd(q, k, v, dout, softcap=30.0), "portable", target)
+        assert [launch.kwargs["APPROX_TANH"] for launch in launches] == [approx] * 3, (dtype, target)
+
+
 def test_every_kernel_name_is_a_launch_name():
     """KERNELS names what the planners build (the sweep and the resource report go by these names)."""
     q, k, v, dout = _tensors()

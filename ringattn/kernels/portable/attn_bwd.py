@@ -90,7 +90,7 @@ def _attn_bwd_dkdv_tile(
     dk, dv, k, v, k_doc, q_base, do_base, stats_base, stride_stat, QDoc, stride_qm, stride_dom,
     offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, APPROX_TANH: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add the Q tile at m0's share to dK (unscaled) and dV of one K/V tile.
 
@@ -103,7 +103,8 @@ def _attn_bwd_dkdv_tile(
     q = tl.load(q_base + rows * stride_qm + offs_d[None, :], mask=row_mask, other=0.0)
     do = tl.load(do_base + rows * stride_dom + offs_d[None, :], mask=row_mask, other=0.0)
     lse2_hi, lse2_lo, delta = _load_row_stats(stats_base, stride_stat, offs_m, seqlen_q, LSE_LO)
-    t = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP)  # (BLOCK_M, BLOCK_N)
+    # (BLOCK_M, BLOCK_N) scores, tanh-capped with SOFTCAP
+    t = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP, APPROX_TANH)
     x = t * qk_scale - lse2_hi[:, None]  # one FMA a score
     if MASKED:  # mask the exponents, not P: exp2 of a masked score past fp32's range would be inf
         if LOWER:
@@ -130,7 +131,7 @@ def _attn_bwd_dkdv_tiles(
     dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
     stride_qm, stride_dom, offs_n, offs_d, mask_d, start_m, end_m, seqlen_q, lower, upper, qk_scale, cap_scale,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, APPROX_TANH: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Q tiles [start_m, end_m); DOCS skips tiles whose document span misses [k_doc_first, k_doc_last]."""
     for m0 in range(start_m, end_m, BLOCK_M):
@@ -140,13 +141,13 @@ def _attn_bwd_dkdv_tiles(
                 dk, dv = _attn_bwd_dkdv_tile(
                     dk, dv, k, v, k_doc, q_base, do_base, stats_base, stride_stat, QDoc, stride_qm, stride_dom,
                     offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
-                    BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, LSE_LO, DOT_PRECISION,
+                    BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, APPROX_TANH, LSE_LO, DOT_PRECISION,
                 )
         else:
             dk, dv = _attn_bwd_dkdv_tile(
                 dk, dv, k, v, k_doc, q_base, do_base, stats_base, stride_stat, QDoc, stride_qm, stride_dom,
                 offs_n, offs_d, mask_d, m0, seqlen_q, lower, upper, qk_scale, cap_scale,
-                BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, LSE_LO, DOT_PRECISION,
+                BLOCK_M, MASKED, LOWER, UPPER, DOCS, SOFTCAP, APPROX_TANH, LSE_LO, DOT_PRECISION,
             )
     return dk, dv
 
@@ -164,7 +165,7 @@ def _attn_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, num_heads_k, stride_stat, lower, upper, qk_scale, cap_scale, sm_scale,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
+    LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr, APPROX_TANH: tl.constexpr, HAS_DOCS: tl.constexpr,
     ACCUMULATE: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) for one BLOCK_N tile of keys of one (batch, kv head).
@@ -172,8 +173,8 @@ def _attn_bwd_dkdv_kernel(
     Q, DOut (B, Sq, Hq, HEAD_DIM); Stats (3, B, Hq, Sq) the row stats (_attn_bwd_preprocess_kernel; planes
     stride_stat apart). The GROUP_SIZE q heads that
     share this kv head are summed in registers, so no two programs write the same rows.
-    lower, upper, LOWER, UPPER, qk_scale, cap_scale, SOFTCAP, and QDoc, KDoc, stride_qdb, stride_kdb, HAS_DOCS: as in
-    the forward kernel.
+    lower, upper, LOWER, UPPER, qk_scale, cap_scale, SOFTCAP, APPROX_TANH, and QDoc, KDoc, stride_qdb, stride_kdb,
+    HAS_DOCS: as in the forward kernel.
     """
     start_n = tl.program_id(0)
     off_hk = tl.program_id(1).to(tl.int64)
@@ -230,17 +231,20 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _attn_bwd_dkdv_tiles(
                 dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
                 stride_qs, stride_dos, offs_n, offs_d, mask_d, start_m, tl.minimum(full_start, end_m), seqlen_q,
-                lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, False, SOFTCAP, LSE_LO, DOT_PRECISION,
+                lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, False, SOFTCAP, APPROX_TANH, LSE_LO,
+                DOT_PRECISION,
             )
         dk, dv = _attn_bwd_dkdv_tiles(
             dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
             stride_qs, stride_dos, offs_n, offs_d, mask_d, full_start, full_end, seqlen_q,
-            lower, upper, qk_scale, cap_scale, BLOCK_M, False, LOWER, UPPER, False, SOFTCAP, LSE_LO, DOT_PRECISION,
+            lower, upper, qk_scale, cap_scale, BLOCK_M, False, LOWER, UPPER, False, SOFTCAP, APPROX_TANH, LSE_LO,
+            DOT_PRECISION,
         )
         dk, dv = _attn_bwd_dkdv_tiles(
             dk, dv, k, v, k_doc, k_doc_first, k_doc_last, q_base, do_base, stats_base, stride_stat, QDoc,
             stride_qs, stride_dos, offs_n, offs_d, mask_d, tl.maximum(full_start, full_end), end_m, seqlen_q,
-            lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, LSE_LO, DOT_PRECISION,
+            lower, upper, qk_scale, cap_scale, BLOCK_M, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, APPROX_TANH, LSE_LO,
+            DOT_PRECISION,
         )
 
     dk = dk * sm_scale
@@ -258,12 +262,12 @@ def _attn_bwd_dq_tile(
     dq, q, do, lse2_hi, lse2_lo, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn,
     offs_m, offs_d, mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, APPROX_TANH: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add the key tile at n0's share to dQ (unscaled) of one Q tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
-    t = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP)
+    t = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP, APPROX_TANH)
     x = t * qk_scale - lse2_hi[:, None]  # one FMA a score
     if MASKED:  # mask the exponents, not P (as in the dK/dV kernel)
         visible = _key_tile_visible(offs_m, offs_n, seqlen_k, lower, upper, q_doc, KDoc, LOWER, UPPER, DOCS)
@@ -283,7 +287,7 @@ def _attn_bwd_dq_tiles(
     dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_kn,
     stride_vn, offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, lower, upper, qk_scale, cap_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, APPROX_TANH: tl.constexpr, LSE_LO: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Key tiles [start_n, end_n); DOCS skips tiles whose document span misses [q_doc_first, q_doc_last]."""
     for n0 in range(start_n, end_n, BLOCK_N):
@@ -293,13 +297,13 @@ def _attn_bwd_dq_tiles(
                 dq = _attn_bwd_dq_tile(
                     dq, q, do, lse2_hi, lse2_lo, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m,
                     offs_d, mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, BLOCK_N, MASKED, LOWER, UPPER,
-                    DOCS, SOFTCAP, LSE_LO, DOT_PRECISION,
+                    DOCS, SOFTCAP, APPROX_TANH, LSE_LO, DOT_PRECISION,
                 )
         else:
             dq = _attn_bwd_dq_tile(
                 dq, q, do, lse2_hi, lse2_lo, delta, q_doc, k_base, v_base, KDoc, stride_kn, stride_vn, offs_m, offs_d,
                 mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, BLOCK_N, MASKED, LOWER, UPPER, DOCS,
-                SOFTCAP, LSE_LO, DOT_PRECISION,
+                SOFTCAP, APPROX_TANH, LSE_LO, DOT_PRECISION,
             )
     return dq
 
@@ -312,6 +316,7 @@ def _attn_bwd_dq_kernel(
     sm_scale, stride_qdb, stride_kdb,
     final_lo, final_hi, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr,
+    APPROX_TANH: tl.constexpr,
     HAS_DOCS: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr, LSE_LO: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -319,7 +324,7 @@ def _attn_bwd_dq_kernel(
 
     HAS_FINAL_ROWS: rows [final_lo, final_hi) of dQ (after the ACCUMULATE add) go to DQFinal (shaped like DQ, its own
     dtype), rounded, and not to DQ, whose rows there are left as they were. lower, upper, LOWER, UPPER, qk_scale,
-    cap_scale, SOFTCAP, and QDoc, KDoc, stride_qdb, stride_kdb, HAS_DOCS: as in the forward kernel.
+    cap_scale, SOFTCAP, APPROX_TANH, and QDoc, KDoc, stride_qdb, stride_kdb, HAS_DOCS: as in the forward kernel.
     """
     start_m = tl.program_id(0)
     off_hq = tl.program_id(1)
@@ -356,17 +361,17 @@ def _attn_bwd_dq_kernel(
         dq = _attn_bwd_dq_tiles(
             dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks,
             stride_vs, offs_m, offs_d, mask_d, start_n, tl.minimum(full_start, end_n), seqlen_k, lower, upper, qk_scale,
-            cap_scale, BLOCK_N, True, LOWER, UPPER, False, SOFTCAP, LSE_LO, DOT_PRECISION,
+            cap_scale, BLOCK_N, True, LOWER, UPPER, False, SOFTCAP, APPROX_TANH, LSE_LO, DOT_PRECISION,
         )
     dq = _attn_bwd_dq_tiles(
         dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
         offs_m, offs_d, mask_d, full_start, full_end, seqlen_k, lower, upper, qk_scale, cap_scale,
-        BLOCK_N, False, LOWER, UPPER, False, SOFTCAP, LSE_LO, DOT_PRECISION,
+        BLOCK_N, False, LOWER, UPPER, False, SOFTCAP, APPROX_TANH, LSE_LO, DOT_PRECISION,
     )
     dq = _attn_bwd_dq_tiles(
         dq, q, do, lse2_hi, lse2_lo, delta, q_doc, q_doc_first, q_doc_last, k_base, v_base, KDoc, stride_ks, stride_vs,
         offs_m, offs_d, mask_d, tl.maximum(full_start, full_end), end_n, seqlen_k, lower, upper, qk_scale,
-        cap_scale, BLOCK_N, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, LSE_LO, DOT_PRECISION,
+        cap_scale, BLOCK_N, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, APPROX_TANH, LSE_LO, DOT_PRECISION,
     )
 
     dq = dq * sm_scale

@@ -33,7 +33,7 @@ def _attn_fwd_tile(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords,
     offs_m, offs_d, mask_d, n0, seqlen_k, lower, upper, qk_scale, cap_scale, q_doc, KDoc,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr, KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, APPROX_TANH: tl.constexpr, KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) by the key tile starting at n0.
 
@@ -46,7 +46,8 @@ def _attn_fwd_tile(
         k, v = _load_kv_tile_tma(k_base, v_base, kv_coords, n0, BLOCK_N, offs_d.shape[0])
     else:
         k, v = _load_kv_tile(k_base, v_base, stride_kn, stride_vn, offs_n, offs_d, mask_d, seqlen_k, MASKED)
-    s = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP)  # (BLOCK_M, BLOCK_N)
+    # (BLOCK_M, BLOCK_N) scores, tanh-capped with SOFTCAP
+    s = _capped(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), cap_scale, SOFTCAP, APPROX_TANH)
     if MASKED:
         visible = _key_tile_visible(offs_m, offs_n, seqlen_k, lower, upper, q_doc, KDoc, LOWER, UPPER, DOCS)
         s = tl.where(visible, s, float("-inf"))
@@ -59,7 +60,7 @@ def _attn_fwd_tiles(
     offs_m, offs_d, mask_d, start_n, end_n, seqlen_k, lower, upper, qk_scale, cap_scale,
     q_doc, q_doc_first, q_doc_last, KDoc,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr, DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr, KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, APPROX_TANH: tl.constexpr, KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Key tiles [start_n, end_n); DOCS skips tiles whose document span misses [q_doc_first, q_doc_last]."""
     for n0 in range(start_n, end_n, BLOCK_N):
@@ -69,13 +70,13 @@ def _attn_fwd_tiles(
                 acc, l_i, m_i = _attn_fwd_tile(
                     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords, offs_m, offs_d, mask_d, n0,
                     seqlen_k, lower, upper, qk_scale, cap_scale, q_doc, KDoc, BLOCK_N, MASKED, LOWER, UPPER, DOCS,
-                    SOFTCAP, KV_TMA, DOT_PRECISION,
+                    SOFTCAP, APPROX_TANH, KV_TMA, DOT_PRECISION,
                 )
         else:
             acc, l_i, m_i = _attn_fwd_tile(
                 acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, kv_coords, offs_m, offs_d, mask_d, n0,
                 seqlen_k, lower, upper, qk_scale, cap_scale, q_doc, KDoc, BLOCK_N, MASKED, LOWER, UPPER, DOCS,
-                SOFTCAP, KV_TMA, DOT_PRECISION,
+                SOFTCAP, APPROX_TANH, KV_TMA, DOT_PRECISION,
             )
     return acc, l_i, m_i
 
@@ -93,7 +94,7 @@ def _attn_fwd_kernel(
     seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, final_lo, final_hi,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DOCS: tl.constexpr,
+    LOWER: tl.constexpr, UPPER: tl.constexpr, SOFTCAP: tl.constexpr, APPROX_TANH: tl.constexpr, HAS_DOCS: tl.constexpr,
     MERGE_STATE: tl.constexpr, HAS_FINAL_ROWS: tl.constexpr, KV_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile; Lse[b, h, m] in natural log.
@@ -151,17 +152,19 @@ def _attn_fwd_kernel(
         acc, l_i, m_i = _attn_fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, kv_coords, offs_m, offs_d, mask_d,
             start_n, tl.minimum(full_start, end_n), seqlen_k, lower, upper, qk_scale, cap_scale,
-            q_doc, q_doc_first, q_doc_last, KDoc, BLOCK_N, True, LOWER, UPPER, False, SOFTCAP, KV_TMA, DOT_PRECISION,
+            q_doc, q_doc_first, q_doc_last, KDoc, BLOCK_N, True, LOWER, UPPER, False, SOFTCAP, APPROX_TANH, KV_TMA,
+            DOT_PRECISION,
         )
     acc, l_i, m_i = _attn_fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, kv_coords, offs_m, offs_d, mask_d,
         full_start, full_end, seqlen_k, lower, upper, qk_scale, cap_scale, q_doc, q_doc_first, q_doc_last, KDoc,
-        BLOCK_N, False, LOWER, UPPER, False, SOFTCAP, KV_TMA, DOT_PRECISION,
+        BLOCK_N, False, LOWER, UPPER, False, SOFTCAP, APPROX_TANH, KV_TMA, DOT_PRECISION,
     )
     acc, l_i, m_i = _attn_fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, kv_coords, offs_m, offs_d, mask_d,
         tl.maximum(full_start, full_end), end_n, seqlen_k, lower, upper, qk_scale, cap_scale,
-        q_doc, q_doc_first, q_doc_last, KDoc, BLOCK_N, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, KV_TMA, DOT_PRECISION,
+        q_doc, q_doc_first, q_doc_last, KDoc, BLOCK_N, True, LOWER, UPPER, HAS_DOCS, SOFTCAP, APPROX_TANH, KV_TMA,
+        DOT_PRECISION,
     )
 
     lse, l_safe = _row_lse(m_i, l_i)  # every key masked: output 0, lse -inf
