@@ -140,6 +140,22 @@ def test_forward_takes_the_gluon_kernel_only_where_its_table_does():
     assert launch.name == "sm90.fwd" and launch.kwargs["HAS_FINAL_ROWS"]  # the ring's finishing step
     assert _fwd_name(_fwd(q, k, v, final=final)) == "portable.fwd"  # rows finished from out in q's dtype
     assert _fwd_name(_fwd(*_tensors(head_dim=64)[:3])) == "portable.fwd"  # D = 64: slower there
+    assert _fwd_name(_fwd(*_tensors(head_dim=80)[:3])) == "portable.fwd"
+
+
+@needs_hopper_triton
+def test_head_dim_96_runs_the_gluon_kernels_in_128_column_tiles():
+    """D = 96 on the Gluon forward and backward: every descriptor 128 columns wide (TMA fills the columns past 96
+    with zeros and stores none of them), the kernels told D = 96 for the stores by pointers."""
+    q, k, v, dout = _tensors(head_dim=96)
+    fwd = fwd_launch(_fwd(q, k, v, out_dtype=torch.float32, merge_state=True), "sm90", HOPPER)
+    (bwd,) = bwd_launches(_bwd(q, k, v, dout, grads_dtype=torch.float32), "sm90", HOPPER)
+    for launch in (fwd, bwd):
+        assert (launch.kwargs["HEAD_DIM"], launch.kwargs["BLOCK_D"]) == (96, 128), launch.name
+        descriptors = [a for a in launch.args if hasattr(a, "block_shape") and len(a.block_shape) == 4]
+        assert descriptors and {a.block_shape[-1] for a in descriptors} <= {64, 128}, launch.name
+        assert all(a.shape[-1] == 96 for a in descriptors), launch.name
+    assert [a.block_shape[-1] for a in fwd.args[:3]] == [128] * 3  # q, k, v
     assert _fwd_name(_fwd(*_tensors(dtype=torch.float32)[:3])) == "portable.fwd"
     offset = torch.randn(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # base address off 16 bytes
     assert _fwd_name(_fwd(q, offset, v)) == "portable.fwd"
@@ -161,7 +177,8 @@ def test_backward_takes_the_gluon_kernel_where_its_table_does():
     assert names() == names(causal=False) == gluon
     assert names(deterministic=True) == split  # one writer per gradient row
     assert names(*_tensors(head_dim=64)) == names(*_tensors(head_dim=64), causal=False) == gluon
-    assert names(*_tensors(head_dim=96)) == fallback
+    assert names(*_tensors(head_dim=96)) == gluon  # in 128-column tiles
+    assert names(*_tensors(head_dim=80)) == fallback
     ids = torch.zeros(64, dtype=torch.int32)
     assert names(q_doc_ids=ids, k_doc_ids=ids) == fallback  # documents
     assert names(*_tensors(seqlen_q=97)) == gluon  # any length: the stats are padded to whole tiles

@@ -107,9 +107,10 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
     kv_bar, qdo_bars, n0, start_m, num_m, first_hq, num_steps = args[11:18]
     hi_desc, delta_desc, hi_bufs, delta_bufs = args[18:22]
-    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[24:]
+    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[24:35]
+    head_dim = args[35]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = k_smem.type.shape[3]
+    BLOCK_D: gl.constexpr = k_smem.type.shape[3]  # head_dim's columns, and past them (BLOCK_D > head_dim) zeros
     BLOCK_M: gl.constexpr = q_bufs.type.shape[2]
     num_buffers: gl.constexpr = q_bufs.type.shape[0]
     KEYS: gl.constexpr = BLOCK_N // 2
@@ -118,16 +119,16 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])  # fmt: skip
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+                                                         instr_shape=[16, BLOCK_D, 16])  # fmt: skip
     DQ_ROWS: gl.constexpr = dq_bufs.type.shape[2]  # this consumer's dQ tile: all rows and half the columns, or
     DQ_COLS: gl.constexpr = dq_bufs.type.shape[4]  # (128 rows a step) half the rows and all the columns
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])  # fmt: skip
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_tile = k_smem.reshape([BLOCK_N, BLOCK_D])
     k_rows = k_tile.slice(FIRST, KEYS)
-    v_rows = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(FIRST, KEYS)
+    v_rows = v_smem.reshape([BLOCK_N, BLOCK_D]).slice(FIRST, KEYS)
     if DQ_ROWS == BLOCK_M:
         k_cols = k_tile.slice(HALF * DQ_COLS, DQ_COLS, dim=1)
     else:
@@ -144,8 +145,8 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         full_hi = n0 + FIRST - lower - (BLOCK_M - 1)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, dq_layout)
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+    dk = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
+    dv = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
     for i in range(num_steps):
         hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
@@ -199,8 +200,8 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         _arrive(qdo_bars.index(2 * slot + 1))
 
     rows = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    in_keys = (rows < seqlen_k)[:, None]
+    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
+    in_keys = (rows < seqlen_k)[:, None] & (cols < head_dim)[None, :]
     dk_ptrs = DK + rows[:, None].to(gl.int64) * stride_ks + cols[None, :]
     dv_ptrs = DV + rows[:, None].to(gl.int64) * stride_vs + cols[None, :]
     dk = dk * sm_scale
@@ -252,17 +253,18 @@ def _attn_bwd_gluon_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, hi_desc, delta_desc, DK, DV,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
-    LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    GROUP_SIZE: gl.constexpr, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) of one BLOCK_N tile of keys of one (batch, kv head), and its share of dQ added
     into dQ; grid (Sk tiles, Hkv, B), 4 warps (the first consumer; the partitions add 6).
 
     Host TMA descriptors (kernels/sm90/descriptors.py): q_desc, do_desc of Q, dOut (B, Sq, Hq, HEAD_DIM) in
-    (1, BLOCK_M, 1, HEAD_DIM) tiles and k_desc, v_desc of K, V (B, Sk, Hkv, HEAD_DIM) in (1, BLOCK_N, 1, HEAD_DIM)
-    tiles, all 16-bit (bf16 or fp16), HEAD_DIM 64 or 128; dq_desc of dQ (B, Sq, Hq, HEAD_DIM) fp32 in (1, BLOCK_M,
-    1, HEAD_DIM // 2) tiles, or (1, BLOCK_M // 2, 1, HEAD_DIM) at BLOCK_M >= 128: dQ is added into (atomically:
+    (1, BLOCK_M, 1, BLOCK_D) tiles and k_desc, v_desc of K, V (B, Sk, Hkv, HEAD_DIM) in (1, BLOCK_N, 1, BLOCK_D)
+    tiles, all 16-bit (bf16 or fp16), BLOCK_D 64 or 128 at or above HEAD_DIM (the columns past HEAD_DIM load as
+    zeros and are not stored); dq_desc of dQ (B, Sq, Hq, HEAD_DIM) fp32 in (1, BLOCK_M, 1, BLOCK_D // 2) tiles, or
+    (1, BLOCK_M // 2, 1, BLOCK_D) at BLOCK_M >= 128: dQ is added into (atomically:
     every key tile adds its share); hi_desc, delta_desc of the row stats' lse2_hi and delta planes (B, Hq, Sq') fp32
     in (1, 1, BLOCK_M) tiles (ops/attn.py's attn_bwd_preprocess; lse2_lo is not read), Sq' >= Sq a multiple of
     BLOCK_M, the entries past Sq zeros. DK, DV like K and V, in their dtype or fp32 (the ring's shares), last dim
@@ -281,10 +283,10 @@ def _attn_bwd_gluon_kernel(
     # dSᵀ (keys x rows) as the dQ product's left operand, transposed
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BLOCK_M), element_bitwidth=16,
                                                    rank=2)  # fmt: skip
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, BLOCK_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, BLOCK_D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_M, 1, BLOCK_D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_M, 1, BLOCK_D], do_desc.layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2, 1, DQ_ROWS, 1, DQ_COLS], dq_desc.layout)  # one a consumer
     hi_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, 1, 1, BLOCK_M], hi_desc.layout)
@@ -315,7 +317,7 @@ def _attn_bwd_gluon_kernel(
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs,
             kv_bar, qdo_bars, n0, start_m, num_m, off_hk * GROUP_SIZE, GROUP_SIZE * num_m,
             hi_desc, delta_desc, hi_bufs, delta_bufs, off_b, off_hk, dk_base, dv_base, stride_dks, stride_dvs,
-            seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale)  # fmt: skip
+            seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale, HEAD_DIM)  # fmt: skip
     gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
             (_grad_partition_0, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),

@@ -102,7 +102,7 @@ def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.
     args: the kernel's descriptors, buffers, barriers and scalars, as _attn_fwd_gluon_kernel packs them."""
     q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, Lse, m0, num_tiles = args[:13]
     first_n = args[13]
-    off_b, off_hq, off_hk = args[26:]
+    off_b, off_hq, off_hk = args[26:29]
     BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -126,7 +126,7 @@ def _load_tile(desc, at, buf, ready, free, free_phase):
 
 @gluon.jit
 def _tile(bufs, slot):
-    """Slot `slot` of a ring of (1, rows, 1, HEAD_DIM) TMA tiles as the (rows, HEAD_DIM) matrix the products read."""
+    """Slot `slot` of a ring of (1, rows, 1, BLOCK_D) TMA tiles as the (rows, BLOCK_D) matrix the products read."""
     return bufs.index(slot).reshape([bufs.type.shape[2], bufs.type.shape[4]])
 
 
@@ -137,22 +137,22 @@ def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.co
     their lse (rows past seqlen_q are not; HAS_FINAL_ROWS: rows [final_lo, final_hi) into Final instead, rounded)."""
     q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, Lse, m0, num_tiles = args[:13]
     first_n, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, Out, stride_os = args[13:22]
-    Final, stride_fs, final_lo, final_hi, off_b, off_hq, off_hk = args[22:]
+    Final, stride_fs, final_lo, final_hi, off_b, off_hq, off_hk, head_dim = args[22:]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = q_smem.type.shape[3]
+    BLOCK_D: gl.constexpr = q_smem.type.shape[3]  # head_dim's columns, and past them (BLOCK_D > head_dim) zeros
     BLOCK_N: gl.constexpr = k_bufs.type.shape[2]
     ROWS: gl.constexpr = BLOCK_M // 2
     num_buffers: gl.constexpr = k_bufs.type.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])  # fmt: skip
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+                                                       instr_shape=[16, BLOCK_D, 16])  # fmt: skip
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     acc_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     FIRST: gl.constexpr = HALF * ROWS
     r0 = m0 + FIRST
-    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(FIRST, ROWS)  # this consumer's rows of Q
+    q = q_smem.reshape([BLOCK_M, BLOCK_D]).slice(FIRST, ROWS)  # this consumer's rows of Q
     offs_m = r0 + gl.arange(0, ROWS, layout=row_layout)
     # a tile [n0, n0 + BLOCK_N) is seen whole by every row of this half (no mask) from n0 = full_lo on, up to
     # n0 + BLOCK_N = full_hi
@@ -165,7 +165,7 @@ def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.co
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
     mbarrier.wait(q_bar, 0)  # always: the consumers' rows of Q stage their output, after the load lands
     if num_tiles > 0:
         # tile 0: its scores, then its softmax
@@ -208,9 +208,9 @@ def _softmax_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.co
     out = acc / gl.convert_layout(l_safe, acc_rows)[:, None]
     if OUT_FP32:  # the ring's fp32 state, merged into (MERGE_STATE) or started, by pointers (any row stride)
         rows = r0 + gl.arange(0, ROWS, layout=acc_rows)
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
         ptrs = Out + rows[:, None].to(gl.int64) * stride_os + cols[None, :]
-        row_mask = (rows < seqlen_q)[:, None]
+        row_mask = (rows < seqlen_q)[:, None] & (cols < head_dim)[None, :]
         lse = gl.convert_layout(lse, acc_rows)
         if MERGE_STATE:
             run_out = gl.load(ptrs, mask=row_mask, other=0.0)
@@ -250,16 +250,17 @@ def _attn_fwd_gluon_kernel(
     stride_lb, stride_lh,
     stride_fb, stride_fs, stride_fh,
     seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, final_lo, final_hi,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_SIZE: gl.constexpr,
-    LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, MERGE_STATE: gl.constexpr,
-    OUT_FP32: gl.constexpr, HAS_FINAL_ROWS: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    GROUP_SIZE: gl.constexpr, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr,
+    MERGE_STATE: gl.constexpr, OUT_FP32: gl.constexpr, HAS_FINAL_ROWS: gl.constexpr, NUM_BUFFERS: gl.constexpr,
 ):
     """Out[b, m, h] = softmax(Q K^T * scale) V for one Q tile and Lse[b, h, m] in natural log; grid (Sq tiles, Hq, B),
     4 warps (the first consumer; the partitions add 5).
 
     q_desc, k_desc, v_desc: host TMA descriptors (kernels/sm90/descriptors.py) of Q (B, Sq, Hq, HEAD_DIM) in
-    (1, BLOCK_M, 1, HEAD_DIM) tiles and K, V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM) in (1, BLOCK_N, 1, HEAD_DIM) tiles,
-    all 16-bit (bf16 or fp16), HEAD_DIM 64 or 128; o_desc Out's in (1, BLOCK_M // 2, 1, HEAD_DIM) tiles where Out is
+    (1, BLOCK_M, 1, BLOCK_D) tiles and K, V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM) in (1, BLOCK_N, 1, BLOCK_D) tiles,
+    all 16-bit (bf16 or fp16), BLOCK_D 64 or 128 at or above HEAD_DIM (the columns past HEAD_DIM load as zeros and
+    are not stored); o_desc Out's in (1, BLOCK_M // 2, 1, BLOCK_D) tiles where Out is
     in Q's dtype (with OUT_FP32 it is not read). Lse (B, Hq, Sq) float64 with its last dim contiguous. Row i sees keys
     j with (LOWER) i + lower <= j and (UPPER) j <= i + upper (ops/calls.py's key_band: causal and sliding windows,
     bottom-right aligned). qk_scale = softmax_scale * log2(e), or with SOFTCAP softcap * log2(e), the scores then
@@ -275,9 +276,9 @@ def _attn_fwd_gluon_kernel(
     off_b = gl.program_id(2)
     off_hk = off_hq // GROUP_SIZE
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, BLOCK_D], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_N, 1, BLOCK_D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_N, 1, BLOCK_D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     # per slot of each ring, two barriers: [2 * slot] its tile landed, [2 * slot + 1] both consumers are done with it
     k_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -306,7 +307,7 @@ def _attn_fwd_gluon_kernel(
     final_head = Final + b64 * stride_fb + hq64 * stride_fh
     args = (q_desc, k_desc, v_desc, o_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, lse_row, m0, num_tiles,
             first_n, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, out_head, stride_os, final_head, stride_fs,
-            final_lo, final_hi, off_b, off_hq, off_hk)  # fmt: skip
+            final_lo, final_hi, off_b, off_hq, off_hk, HEAD_DIM)  # fmt: skip
     gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
             (_softmax_partition_0, (args, LOWER, UPPER, SOFTCAP, MERGE_STATE, OUT_FP32, HAS_FINAL_ROWS)),
