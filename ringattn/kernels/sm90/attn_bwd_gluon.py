@@ -201,15 +201,15 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
 
     rows = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
-    in_keys = (rows < seqlen_k)[:, None] & (cols < head_dim)[None, :]
+    in_bounds = (rows < seqlen_k)[:, None] & (cols < head_dim)[None, :]
     dk_ptrs = DK + rows[:, None].to(gl.int64) * stride_ks + cols[None, :]
     dv_ptrs = DV + rows[:, None].to(gl.int64) * stride_vs + cols[None, :]
     dk = dk * sm_scale
     if ADD_DKDV:
-        dk += gl.load(dk_ptrs, mask=in_keys, other=0.0)
-        dv += gl.load(dv_ptrs, mask=in_keys, other=0.0)
-    gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=in_keys)
-    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_keys)
+        dk += gl.load(dk_ptrs, mask=in_bounds, other=0.0)
+        dv += gl.load(dv_ptrs, mask=in_bounds, other=0.0)
+    gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=in_bounds)
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=in_bounds)
 
 
 @gluon.jit
