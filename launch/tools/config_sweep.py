@@ -80,6 +80,8 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
         128: [(128, 128, 4, 2), (128, 128, 4, 3)],
     },
 }
+# D = 96 runs in 128-column tiles (padded_head_dim) on every kernel that takes it: D = 128's candidates
+CANDIDATES = {kernel: {**by_dim, 96: by_dim[128]} for kernel, by_dim in CANDIDATES.items()}
 GPU = Target((9, 0))  # the configs the tables give a Hopper GPU
 
 
@@ -222,7 +224,7 @@ def best_configs(records: list[dict]) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlen", type=int, default=8192)
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 96, 128])
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[HEADS], help="8 for GQA 32:8")
     parser.add_argument(
         "--kernels",
