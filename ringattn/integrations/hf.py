@@ -81,8 +81,8 @@ autocast's dtype, as SDPA takes them (RoPE leaves q and k in fp32 beside a bf16 
 Refused with ValueError: models whose attention is not transformers' AttentionInterface, with an output per
 sequence (a sequence-classification head, a pooler: each rank would pool its own shard), mixing tokens outside
 attention (convolutions, state spaces, linear attention) or taking other positions than the global ones (rotary
-embeddings of rope type dynamic or longrope, RoBERTa's offset positions, a model that takes no position_ids, Llama 4's
-temperature on layers without rotary embeddings) (by prepare), dropout > 0,
+embeddings of rope type dynamic, RoBERTa's offset positions, a model that takes no position_ids, Llama 4's temperature
+on layers without rotary embeddings) (by prepare), dropout > 0,
 chunked attention (Llama 4), sparse attention (selected key indices), position biases (ALiBi too), attention masks other
 than none/all-ones in the model call (a padding mask, naming shard_batch's attention_mask; custom 4-D masks) or built by
 the model from its pad tokens (T5Gemma without an attention_mask; not seen under torch.compile: pass an attention_mask
@@ -140,6 +140,8 @@ from .hf_masks import (  # after the check that transformers is there
 
 NAME = "ringattn"
 PREPARED = "_ringattn_prepared"  # set by prepare() on every module of a model
+# set by prepare's call check on the rotary embeddings it hooks (_SequenceLength): the call's sequence length
+SEQUENCE_LENGTH = "_ringattn_sequence_length"
 DETERMINISTIC_ENV = "FLASH_ATTENTION_DETERMINISTIC"  # transformers' switch for its flash-attn backward
 
 # how a padded batch runs under ring attention, for the refusals of a padding mask
@@ -288,6 +290,10 @@ class RingAttentionForTransformers:
                 "a KV cache holding earlier tokens (generation) and cross-attention are not supported; "
                 "call the model with use_cache=False"
             )
+
+    def sequence_ranks(self) -> int:
+        """How many ranks hold a shard of each sequence: the grid's U x R, or the ring's."""
+        return self.grid.size if self.grid is not None else dist.get_world_size(or_world(self.group))
 
     def checked_position_ids(
         self,
@@ -526,10 +532,13 @@ class _CallCheck:
     tokens, with logits_to_keep other than 0, without position_ids, or with labels but without shift_labels and
     num_items_in_batch; with `check_values` (a model holding no other transformers model: the one that hands the
     attention layers their arguments) it then checks the call's values (and its tokens' count a row) with
-    RingAttentionForTransformers.checked_position_ids and hands the model the checked position_ids."""
+    RingAttentionForTransformers.checked_position_ids, hands the model the checked position_ids and sets the
+    sequence's length on `rotaries` (_SequenceLength: the longest document's with document boundaries, else the
+    local length times the ranks of a sequence), which it clears while another attention is selected."""
 
-    def __init__(self, model: torch.nn.Module, check_values: bool):
+    def __init__(self, model: torch.nn.Module, check_values: bool, rotaries: list[torch.nn.Module] = ()):
         self.check_values = check_values
+        self.rotaries = list(rotaries)
         self.positional = [
             p.name
             for p in inspect.signature(model.forward).parameters.values()
@@ -540,6 +549,7 @@ class _CallCheck:
         implementation = module.config._attn_implementation
         fn = _ring(implementation)
         if fn is None:
+            self._set_length(None)
             return None
         call = {**dict(zip(self.positional, args, strict=False)), **kwargs}
         where = f"attn_implementation={implementation!r}"
@@ -581,10 +591,20 @@ class _CallCheck:
         row_tokens = tokens.shape[1] if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else -1
         bounds = (call.get("cu_seq_lens_q"), call.get("cu_seq_lens_k"))
         checked = fn.checked_position_ids(call["position_ids"], *bounds, call.get("attention_mask"), row_tokens)
+        if self.rotaries:
+            documents = bounds[0]  # checked: the global boundaries
+            if documents is not None:
+                self._set_length(int((documents[1:] - documents[:-1]).max()))
+            else:
+                self._set_length(checked.shape[-1] * fn.sequence_ranks())
         if "position_ids" in kwargs:
             return args, {**kwargs, "position_ids": checked}
         i = self.positional.index("position_ids")
         return (*args[:i], checked, *args[i + 1 :]), kwargs
+
+    def _set_length(self, length: int | None) -> None:
+        for rotary in self.rotaries:
+            setattr(rotary, SEQUENCE_LENGTH, length)
 
 
 # heads whose output is one per sequence (a pooled token, or an average over the sequence)
@@ -616,8 +636,53 @@ def _check_per_token(module: PreTrainedModel) -> None:
 # layer types (transformers' config.layer_types) that carry a state along the sequence: a causal convolution, a
 # state space or linear-attention recurrence, or one beside attention in the same layer
 _RECURRENT_LAYER_TYPES = ("conv", "linear_attention", "hybrid", "hybrid_sliding")
-# rotary embeddings whose frequencies follow the largest position a call sees (transformers' dynamic_rope_update)
-_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+# rotary embeddings whose frequencies follow the largest position a call sees (transformers' dynamic_rope_update):
+# longrope's from the call's alone (prepare hands them the sequence's length: _SequenceLength), dynamic's from the
+# longest call so far (a state that a call refused on some ranks after their rotary ran would leave unequal)
+_SEQUENCE_ROPE = ("longrope",)
+_STATEFUL_ROPE = ("dynamic",)
+
+
+def _sequence_rotaries(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The rotary embeddings in `module` whose frequencies follow the largest position a call sees: transformers'
+    ...RotaryEmbedding modules of rope_type longrope (one, or one per layer type)."""
+    found = []
+    for m in module.modules():
+        types = getattr(m, "rope_type", None)
+        if types is None or not type(m).__name__.endswith("RotaryEmbedding"):
+            continue
+        types = set(types.values()) if isinstance(types, dict) else {types}
+        if types & set(_SEQUENCE_ROPE):
+            found.append(m)
+    return found
+
+
+class _SequenceLength:
+    """prepare's hooks on a rotary embedding whose frequencies follow the largest position a call sees (longrope's:
+    transformers' dynamic_rope_update takes them from max(position_ids) + 1). While the model's call check (_CallCheck)
+    has set the sequence's length on the module (SEQUENCE_LENGTH), the positions it gets gain a column at that
+    length - 1, so that it takes its frequencies from the sequence's largest position, as the unsharded model does,
+    and its cos and sin lose that column again; unset (another attention implementation), the module runs as it
+    is."""
+
+    def before(self, module, args, kwargs):
+        length = getattr(module, SEQUENCE_LENGTH, None)
+        if length is None:
+            return None
+        if len(args) >= 2:  # forward(x, position_ids, ...)
+            return (args[0], _with_last_position(args[1], length), *args[2:]), kwargs
+        return args, {**kwargs, "position_ids": _with_last_position(kwargs["position_ids"], length)}
+
+    def after(self, module, args, kwargs, output):
+        if getattr(module, SEQUENCE_LENGTH, None) is None:
+            return None
+        return tuple(t[..., :-1, :] for t in output)  # cos, sin: (batch, positions, dim)
+
+
+def _with_last_position(position_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """position_ids (..., S_local) and one position more, length - 1, at the end of each row."""
+    last = position_ids.new_full((*position_ids.shape[:-1], 1), length - 1)
+    return torch.cat([position_ids, last], dim=-1)
 
 
 def _rope_types(config) -> set[str]:
@@ -633,13 +698,13 @@ def _innermost(module: PreTrainedModel) -> bool:
 
 
 def _check_global_positions(module: PreTrainedModel) -> None:
-    """Raise ValueError where `module` mixes tokens outside attention or takes positions other than the global ones
-    a rank's call passes, so that each rank would compute its shard as a sequence of its own: layers carrying a
-    state along the sequence (convolutions, state spaces, linear attention: Jamba, LFM2, Qwen3-Next, Falcon-H1, ...),
-    rotary frequencies chosen from the largest position the call sees (rope types dynamic and longrope), positions
-    counted from the input ids past the padding index (RoBERTa's), an innermost model that takes tokens but no
-    position_ids (BART's decoder numbers each call from 0), and Llama 4's attention temperature on layers without
-    rotary embeddings (scaled by local positions)."""
+    """Raise ValueError where `module` mixes tokens outside attention or takes positions other than the global ones a
+    rank's call passes, so that each rank would compute its shard as a sequence of its own: layers carrying a state
+    along the sequence (convolutions, state spaces, linear attention: Jamba, LFM2, Qwen3-Next, Falcon-H1, ...), rotary
+    frequencies kept from the longest call so far (rope type dynamic), longrope's where no rotary module prepare can
+    hook holds them (_sequence_rotaries), positions counted from the input ids past the padding index (RoBERTa's), an
+    innermost model that takes tokens but no position_ids (BART's decoder numbers each call from 0), and Llama 4's
+    attention temperature on layers without rotary embeddings (scaled by local positions)."""
     kind = type(module).__name__
     config = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
     kinds = list(getattr(config, "layer_types", None) or []) + list(getattr(config, "block_types", None) or [])
@@ -650,12 +715,18 @@ def _check_global_positions(module: PreTrainedModel) -> None:
             "(a convolution, a state space or a linear-attention recurrence): each rank would start it afresh at its "
             "shard's first token. Ring attention runs models whose layers mix tokens through attention alone"
         )
-    rope = sorted(_rope_types(config) & set(_POSITION_DEPENDENT_ROPE))
-    if rope:
+    rope = _rope_types(config)
+    if rope & set(_STATEFUL_ROPE):
         raise ValueError(
-            f"{kind} uses rotary embeddings of rope_type {rope[0]!r}, whose frequencies follow the largest position a "
-            "call sees (transformers' dynamic_rope_update): each rank would take them from its own shard's positions, "
-            "not the sequence's"
+            f"{kind} uses rotary embeddings of rope_type 'dynamic', whose frequencies follow the longest call so far "
+            "(transformers' dynamic_rope_update keeps them across calls): a call refused on some ranks after their "
+            "rotary embeddings ran would leave the ranks with different frequencies"
+        )
+    if rope & set(_SEQUENCE_ROPE) and not _sequence_rotaries(module):
+        raise ValueError(
+            f"{kind} uses rotary embeddings of rope_type 'longrope', whose frequencies follow the largest position a "
+            "call sees, in no rotary module of transformers' (a ...RotaryEmbedding with a rope_type) that prepare can "
+            "hand the sequence's length: each rank would take them from its own shard's positions"
         )
     if any(hasattr(m, "create_position_ids_from_input_ids") for m in module.modules()):
         raise ValueError(
@@ -700,7 +771,9 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
     and num_items_in_batch (see the module docstring). The hook of the innermost transformers model (the base model,
     which hands the attention layers their arguments) also checks the call's values, on every rank alike: the
     position ids, the document boundaries and a padding mask (ringattn::hf_checked_position_ids, a custom op, so
-    that torch.compile(model) keeps the check). Call it on every rank, after `register`.
+    that torch.compile(model) keeps the check), and hands the model's longrope rotary embeddings the sequence's
+    length (_SequenceLength), so that they pick the unsharded model's frequencies. Call it on every rank, after
+    `register`.
 
     Returns:
         model.
@@ -737,7 +810,13 @@ def prepare(model: torch.nn.Module, name: str = NAME) -> torch.nn.Module:
         _check_global_positions(module)
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and not getattr(module, PREPARED, False):
-            module.register_forward_pre_hook(_CallCheck(module, _innermost(module)), with_kwargs=True)
+            innermost = _innermost(module)
+            rotaries = _sequence_rotaries(module) if innermost else []
+            module.register_forward_pre_hook(_CallCheck(module, innermost, rotaries), with_kwargs=True)
+            for rotary in rotaries:
+                hooks = _SequenceLength()
+                rotary.register_forward_pre_hook(hooks.before, with_kwargs=True)
+                rotary.register_forward_hook(hooks.after, with_kwargs=True)
     for module in model.modules():
         setattr(module, PREPARED, True)
     return model

@@ -12,6 +12,7 @@ own documents) and padded batches (left, right or no padding, through shard_batc
 against the same eager model run on each document alone.
 """
 
+import copy
 import io
 import time
 
@@ -435,8 +436,6 @@ def _tiny_causal_lm(model_type: str, **overrides):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-LONGROPE = dict(rope_type="longrope", rope_theta=1e4, original_max_position_embeddings=50, short_factor=[1.0] * 8,
-                long_factor=[4.0] * 8)  # fmt: skip
 # (model type, its config beyond _tiny_causal_lm's, what its refusal names): each ran silently wrong, logits off by
 # 4e-4 to 0.7 against eager on 2 ranks
 OWN_POSITIONS = {
@@ -445,9 +444,7 @@ OWN_POSITIONS = {
                                   mamba_dt_rank=4, use_mamba_kernels=False),
                     "of type 'linear_attention', which carry a state along the sequence"),
     "llama-dynamic-rope": ("llama", dict(rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4)),
-                           "rope_type 'dynamic', whose frequencies follow the largest position a call sees"),
-    "phi3-longrope": ("phi3", dict(max_position_embeddings=256, original_max_position_embeddings=50,
-                                   rope_parameters=LONGROPE), "rope_type 'longrope'"),
+                           "rope_type 'dynamic', whose frequencies follow the longest call so far"),
     "roberta": ("roberta", dict(is_decoder=True, pad_token_id=1), r"counts its positions from padding_idx \+ 1"),
     "bart-decoder": ("bart", dict(decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=96),
                      "BartDecoder takes no position_ids"),
@@ -461,11 +458,12 @@ OWN_POSITIONS = {
 @pytest.mark.parametrize("case", OWN_POSITIONS)
 def test_models_that_would_number_each_shard_on_their_own_are_refused(case):
     """Regression: models mixing tokens outside attention (convolutions, state spaces, linear attention) or taking
-    other positions than the global ones a call passes (rotary frequencies from the largest position seen, RoBERTa's
-    offset positions, BART's decoder numbering each call from 0, Llama 4's temperature on local positions) ran on 2
-    ranks without an error, each rank computing its shard as a sequence of its own: logits off by 4e-4 (LFM2's
-    convolutions) to 0.7 (BART). prepare refuses them now, naming why; models mixing tokens through attention alone,
-    with per-layer rotary embeddings or layers without them (SmolLM3), still prepare."""
+    other positions than the global ones a call passes (RoBERTa's offset positions, BART's decoder numbering each
+    call from 0, Llama 4's temperature on local positions, dynamic rotary frequencies from the largest position
+    seen) ran on 2 ranks without an error, each rank computing its shard as a sequence of its own: logits off by 4e-4
+    (LFM2's convolutions) to 0.7 (BART). prepare refuses them now, naming why; models mixing tokens through attention
+    alone, with per-layer rotary embeddings or layers without them (SmolLM3), still prepare. (Longrope's frequencies,
+    from the call's largest position: test_hf_models.py runs them.)"""
     from ringattn.integrations import hf
 
     hf.register()
@@ -474,6 +472,25 @@ def test_models_that_would_number_each_shard_on_their_own_are_refused(case):
         hf.prepare(_tiny_causal_lm(model_type, **config))
     for model in (_tiny_causal_lm("smollm3", no_rope_layers=[1, 0]), _tiny_causal_lm("gemma3_text")):
         assert hf.prepare(model) is model
+
+
+def test_longrope_hooks_hand_the_length_under_ring_attention_only():
+    """prepare's hooks on a longrope rotary embedding: under another attention implementation (a length left there
+    from a ring call, which would pick the long factors at 20 positions) the model gives its own logits."""
+    from ringattn.integrations import hf
+
+    hf.register()
+    rope = dict(rope_type="longrope", rope_theta=1e4, original_max_position_embeddings=50, short_factor=[1.0] * 8,
+                long_factor=[4.0] * 8)  # fmt: skip
+    torch.manual_seed(0)
+    model = _tiny_causal_lm("phi3", max_position_embeddings=256, original_max_position_embeddings=50,
+                            rope_parameters=rope)  # fmt: skip
+    twin = copy.deepcopy(model)
+    hf.prepare(model).set_attn_implementation("eager")
+    setattr(model.model.rotary_emb, hf.SEQUENCE_LENGTH, 1000)
+    tokens = torch.randint(0, VOCAB, (1, 20))
+    torch.testing.assert_close(model(tokens, use_cache=False).logits, twin(tokens, use_cache=False).logits)
+    assert getattr(model.model.rotary_emb, hf.SEQUENCE_LENGTH) is None
 
 
 def test_what_the_layer_passes_reaches_the_ring(monkeypatch):

@@ -5,7 +5,8 @@ sequence in one process (the contract of test_hf.py, for each family).
 Tiny random models (2 layers: one sliding, one full where the family mixes them), built from a config with
 the same seed on every rank (no downloads): Mistral (one window for every layer), Qwen2 with
 use_sliding_window, Gemma 2 (attention logits soft-capped, query_pre_attn_scalar), Gemma 3, gpt-oss
-(attention sinks, mixture of experts) and ModernBERT (bidirectional, local and global layers). Windows of 7 to
+(attention sinks, mixture of experts), ModernBERT (bidirectional, local and global layers) and Phi-3 with longrope
+(rotary frequencies from the sequence's largest position, past 50 or not on a shard alone). Windows of 7 to
 21 tokens against shards of 32 (zigzag chunks of 16): shorter and longer than a chunk, crossing rank and chunk
 boundaries. Logits, the loss and every parameter gradient summed over the ranks obey the tolerance rule (eager
 in fp32 the plain implementation, eager in float64 the reference). Packed documents (position ids restarting
@@ -85,6 +86,11 @@ def _config(family: str, seqlen: int):
                                                        num_experts_per_tok=1, interleave_moe_layer_step=2,
                                                        no_rope_layers=[1, 0], attn_temperature_tuning=False,
                                                        max_position_embeddings=seqlen)  # fmt: skip
+    if family == "phi3_longrope":  # frequencies from max(position_ids) + 1: long past 50, a shard's max or not
+        rope = dict(rope_type="longrope", rope_theta=1e4, original_max_position_embeddings=50, short_factor=[1.0] * 8,
+                    long_factor=[4.0] * 8)  # fmt: skip
+        return t.Phi3ForCausalLM, t.Phi3Config(**SMALL, max_position_embeddings=256, rope_parameters=rope,
+                                               original_max_position_embeddings=50, pad_token_id=0)  # fmt: skip
     if family == "esmc":  # a protein encoder; its sequence_id marks chains that do not attend to each other
         return t.EsmcModel, t.EsmcConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, max_position_embeddings=seqlen)  # fmt: skip
@@ -215,6 +221,7 @@ CASES = {
     "W2-contiguous": (2, FAMILIES, ["contiguous"], [], ["mistral", "modernbert"]),
     "W2-mask-windows": (2, ["qwen2_moe", "t5gemma", "gemma4_unified"], ["zigzag"], []),
     "W2-bidirectional": (2, ["gemma3_bidirectional"], ["zigzag"], ["gemma3_bidirectional"]),
+    "W2-longrope": (2, ["phi3_longrope"], ["zigzag", "contiguous"], [], ["phi3_longrope"]),
     "W4-zigzag": (4, ["gemma2"], ["zigzag"], []),
     "W4-contiguous": (4, ["gpt_oss"], ["contiguous"], ["gpt_oss"]),
 }
