@@ -46,6 +46,7 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
     "portable.fwd": {
         64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
         128: [(128, 128, 8, 3), (128, 64, 8, 3)],
+        256: [(64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
     },
     "portable.dkdv": {  # BLOCK_M query rows per loop step, BLOCK_N keys per program
         64: [(64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3)],
@@ -58,14 +59,17 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
             (64, 64, 8, 2),  # these two spill no registers where the default does (launch/tools/kernel_resources.py)
             (64, 64, 8, 3),
         ],
+        256: [(64, 64, 8, 1), (32, 32, 4, 1), (64, 32, 4, 1), (64, 32, 8, 2)],  # 32 x 64 spills kilobytes
     },
     "portable.dq": {
         64: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3)],
         128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 1)],
+        256: [(64, 32, 4, 1), (32, 32, 4, 1), (64, 64, 8, 1), (128, 32, 8, 1)],
     },
     "sm90.bwd": {  # BLOCK_M query rows a step, BLOCK_N keys a program (half each consumer's), Q and dO ring depth
         64: [(128, 128, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3)],
         128: [(64, 128, 4, 2), (64, 128, 4, 3)],
+        256: [(64, 64, 4, 1)],  # the consumers split the columns; a second Q and dO slot exceeds shared memory
     },
     "sm90.dkdv": {
         64: [(64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 4, 2), (32, 128, 4, 2)],
@@ -78,6 +82,7 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first entry of 
     "sm90.fwd": {  # num_warps: the first consumer's warpgroup; num_stages: the key and value rings' depth
         64: [(128, 128, 4, 3), (128, 128, 4, 2), (128, 128, 4, 4)],
         128: [(128, 128, 4, 2), (128, 128, 4, 3)],
+        256: [(128, 64, 4, 2)],  # three slots of 64 keys would need 256 KiB of shared memory
     },
 }
 # D = 96 runs in 128-column tiles (padded_head_dim) on every kernel that takes it: D = 128's candidates
@@ -224,7 +229,7 @@ def best_configs(records: list[dict]) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlen", type=int, default=8192)
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 96, 128])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 96, 128, 256])
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[HEADS], help="8 for GQA 32:8")
     parser.add_argument(
         "--kernels",

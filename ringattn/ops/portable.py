@@ -20,9 +20,9 @@ INTERPRETER_CONFIG = LaunchConfig(32, 32, 4, 1)  # numpy does the work: few larg
 # come from launch/tools/config_sweep.py on the H200 (docs/performance.md, "Launch configs"). For dK/dV, block_n
 # keys belong to one program and block_m query rows are a loop step; for dQ the other way round.
 CONFIGS_16BIT = {
-    "fwd": ((64, LaunchConfig(128, 64, 4, 3)), (128, LaunchConfig(128, 128, 8, 3)), (256, LaunchConfig(64, 64, 8, 2))),
-    "dkdv": ((64, LaunchConfig(64, 64, 4, 3)), (128, LaunchConfig(64, 64, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
-    "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(32, 32, 4, 1))),
+    "fwd": ((64, LaunchConfig(128, 64, 4, 3)), (128, LaunchConfig(128, 128, 8, 3)), (256, LaunchConfig(64, 32, 4, 2))),
+    "dkdv": ((64, LaunchConfig(64, 64, 4, 3)), (128, LaunchConfig(64, 64, 4, 2)), (256, LaunchConfig(64, 64, 8, 1))),
+    "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(64, 32, 4, 1))),
 }
 CONFIGS_FP32 = {
     "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),

@@ -5,11 +5,13 @@ What it takes, by kernel (TABLE: head dims and launch configs; the *_supported f
 take causal and not, MHA, GQA and MQA, and need every tensor 16-byte aligned for their TMA descriptors; the Gluon
 forward and backward also take sliding windows and soft-capping, the split kernels neither (their calls run on the
 portable kernels).
-- fwd, the Gluon forward (a TMA producer warp, two consumer warpgroups): D = 96 and 128 (at D = 64 it ran 0.97x to
-  1.03x the portable forward, with two or three consumers: docs/performance.md, decisions); fp16 or bf16, out in q's
+- fwd, the Gluon forward (a TMA producer warp, two consumer warpgroups): D = 96, 128 and 256 (256 in tiles of 64
+  keys, which keep the consumers' registers and shared memory in bounds; at D = 64 it ran 0.97x to 1.03x the portable
+  forward, with two or three consumers: docs/performance.md, decisions); fp16 or bf16, out in q's
   dtype or the ring's fp32 state (rows finished into the output too); no documents; a GPU (the interpreter cannot
   run Gluon).
-- bwd, the Gluon backward (a TMA producer warp, a dQ writer warp, two consumer warpgroups): D = 64, 96 and 128;
+- bwd, the Gluon backward (a TMA producer warp, a dQ writer warp, two consumer warpgroups): D = 64, 96, 128 and 256
+  (at 256 the consumers split the columns, not the keys: 64 keys' dK and dV would take 256 registers a thread);
   fp16 or bf16; not deterministic (its dQ additions come in the programs' order); no documents; a GPU. It runs every
   backward the table takes; the split kernels below run the deterministic ones.
 - dkdv, triton's warp specialisation over 128-key tiles: D = 64 and 128; fp16 or bf16 (the interpreter: any);
@@ -45,11 +47,17 @@ from .portable import INTERPRETER_CONFIG
 TABLE = {  # D = 96 runs 128-column tiles at D = 128's configs (not swept)
     # num_warps is the first consumer's warpgroup (the kernel adds the second and a producer warp), num_stages the
     # depth of its key and value rings (launch/tools/config_sweep.py timed 2 and 3 alike)
-    "fwd": {96: LaunchConfig(128, 128, 4, 2), 128: LaunchConfig(128, 128, 4, 2)},
+    "fwd": {96: LaunchConfig(128, 128, 4, 2), 128: LaunchConfig(128, 128, 4, 2), 256: LaunchConfig(128, 64, 4, 2)},
     # the Gluon backward: block_m query rows a step, block_n keys a program, num_warps the first consumer's
     # warpgroup, num_stages the depth of its Q and dO ring (at D = 64, 128 rows spill up to 148 bytes and ran 1.02x
-    # to 1.07x 64 rows' speed; a ring of 3 ran within 2% at D = 128, 4% to 5% slower at D = 64 without a mask)
-    "bwd": {64: LaunchConfig(128, 128, 4, 2), 96: LaunchConfig(64, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
+    # to 1.07x 64 rows' speed; a ring of 3 ran within 2% at D = 128, 4% to 5% slower at D = 64 without a mask; at
+    # D = 256 the consumers split the columns, and a second Q and dO slot would pass the shared memory)
+    "bwd": {
+        64: LaunchConfig(128, 128, 4, 2),
+        96: LaunchConfig(64, 128, 4, 2),
+        128: LaunchConfig(64, 128, 4, 2),
+        256: LaunchConfig(64, 64, 4, 1),
+    },
     # num_warps is the consumers' warpgroup: the partitioner adds a producer one and splits the consumers in two
     "dkdv": {64: LaunchConfig(64, 128, 4, 2), 128: LaunchConfig(64, 128, 4, 2)},
     "dq": {128: LaunchConfig(128, 64, 4, 2)},
@@ -287,7 +295,7 @@ def _bwd_launch(
         dict(
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             GROUP_SIZE=heads_q // heads_k, **band_flags, ADD_DKDV=call.add_dkdv, NUM_BUFFERS=cfg.num_stages,
-            num_warps=cfg.num_warps, maxnreg=GLUON_MAXNREG, enable_fp_fusion=True,
+            SPLIT_COLS=block_d > 128, num_warps=cfg.num_warps, maxnreg=GLUON_MAXNREG, enable_fp_fusion=True,
         ),
         prepare=prepare,
         finish=finish,

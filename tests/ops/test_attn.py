@@ -76,6 +76,20 @@ def test_long_ragged_lengths_at_head_dim_96_match_reference(seqlen_q, seqlen_k, 
     check_against_reference(q, k, v, dout, 96**-0.5, causal, (out, lse, q.grad, k.grad, v.grad))
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="D = 256 at these lengths: the GPU suite")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", LONG_SEQLENS[1:], ids=[f"Sq{a}-Sk{b}" for a, b in LONG_SEQLENS[1:]])
+def test_portable_kernels_at_head_dim_256_match_reference(seqlen_q, seqlen_k, causal, dtype):
+    """The portable kernels at D = 256 (their own launch configs; on a GPU they run documents and deterministic
+    calls there), GQA, Sq != Sk both ways: out, lse and the gradients against float64 under the tolerance rule."""
+    q, k, v, dout = make_qkv(1, seqlen_q, seqlen_k, 4, 2, 256, dtype, seed=seqlen_q + seqlen_k)
+    scale = 256**-0.5
+    out, lse = attn_fwd(q, k, v, scale, causal, backend="portable")
+    grads = attn_bwd(dout, q, k, v, out, lse, scale, causal, backend="portable")
+    check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softmax_scale_is_applied(causal):
     q, k, v, dout = make_qkv(1, 33, 33, 2, 2, 64, DTYPES[0], seed=3)

@@ -141,6 +141,8 @@ def test_forward_takes_the_gluon_kernel_only_where_its_table_does():
     assert _fwd_name(_fwd(q, k, v, final=final)) == "portable.fwd"  # rows finished from out in q's dtype
     assert _fwd_name(_fwd(*_tensors(head_dim=64)[:3])) == "portable.fwd"  # D = 64: slower there
     assert _fwd_name(_fwd(*_tensors(head_dim=80)[:3])) == "portable.fwd"
+    launch = fwd_launch(_fwd(*_tensors(head_dim=256)[:3]), "sm90", HOPPER)  # D = 256 in tiles of 64 keys
+    assert launch.name == "sm90.fwd" and (launch.kwargs["BLOCK_N"], launch.kwargs["BLOCK_D"]) == (64, 256)
 
 
 @needs_hopper_triton
@@ -179,6 +181,10 @@ def test_backward_takes_the_gluon_kernel_where_its_table_does():
     assert names(*_tensors(head_dim=64)) == names(*_tensors(head_dim=64), causal=False) == gluon
     assert names(*_tensors(head_dim=96)) == gluon  # in 128-column tiles
     assert names(*_tensors(head_dim=80)) == fallback
+    assert names(*_tensors(head_dim=256)) == gluon
+    for head_dim, split_cols in ((128, False), (256, True)):  # at D = 256 the consumers split the columns
+        (launch,) = bwd_launches(_bwd(*_tensors(head_dim=head_dim), grads_dtype=torch.float32), "sm90", HOPPER)
+        assert launch.kwargs["SPLIT_COLS"] == split_cols, head_dim
     ids = torch.zeros(64, dtype=torch.int32)
     assert names(q_doc_ids=ids, k_doc_ids=ids) == fallback  # documents
     assert names(*_tensors(seqlen_q=97)) == gluon  # any length: the stats are padded to whole tiles

@@ -120,11 +120,12 @@ def _fwd_name(q, k, v, causal, out_dtype=None, merge_state=False, **options):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", HEADS, ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", GLUON_SEQLENS, ids=[f"Sq{a}-Sk{b}" for a, b in GLUON_SEQLENS])
-def test_gluon_forward_and_backward_match_reference(seqlen_q, seqlen_k, heads, causal, dtype):
+@pytest.mark.parametrize("head_dim", [128, 256], ids=["D128", "D256"])
+def test_gluon_forward_and_backward_match_reference(head_dim, seqlen_q, seqlen_k, heads, causal, dtype):
     """The forward by the Gluon kernel (the same bits twice), and the backward from its lse, against float64."""
-    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, 128, dtype, seed=seqlen_q + heads[1])
+    q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, dtype, seed=seqlen_q + heads[1])
     assert _fwd_name(q, k, v, causal) == "sm90.fwd"
-    scale = 128**-0.5
+    scale = head_dim**-0.5
     out, lse = attn_fwd(q, k, v, scale, causal)
     again = attn_fwd(q, k, v, scale, causal)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
@@ -136,19 +137,19 @@ def test_gluon_forward_and_backward_match_reference(seqlen_q, seqlen_k, heads, c
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", HEADS[:2], ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS[:2]])
-@pytest.mark.parametrize("head_dim", [96, 128], ids=["D96", "D128"])
+@pytest.mark.parametrize("head_dim", [96, 128, 256], ids=["D96", "D128", "D256"])
 def test_gluon_forward_starts_and_merges_into_the_ring_state(head_dim, heads, causal, dtype):
     """The ring's steps by the Gluon kernel: keys 0 to 400 (which every row sees) into a fresh fp32 state (the
     ring's first step), then keys 400 to 1000 merged into it (causal, bottom-right: a block whose last rows see all
     of it), give the whole call's out and lse against float64, Sq = 300; the merge writes no column past D (the
-    state's rows here 128 wide, a NaN past D)."""
+    state's rows here at least 128 wide, a NaN past D)."""
     q, k, v, dout = make_qkv(1, 300, 1000, *heads, head_dim, dtype, seed=head_dim + heads[1])
     first, rest = slice(0, 400), slice(400, 1000)
     assert _fwd_name(q, k[:, first], v[:, first], False, torch.float32) == "sm90.fwd"
     assert _fwd_name(q, k[:, rest], v[:, rest], causal, torch.float32, merge_state=True) == "sm90.fwd"
     scale = head_dim**-0.5
     out, lse = attn_fwd(q, k[:, first], v[:, first], scale, False, out_dtype=torch.float32)
-    state = torch.full((*out.shape[:3], 128), float("nan"), device=DEVICE)
+    state = torch.full((*out.shape[:3], max(128, head_dim)), float("nan"), device=DEVICE)
     state[..., :head_dim] = out
     out = state[..., :head_dim]
     attn_fwd_merge_(q, k[:, rest], v[:, rest], scale, causal, out, lse)
@@ -180,7 +181,7 @@ def test_scratch_allocator_is_set_for_the_launch_only():
 # and key tiles no row sees)
 GLUON_BWD_SEQLENS = [(4, 4), (300, 300), (1000, 1000), (200, 456), (512, 136), (777, 2049)]
 # D = 96 runs in 128-column tiles (the columns past 96 load as zeros and are not stored)
-GLUON_BWD_CASES = [(d, c) for d in (64, 96, 128) for c in (False, True)]
+GLUON_BWD_CASES = [(d, c) for d in (64, 96, 128, 256) for c in (False, True)]
 GLUON_BWD_IDS = [f"D{d}-{'causal' if c else 'full'}" for d, c in GLUON_BWD_CASES]
 
 
@@ -301,17 +302,18 @@ BAND_CASES = {
 @needs_hopper_gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("heads", HEADS[:2], ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS[:2]])
-@pytest.mark.parametrize("head_dim", [64, 96, 128], ids=["D64", "D96", "D128"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256], ids=["D64", "D96", "D128", "D256"])
 @pytest.mark.parametrize("case", list(BAND_CASES))
 def test_gluon_kernels_with_windows_and_softcap_match_reference(case, head_dim, heads, dtype):
-    """Sliding windows and soft-capping on the Gluon kernels (the forward at D = 128, the backward at both): out, lse,
-    dq, dk, dv against float64; q scaled up so that the scores (about +-10) reach tanh's saturation."""
+    """Sliding windows and soft-capping on the Gluon kernels (the forward at D = 96, 128 and 256, the backward at all
+    four): out, lse, dq, dk, dv against float64; q scaled up so that the scores (about +-10) reach tanh's
+    saturation."""
     seqlen_q, seqlen_k, window, causal, softcap = BAND_CASES[case]
     q, k, v, dout = make_qkv(2, seqlen_q, seqlen_k, *heads, head_dim, dtype, seed=seqlen_q + heads[1] + head_dim)
     q = q * 3
     options = dict(window=window, softcap=softcap)
     assert (_fwd_name(q, k, v, causal, **options) == "sm90.fwd") == (head_dim in sm90.TABLE["fwd"])
-    assert _launched(q, k, v, dout, causal, **options) == ("sm90.bwd",)
+    assert (_launched(q, k, v, dout, causal, **options) == ("sm90.bwd",)) == (head_dim in sm90.TABLE["bwd"])
     scale = head_dim**-0.5
     out, lse = attn_fwd(q, k, v, scale, causal, **options)
     grads = attn_bwd(dout, q, k, v, out, lse, scale, causal, **options)

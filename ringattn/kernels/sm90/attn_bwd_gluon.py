@@ -24,7 +24,10 @@ windows), and only the steps on the band's edges compare positions. SOFTCAP reco
 tanh(q k^T * cap_scale) as the forward (kernels/sm90/attn_fwd.py's tanh), and dS gains tanh's derivative 1 - t^2.
 The rows' lse is the row stats' lse2_hi alone (lse * log2(e) rounded to fp32): the rest, lse2_lo, moves P by at
 most 2^-24 |lse| relative, under half an ulp of P in the 16-bit input dtype up to |lse| = 8192 (fp16) and 65536
-(bf16), and would cost an add per score (ops/attn.py's attn_bwd_preprocess). ops/sm90.py says when it is taken.
+(bf16), and would cost an add per score (ops/attn.py's attn_bwd_preprocess). At D = 256 (SPLIT_COLS) the
+consumers split the columns instead of the keys (_grad_cols): each computes the scores and dP of half the keys, both
+put their P and dS into shared memory, and each multiplies the whole tiles by its half of the columns, so that it
+holds half of dK and dV for every key. ops/sm90.py says when it is taken.
 """
 
 from triton.experimental import gluon
@@ -73,7 +76,8 @@ def _query_tile(i, num_m, start_m, first_hq, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr):
+def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
+                    SPLIT_COLS: gl.constexpr):  # fmt: skip
     """The producer: K and V once, then step i's Q and dO tiles into slot i % NUM_BUFFERS once both consumers freed
     it, with the rows' lse2_hi and delta. args: the kernel's descriptors, buffers, barriers and scalars, as
     _attn_bwd_gluon_kernel packs them."""
@@ -201,10 +205,16 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
 
     rows = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
+    _store_grads(DK, DV, dk * sm_scale, dv, rows, cols, stride_ks, stride_vs, seqlen_k, head_dim, ADD_DKDV)
+
+
+@gluon.jit
+def _store_grads(DK, DV, dk, dv, rows, cols, stride_ks, stride_vs, seqlen_k, head_dim, ADD_DKDV: gl.constexpr):
+    """dk, dv (their rows, cols of a consumer's accumulators) stored into DK, DV (ADD_DKDV: added into them), but
+    keys past seqlen_k and columns past head_dim."""
     in_bounds = (rows < seqlen_k)[:, None] & (cols < head_dim)[None, :]
     dk_ptrs = DK + rows[:, None].to(gl.int64) * stride_ks + cols[None, :]
     dv_ptrs = DV + rows[:, None].to(gl.int64) * stride_vs + cols[None, :]
-    dk = dk * sm_scale
     if ADD_DKDV:
         dk += gl.load(dk_ptrs, mask=in_bounds, other=0.0)
         dv += gl.load(dv_ptrs, mask=in_bounds, other=0.0)
@@ -213,8 +223,99 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
 
 
 @gluon.jit
+def _grad_cols(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
+               HALF: gl.constexpr):  # fmt: skip
+    """A consumer of the column split (SPLIT_COLS, wide heads): columns [HALF * BLOCK_D // 2, + BLOCK_D // 2) of dK
+    and dV of every key of the tile over every step. At each step it computes the scores and dP of keys
+    [n0 + HALF * BLOCK_N // 2, + BLOCK_N // 2) against the step's rows, puts their P and dS into the step's shared
+    buffers, and, once both consumers have, multiplies the whole P and dS: its columns of dV, dK and dQ (handed to
+    the writer in dq_bufs[HALF]); dK, dV stored (ADD_DKDV: added) at the end (keys past seqlen_k are not)."""
+    q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
+    kv_bar, qdo_bars, n0, start_m, num_m, first_hq, num_steps = args[11:18]
+    hi_desc, delta_desc, hi_bufs, delta_bufs = args[18:22]
+    DK, DV, stride_ks, stride_vs, seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale = args[24:35]
+    head_dim, p_bufs = args[35:37]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    BLOCK_D: gl.constexpr = k_smem.type.shape[3]
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[2]
+    num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    KEYS: gl.constexpr = BLOCK_N // 2
+    COLS: gl.constexpr = BLOCK_D // 2
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KEYS, 16])  # fmt: skip
+    # dK and dV (BLOCK_N keys x COLS), and dQ (BLOCK_M rows x COLS)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, COLS, 16])  # fmt: skip
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    k_tile = k_smem.reshape([BLOCK_N, BLOCK_D])
+    k_keys = k_tile.slice(HALF * KEYS, KEYS)
+    v_keys = v_smem.reshape([BLOCK_N, BLOCK_D]).slice(HALF * KEYS, KEYS)
+    k_cols = k_tile.slice(HALF * COLS, COLS, dim=1)
+    dq_smem = dq_bufs.index(HALF).reshape([BLOCK_M, COLS])
+    offs_n = n0 + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+    # a step's query tile [m0, m0 + BLOCK_M) sees every key of this half (no mask) from m0 = full_lo on, up to
+    # m0 = full_hi
+    full_lo = 0
+    full_hi = seqlen_q
+    if UPPER:
+        full_lo = n0 + HALF * KEYS + KEYS - 1 - upper
+    if LOWER:
+        full_hi = n0 + HALF * KEYS - lower - (BLOCK_M - 1)
+    s_zero = gl.zeros([BLOCK_M, KEYS], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, COLS], gl.float32, acc_layout)
+    dk = gl.zeros([BLOCK_N, COLS], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, COLS], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    for i in range(num_steps):
+        hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
+        slot = i % num_buffers
+        q_tile = _tile(q_bufs, slot)
+        do_tile = _tile(do_bufs, slot)
+        mbarrier.wait(qdo_bars.index(2 * slot), i // num_buffers & 1)
+        s = warpgroup_mma(q_tile, k_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        lse2_hi = hi_bufs.index(slot).reshape([BLOCK_M]).load(row_layout)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        if SOFTCAP:
+            s = _tanh(s * cap_scale)  # t, kept for tanh's derivative
+        x = s * qk_scale - lse2_hi[:, None]
+        if LOWER or UPPER:
+            if (m0 < full_lo) | (m0 > full_hi):  # the band's edge
+                offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+                visible = _band_visible(offs_m[:, None], offs_n[None, :], lower, upper, LOWER, UPPER)
+                x = gl.where(visible, x, float("-inf"))
+        p = gl.exp2(x)
+        # the buffers of two steps ago are free, as _grad_rows's dS buffer
+        p_tile = p_bufs.index(i % 2)
+        ds_tile = ds_bufs.index(i % 2)
+        p_tile.slice(HALF * KEYS, KEYS, dim=1).store(p.to(dtype))
+        if SOFTCAP:
+            p = p * (1.0 - s * s)
+        delta = delta_bufs.index(slot).reshape([BLOCK_M]).load(row_layout)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        ds_tile.slice(HALF * KEYS, KEYS, dim=1).store((p * (dp - delta[:, None])).to(dtype))
+        fence_async_shared()
+        _named_barrier(DS_STORED, 256, False)
+        dq = warpgroup_mma(ds_tile, k_cols, dq_zero, use_acc=False, is_async=True)
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile.slice(HALF * COLS, COLS, dim=1), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_tile.slice(HALF * COLS, COLS, dim=1), dk, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
+        _named_barrier(DQ_FREE + 2 * HALF, 160, False)
+        dq_smem.store(dq * sm_scale)
+        fence_async_shared()
+        _named_barrier(DQ_FULL + 2 * HALF, 160, True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        _arrive(qdo_bars.index(2 * slot + 1))
+
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = HALF * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+    _store_grads(DK, DV, dk * sm_scale, dv, rows, cols, stride_ks, stride_vs, seqlen_k, head_dim, ADD_DKDV)
+
+
+@gluon.jit
 def _dq_writer_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr,
-                         ADD_DKDV: gl.constexpr):  # fmt: skip
+                         ADD_DKDV: gl.constexpr, SPLIT_COLS: gl.constexpr):  # fmt: skip
     """The dQ writer, one warp: each step's two halves of dQ, as the consumers hand them over in shared memory, added
     into DQ by TMA's reduce-add; each buffer handed back once the add has read it."""
     q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = args[:11]
@@ -239,13 +340,24 @@ def _dq_writer_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP
 
 
 @gluon.jit
-def _grad_partition_0(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr):
-    _grad_rows(args, LOWER, UPPER, SOFTCAP, ADD_DKDV, 0)
+def _grad_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
+                    SPLIT_COLS: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
+    if SPLIT_COLS:
+        _grad_cols(args, LOWER, UPPER, SOFTCAP, ADD_DKDV, HALF)
+    else:
+        _grad_rows(args, LOWER, UPPER, SOFTCAP, ADD_DKDV, HALF)
 
 
 @gluon.jit
-def _grad_partition_1(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr):
-    _grad_rows(args, LOWER, UPPER, SOFTCAP, ADD_DKDV, 1)
+def _grad_partition_0(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
+                      SPLIT_COLS: gl.constexpr):  # fmt: skip
+    _grad_partition(args, LOWER, UPPER, SOFTCAP, ADD_DKDV, SPLIT_COLS, 0)
+
+
+@gluon.jit
+def _grad_partition_1(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
+                      SPLIT_COLS: gl.constexpr):  # fmt: skip
+    _grad_partition(args, LOWER, UPPER, SOFTCAP, ADD_DKDV, SPLIT_COLS, 1)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k"])  # one compile for every length
@@ -255,15 +367,15 @@ def _attn_bwd_gluon_kernel(
     seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     GROUP_SIZE: gl.constexpr, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
-    NUM_BUFFERS: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr, SPLIT_COLS: gl.constexpr,
 ):
     """dK, dV (B, Sk, Hkv, HEAD_DIM) of one BLOCK_N tile of keys of one (batch, kv head), and its share of dQ added
     into dQ; grid (Sk tiles, Hkv, B), 4 warps (the first consumer; the partitions add 6).
 
     Host TMA descriptors (kernels/sm90/descriptors.py): q_desc, do_desc of Q, dOut (B, Sq, Hq, HEAD_DIM) in
     (1, BLOCK_M, 1, BLOCK_D) tiles and k_desc, v_desc of K, V (B, Sk, Hkv, HEAD_DIM) in (1, BLOCK_N, 1, BLOCK_D)
-    tiles, all 16-bit (bf16 or fp16), BLOCK_D 64 or 128 at or above HEAD_DIM (the columns past HEAD_DIM load as
-    zeros and are not stored); dq_desc of dQ (B, Sq, Hq, HEAD_DIM) fp32 in (1, BLOCK_M, 1, BLOCK_D // 2) tiles, or
+    tiles, all 16-bit (bf16 or fp16), BLOCK_D 64, 128 or 256 at or above HEAD_DIM (the columns past HEAD_DIM load
+    as zeros and are not stored); dq_desc of dQ (B, Sq, Hq, HEAD_DIM) fp32 in (1, BLOCK_M, 1, BLOCK_D // 2) tiles, or
     (1, BLOCK_M // 2, 1, BLOCK_D) at BLOCK_M >= 128: dQ is added into (atomically:
     every key tile adds its share); hi_desc, delta_desc of the row stats' lse2_hi and delta planes (B, Hq, Sq') fp32
     in (1, 1, BLOCK_M) tiles (ops/attn.py's attn_bwd_preprocess; lse2_lo is not read), Sq' >= Sq a multiple of
@@ -272,6 +384,8 @@ def _attn_bwd_gluon_kernel(
     Row i sees keys j with (LOWER) i + lower <= j and (UPPER) j <= i + upper; qk_scale, cap_scale, SOFTCAP as in the
     forward kernel; rows whose lse2_hi is +inf (no key) add nothing. The additions into dQ come in the order the
     programs reach them, so dQ's last bits vary from run to run.
+    SPLIT_COLS (wide heads, BLOCK_M = 64): the consumers split the columns of dK, dV and dQ instead of the keys
+    (_grad_cols), so that each holds BLOCK_N x BLOCK_D / 2 of dK and of dV.
     """
     start_n = gl.program_id(0)
     off_hk = gl.program_id(1)
@@ -280,14 +394,23 @@ def _attn_bwd_gluon_kernel(
     # each consumer's share of a step's dQ: half its columns, or (128 rows a step) half its rows
     DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[1]
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
-    # dSᵀ (keys x rows) as the dQ product's left operand, transposed
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BLOCK_M), element_bitwidth=16,
-                                                   rank=2)  # fmt: skip
+    if SPLIT_COLS:  # P and dS (rows x keys), each consumer storing its half of the keys (whole swizzle rows)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_N), element_bitwidth=16,
+                                                       rank=2)  # fmt: skip
+        ds_shape: gl.constexpr = [2, BLOCK_M, BLOCK_N]
+    else:  # dSᵀ (keys x rows) as the dQ product's left operand, transposed
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BLOCK_M), element_bitwidth=16,
+                                                       rank=2)  # fmt: skip
+        ds_shape: gl.constexpr = [2, BLOCK_N, BLOCK_M]
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, BLOCK_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, BLOCK_D], v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_M, 1, BLOCK_D], q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, 1, BLOCK_M, 1, BLOCK_D], do_desc.layout)
-    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    ds_bufs = gl.allocate_shared_memory(dtype, ds_shape, ds_layout)
+    if SPLIT_COLS:
+        p_bufs = gl.allocate_shared_memory(dtype, ds_shape, ds_layout)
+    else:
+        p_bufs = ds_bufs  # not read
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2, 1, DQ_ROWS, 1, DQ_COLS], dq_desc.layout)  # one a consumer
     hi_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, 1, 1, BLOCK_M], hi_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, 1, 1, BLOCK_M], delta_desc.layout)
@@ -317,13 +440,13 @@ def _attn_bwd_gluon_kernel(
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs,
             kv_bar, qdo_bars, n0, start_m, num_m, off_hk * GROUP_SIZE, GROUP_SIZE * num_m,
             hi_desc, delta_desc, hi_bufs, delta_bufs, off_b, off_hk, dk_base, dv_base, stride_dks, stride_dvs,
-            seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale, HEAD_DIM)  # fmt: skip
+            seqlen_q, seqlen_k, lower, upper, qk_scale, cap_scale, sm_scale, HEAD_DIM, p_bufs)  # fmt: skip
     gl.warp_specialize(  # the flags beside args, not in it: a tuple made beforehand holds a constexpr as a plain value
         [
-            (_grad_partition_0, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
-            (_grad_partition_1, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
-            (_load_partition, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
-            (_dq_writer_partition, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV)),
+            (_grad_partition_0, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV, SPLIT_COLS)),
+            (_grad_partition_1, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV, SPLIT_COLS)),
+            (_load_partition, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV, SPLIT_COLS)),
+            (_dq_writer_partition, (args, LOWER, UPPER, SOFTCAP, ADD_DKDV, SPLIT_COLS)),
         ],
         [4, 1, 1],
         [240, 24, 24],

@@ -259,7 +259,7 @@ def _attn_fwd_gluon_kernel(
 
     q_desc, k_desc, v_desc: host TMA descriptors (kernels/sm90/descriptors.py) of Q (B, Sq, Hq, HEAD_DIM) in
     (1, BLOCK_M, 1, BLOCK_D) tiles and K, V (B, Sk, Hq // GROUP_SIZE, HEAD_DIM) in (1, BLOCK_N, 1, BLOCK_D) tiles,
-    all 16-bit (bf16 or fp16), BLOCK_D 64 or 128 at or above HEAD_DIM (the columns past HEAD_DIM load as zeros and
+    all 16-bit (bf16 or fp16), BLOCK_D 64, 128 or 256 at or above HEAD_DIM (the columns past HEAD_DIM load as zeros and
     are not stored); o_desc Out's in (1, BLOCK_M // 2, 1, BLOCK_D) tiles where Out is
     in Q's dtype (with OUT_FP32 it is not read). Lse (B, Hq, Sq) float64 with its last dim contiguous. Row i sees keys
     j with (LOWER) i + lower <= j and (UPPER) j <= i + upper (ops/calls.py's key_band: causal and sliding windows,
