@@ -76,6 +76,33 @@ def _query_tile(i, num_m, start_m, first_hq, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _step_tiles(i, num_m, start_m, first_hq, q_bufs, do_bufs, qdo_bars):
+    """Loop step i's q head, first row and slot, and its Q and dO tiles (BLOCK_M, BLOCK_D), once they landed."""
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[2]
+    num_buffers: gl.constexpr = q_bufs.type.shape[0]
+    hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
+    slot = i % num_buffers
+    q_tile = _tile(q_bufs, slot)
+    do_tile = _tile(do_bufs, slot)
+    mbarrier.wait(qdo_bars.index(2 * slot), i // num_buffers & 1)
+    return hq, m0, slot, q_tile, do_tile
+
+
+@gluon.jit
+def _unmasked_rows(first_key, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, seqlen_q, lower, upper, LOWER: gl.constexpr,
+                   UPPER: gl.constexpr):  # fmt: skip
+    """(full_lo, full_hi): a step's query tile [m0, m0 + BLOCK_M) sees every key of [first_key, first_key + KEYS) (no
+    mask) for full_lo <= m0 <= full_hi."""
+    full_lo = 0
+    full_hi = seqlen_q
+    if UPPER:
+        full_lo = first_key + KEYS - 1 - upper
+    if LOWER:
+        full_hi = first_key - lower - (BLOCK_M - 1)
+    return full_lo, full_hi
+
+
+@gluon.jit
 def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
                     SPLIT_COLS: gl.constexpr):  # fmt: skip
     """The producer: K and V once, then step i's Q and dO tiles into slot i % NUM_BUFFERS once both consumers freed
@@ -116,7 +143,6 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     BLOCK_D: gl.constexpr = k_smem.type.shape[3]  # head_dim's columns, and past them (BLOCK_D > head_dim) zeros
     BLOCK_M: gl.constexpr = q_bufs.type.shape[2]
-    num_buffers: gl.constexpr = q_bufs.type.shape[0]
     KEYS: gl.constexpr = BLOCK_N // 2
     FIRST: gl.constexpr = HALF * KEYS
     dtype: gl.constexpr = k_smem.dtype
@@ -139,25 +165,14 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         k_cols = k_tile
     dq_smem = dq_bufs.index(HALF).reshape([DQ_ROWS, DQ_COLS])
     offs_n = n0 + FIRST + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-    # a step's query tile [m0, m0 + BLOCK_M) sees every key of this half (no mask) from m0 = full_lo on, up to
-    # m0 = full_hi
-    full_lo = 0
-    full_hi = seqlen_q
-    if UPPER:
-        full_lo = n0 + FIRST + KEYS - 1 - upper
-    if LOWER:
-        full_hi = n0 + FIRST - lower - (BLOCK_M - 1)
+    full_lo, full_hi = _unmasked_rows(n0 + FIRST, KEYS, BLOCK_M, seqlen_q, lower, upper, LOWER, UPPER)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, dq_layout)
     dk = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
     for i in range(num_steps):
-        hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
-        slot = i % num_buffers
-        q_tile = _tile(q_bufs, slot)
-        do_tile = _tile(do_bufs, slot)
-        mbarrier.wait(qdo_bars.index(2 * slot), i // num_buffers & 1)
+        hq, m0, slot, q_tile, do_tile = _step_tiles(i, num_m, start_m, first_hq, q_bufs, do_bufs, qdo_bars)
         st = warpgroup_mma(k_rows, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_rows, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # rows past seqlen_q load stats 0 (and add nothing: their Q and dO rows are zeros); rows that see no key
@@ -238,7 +253,6 @@ def _grad_cols(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     BLOCK_D: gl.constexpr = k_smem.type.shape[3]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[2]
-    num_buffers: gl.constexpr = q_bufs.type.shape[0]
     KEYS: gl.constexpr = BLOCK_N // 2
     COLS: gl.constexpr = BLOCK_D // 2
     dtype: gl.constexpr = k_smem.dtype
@@ -254,25 +268,14 @@ def _grad_cols(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     k_cols = k_tile.slice(HALF * COLS, COLS, dim=1)
     dq_smem = dq_bufs.index(HALF).reshape([BLOCK_M, COLS])
     offs_n = n0 + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-    # a step's query tile [m0, m0 + BLOCK_M) sees every key of this half (no mask) from m0 = full_lo on, up to
-    # m0 = full_hi
-    full_lo = 0
-    full_hi = seqlen_q
-    if UPPER:
-        full_lo = n0 + HALF * KEYS + KEYS - 1 - upper
-    if LOWER:
-        full_hi = n0 + HALF * KEYS - lower - (BLOCK_M - 1)
+    full_lo, full_hi = _unmasked_rows(n0 + HALF * KEYS, KEYS, BLOCK_M, seqlen_q, lower, upper, LOWER, UPPER)
     s_zero = gl.zeros([BLOCK_M, KEYS], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, COLS], gl.float32, acc_layout)
     dk = gl.zeros([BLOCK_N, COLS], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, COLS], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
     for i in range(num_steps):
-        hq, m0 = _query_tile(i, num_m, start_m, first_hq, BLOCK_M)
-        slot = i % num_buffers
-        q_tile = _tile(q_bufs, slot)
-        do_tile = _tile(do_bufs, slot)
-        mbarrier.wait(qdo_bars.index(2 * slot), i // num_buffers & 1)
+        hq, m0, slot, q_tile, do_tile = _step_tiles(i, num_m, start_m, first_hq, q_bufs, do_bufs, qdo_bars)
         s = warpgroup_mma(q_tile, k_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_tile, v_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         lse2_hi = hi_bufs.index(slot).reshape([BLOCK_M]).load(row_layout)
