@@ -14,7 +14,7 @@ registers per thread and the spill bytes, and nvdisasm's SASS the spill instruct
 issues tensor-core products ("loop spills": a key loop's, paid every step, where the bytes count spills anywhere);
 shared memory is the compiler's. CTAs per SM is the least of what
 registers (65536 per SM), shared memory (228 KiB per SM, 227 KiB at most per CTA) and threads (2048 per SM)
-allow, for the Hopper limits. Kernels (--kernels): each of ringattn.ops.KERNELS as the ring calls it (the backward:
+allow, for --arch's limits. Kernels (--kernels): each of ringattn.ops.KERNELS as the ring calls it (the backward:
 dQ added to an fp32 accumulator, dK, dV stored into fp32 shares), and the forwards also as the ring's step merging
 into an fp32 state ("portable.fwd-merge", "sm90.fwd-merge"); a Hopper kernel at the head dims its table takes.
 "ws partitions" counts the warp-specialised regions (the partitioner's, or the Gluon forward's one explicit
@@ -61,7 +61,9 @@ from ringattn.ops import (
 KERNELS = ("portable.fwd", "portable.fwd-merge", "portable.dkdv", "portable.dq", "sm90.fwd", "sm90.fwd-merge",
            "sm90.bwd", "sm90.dkdv", "sm90.dq")  # fmt: skip
 HEADS, SEQLEN = 32, 64  # strides as the benchmark's; the length is not specialised on
-REGS_PER_SM, SMEM_PER_SM, SMEM_PER_CTA, THREADS_PER_SM = 65536, 228 * 1024, 227 * 1024, 2048
+REGS_PER_SM, THREADS_PER_SM = 65536, 2048
+# shared memory per SM and at most per CTA, KiB, by compute capability x 10 (CUDA's tuning guides)
+SMEM_KIB = {80: (164, 163), 86: (100, 99), 89: (100, 99), 90: (228, 227)}
 
 
 def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: int = 90, window=(None, None),
@@ -138,6 +140,11 @@ def product_loop_spills(sass: str) -> int:
     return sum(bool(re.search(r"\b(LDL|STL)\b", line)) for a, b in innermost for line in lines[a : b + 1])
 
 
+def gpu_name(arch: int) -> str:
+    """ptxas's name of the GPU of compute capability arch / 10: Hopper's arch-specific sm_90a (wgmma, setmaxnreg)."""
+    return f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+
+
 def resources(compiled, arch: int) -> dict:
     """Registers per thread and spill bytes (ptxas -v), shared memory bytes, CTAs per SM, warps (the partitioner's
     included), warp-specialised regions and the ops in them known to be split wrong (ws_hazards), and whether ptxas
@@ -145,7 +152,7 @@ def resources(compiled, arch: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
-        cmd = [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(ptx.with_suffix(".o"))]
+        cmd = [get_ptxas(arch).path, "-v", f"--gpu-name={gpu_name(arch)}", str(ptx), "-o", str(ptx.with_suffix(".o"))]
         report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
         cubin = ptx.with_suffix(".o")
         sass = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", str(cubin)], capture_output=True, text=True,
@@ -158,7 +165,8 @@ def resources(compiled, arch: int) -> dict:
     regs, smem, threads = int(regs.group(1)), compiled.metadata.shared, 32 * num_warps
     limits = [REGS_PER_SM // (regs * threads), THREADS_PER_SM // threads]
     if smem:
-        limits.append(SMEM_PER_SM // smem if smem <= SMEM_PER_CTA else 0)  # over the per-CTA cap: not launchable
+        per_sm, per_cta = (kib * 1024 for kib in SMEM_KIB[arch])
+        limits.append(per_sm // smem if smem <= per_cta else 0)  # over the per-CTA cap: not launchable
     return dict(
         regs=regs, spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)),
         loop_spills=product_loop_spills(sass),
@@ -240,7 +248,7 @@ def main() -> None:
                         )
                         print(records[-1], file=sys.stderr, flush=True)
     if args.out:
-        env = dict(kind="env", triton=triton.__version__, torch=torch.__version__, arch=f"sm_{args.arch}a")
+        env = dict(kind="env", triton=triton.__version__, torch=torch.__version__, arch=gpu_name(args.arch))
         write_json(args.out, env, records)
     header = ["kernel", "D", "Hkv", "causal", "config", "TMA", "regs", "spill st/ld B", "loop spills", "smem KiB",
               "CTAs/SM", "warps", "ws partitions", "ws hazards", "wgmma serialized"]  # fmt: skip

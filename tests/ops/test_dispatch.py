@@ -244,6 +244,15 @@ def test_configs_come_from_the_tables_and_overrides_restore(no_override):
     assert launch_config("sm90.dkdv", 64, torch.float32, INTERPRETER) == portable.INTERPRETER_CONFIG
     assert launch_config("portable.fwd", 40, torch.bfloat16, HOPPER) == portable.CONFIGS_16BIT["fwd"][0][1]
     assert launch_config("portable.dq", 40, torch.float32, INTERPRETER) == portable.INTERPRETER_CONFIG
+    for capability in ((8, 6), (8, 9), (12, 0)):  # blocks of at most 99 KiB of shared memory
+        small = Target(capability)
+        assert launch_config("portable.fwd", 128, torch.bfloat16, small) == portable.SMALL_SMEM_16BIT["fwd"][128]
+        assert launch_config("portable.dq", 64, torch.float16, small) == portable.SMALL_SMEM_16BIT["dq"][128]
+        assert launch_config("portable.dkdv", 256, torch.bfloat16, small) == portable.SMALL_SMEM_16BIT["dkdv"][256]
+        assert launch_config("portable.dkdv", 128, torch.bfloat16, small) == portable.CONFIGS_16BIT["dkdv"][1][1]
+        assert launch_config("portable.fwd", 128, torch.float32, small) == portable.CONFIGS_FP32["fwd"][0][1]
+    for large in (Target((8, 0)), HOPPER):
+        assert launch_config("portable.fwd", 128, torch.bfloat16, large) == portable.CONFIGS_16BIT["fwd"][1][1]
     swept = LaunchConfig(64, 32, 4, 3)
     with override_configs({"portable.fwd": swept, "sm90.dq": swept}):
         assert launch_config("portable.fwd", 40, torch.bfloat16, HOPPER) == swept

@@ -98,6 +98,27 @@ def test_split_kernels_partition_without_known_hazards(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_portable_kernels_fit_a_99_kib_gpu(tmp_path):
+    """Every portable kernel at D = 64, 128 and 256, causal or not, the forward also as the ring's merging step,
+    compiled for compute capability 8.6 (blocks of at most 99 KiB of shared memory, as 8.9 and 12.x): each at its
+    table's config for that GPU fits, one CTA an SM or more (the Hopper-swept configs need up to 160 KiB)."""
+    out = tmp_path / "resources.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch" / "tools"), str(ROOT)])
+    kernels = ["portable.fwd", "portable.fwd-merge", "portable.dkdv", "portable.dq"]
+    cmd = [sys.executable, str(ROOT / "launch/tools/kernel_resources.py"), "--kernels", *kernels, "--head-dims", "64",
+           "128", "256", "--arch", "86", "--out", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stderr[-2000:]
+    env_record, *records = json.loads(out.read_text())
+    assert env_record["arch"] == "sm_86" and len(records) == 4 * 3 * 2
+    for r in records:
+        config = launch_config(r["kernel"].removesuffix("-merge"), r["D"], torch.bfloat16, Target((8, 6)))
+        assert "error" not in r and r["config"] == list(config.__dict__.values()), r
+        assert r["smem_bytes"] <= 99 * 1024 and r["ctas_per_sm"] >= 1, r
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HOPPER_TRITON, reason="this triton lacks the Hopper kernels' features")
 def test_gluon_backward_compiles_for_hopper(tmp_path):
     """The Gluon backward in the ring's form (dQ added into fp32, dK and dV stored as fp32 shares), GQA, at D = 64 and
