@@ -103,6 +103,32 @@ def _unmasked_rows(first_key, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, seqlen_
 
 
 @gluon.jit
+def _probabilities(s, lse2_hi, offs_n, band, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr,
+                   KEYS_DIM: gl.constexpr):  # fmt: skip
+    """(P, t) of a step's unscaled scores s, keys along dim KEYS_DIM and rows along the other: P = exp2(t * qk_scale
+    - lse2_hi), one FMA a score, with t = tanh(s * cap_scale) (SOFTCAP; kept for tanh's derivative) or s, and -inf
+    outside each row's band at the band's edge (m0 < full_lo or m0 > full_hi: some key outside some row's band).
+    lse2_hi (rows,) and offs_n (keys,) in s's slice layouts; band: (m0, full_lo, full_hi, lower, upper, qk_scale,
+    cap_scale)."""
+    m0, full_lo, full_hi, lower, upper, qk_scale, cap_scale = band
+    if SOFTCAP:
+        s = _tanh(s * cap_scale)
+    if KEYS_DIM == 0:
+        x = s * qk_scale - lse2_hi[None, :]
+    else:
+        x = s * qk_scale - lse2_hi[:, None]
+    if LOWER or UPPER:
+        if (m0 < full_lo) | (m0 > full_hi):
+            offs_m = m0 + gl.arange(0, s.shape[1 - KEYS_DIM], layout=gl.SliceLayout(KEYS_DIM, s.type.layout))
+            if KEYS_DIM == 0:
+                visible = _band_visible(offs_m[None, :], offs_n[:, None], lower, upper, LOWER, UPPER)
+            else:
+                visible = _band_visible(offs_m[:, None], offs_n[None, :], lower, upper, LOWER, UPPER)
+            x = gl.where(visible, x, float("-inf"))
+    return gl.exp2(x), s
+
+
+@gluon.jit
 def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
                     SPLIT_COLS: gl.constexpr):  # fmt: skip
     """The producer: K and V once, then step i's Q and dO tiles into slot i % NUM_BUFFERS once both consumers freed
@@ -179,15 +205,8 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         # have lse2_hi = +inf, so that their P is 0
         lse2_hi = hi_bufs.index(slot).reshape([BLOCK_M]).load(col_layout)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-        if SOFTCAP:
-            st = _tanh(st * cap_scale)  # t, kept for tanh's derivative
-        x = st * qk_scale - lse2_hi[None, :]  # one FMA a score
-        if LOWER or UPPER:
-            if (m0 < full_lo) | (m0 > full_hi):  # the band's edge: some key here is outside some row's band
-                offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-                visible = _band_visible(offs_m[None, :], offs_n[:, None], lower, upper, LOWER, UPPER)
-                x = gl.where(visible, x, float("-inf"))
-        pt = gl.exp2(x)
+        band = (m0, full_lo, full_hi, lower, upper, qk_scale, cap_scale)
+        pt, st = _probabilities(st, lse2_hi, offs_n, band, LOWER, UPPER, SOFTCAP, 0)
         pt16 = gl.convert_layout(pt.to(dtype), op_layout)
         if SOFTCAP:  # dS's factors but dP - delta, so that only one (KEYS, BLOCK_M) tile stays live till dP is in
             pt = pt * (1.0 - st * st)
@@ -280,15 +299,8 @@ def _grad_cols(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         dp = warpgroup_mma(do_tile, v_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         lse2_hi = hi_bufs.index(slot).reshape([BLOCK_M]).load(row_layout)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        if SOFTCAP:
-            s = _tanh(s * cap_scale)  # t, kept for tanh's derivative
-        x = s * qk_scale - lse2_hi[:, None]
-        if LOWER or UPPER:
-            if (m0 < full_lo) | (m0 > full_hi):  # the band's edge
-                offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
-                visible = _band_visible(offs_m[:, None], offs_n[None, :], lower, upper, LOWER, UPPER)
-                x = gl.where(visible, x, float("-inf"))
-        p = gl.exp2(x)
+        band = (m0, full_lo, full_hi, lower, upper, qk_scale, cap_scale)
+        p, s = _probabilities(s, lse2_hi, offs_n, band, LOWER, UPPER, SOFTCAP, 1)
         # the buffers of two steps ago are free, as _grad_rows's dS buffer
         p_tile = p_bufs.index(i % 2)
         ds_tile = ds_bufs.index(i % 2)
