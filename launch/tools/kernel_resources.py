@@ -7,24 +7,23 @@ machine (no GPU needed): the resource report to read before guessing why a kerne
         --configs 64,64,4,2 128,64,8,2
     PYTHONPATH=. python3 launch/tools/kernel_resources.py --candidates   # every config config_sweep.py times
 
-The launches are the dispatch's own (ringattn.ops.fwd_launch, bwd_launches, planned for --arch from CPU tensors
-laid out as in launch/bench/bench_kernel.py: bf16, H = 32, strides divisible by 16, so the same specialisation as
-the benchmark's), then compiled, not run, by the installed triton for --arch. `ptxas -v` on the PTX gives the
-registers per thread and the spill bytes, and nvdisasm's SASS the spill instructions inside the innermost loop that
-issues tensor-core products ("loop spills": a key loop's, paid every step, where the bytes count spills anywhere);
-shared memory is the compiler's. CTAs per SM is the least of what
-registers (65536 per SM), shared memory (228 KiB per SM, 227 KiB at most per CTA) and threads (2048 per SM)
-allow, for --arch's limits. Kernels (--kernels): each of ringattn.ops.KERNELS as the ring calls it (the backward:
-dQ added to an fp32 accumulator, dK, dV stored into fp32 shares), and the forwards also as the ring's step merging
-into an fp32 state ("portable.fwd-merge", "sm90.fwd-merge"); a Hopper kernel at the head dims its table takes.
-"ws partitions" counts the warp-specialised regions (the partitioner's, or the Gluon forward's one explicit
-region), "ws hazards" the ops in them the partitioner is known to split wrong (ws_hazards()), "wgmma serialized"
-whether ptxas made every wgmma wait for the one before (it does so when other instructions touch a pending product's
-accumulator registers, or registers run short: the overlap of products with the softmax is gone); the Gluon forward's
-config's fourth number is its rings' depth. Without --configs or --candidates, each at the tables' config. Forms the
-dispatch does not run (a head dim outside a table) are left out; the split backward kernels are compiled as
-deterministic calls run them, at every causal setting. --window and --softcap compile the sliding-window and
-soft-capped forms instead.
+The launches are the dispatch's own (ringattn.ops.fwd_launch, bwd_launches, planned for --arch from CPU tensors laid
+out as in launch/bench/bench_kernel.py: bf16 (--dtype another), H = 32, strides divisible by 16, so the same
+specialisation as the benchmark's), then compiled, not run, by the installed triton for --arch. `ptxas -v` on the
+PTX gives the registers per thread and the spill bytes, and nvdisasm's SASS the spill instructions inside the
+innermost loop that issues tensor-core products ("loop spills": a key loop's, paid every step, where the bytes count
+spills anywhere); shared memory is the compiler's. CTAs per SM is the least of what registers (65536 per SM), shared
+memory (228 KiB per SM, 227 KiB at most per CTA) and threads (2048 per SM) allow, for --arch's limits. Kernels
+(--kernels): each of ringattn.ops.KERNELS as the ring calls it (the backward: dQ added to an fp32 accumulator, dK,
+dV stored into fp32 shares), and the forwards also as the ring's step merging into an fp32 state
+("portable.fwd-merge", "sm90.fwd-merge"); a Hopper kernel at the head dims its table takes. "ws partitions" counts
+the warp-specialised regions (the partitioner's, or the Gluon forward's one explicit region), "ws hazards" the ops
+in them the partitioner is known to split wrong (ws_hazards()), "wgmma serialized" whether ptxas made every wgmma
+wait for the one before (it does so when other instructions touch a pending product's accumulator registers, or
+registers run short: the overlap of products with the softmax is gone); the Gluon forward's config's fourth number
+is its rings' depth. Without --configs or --candidates, each at the tables' config. Forms the dispatch does not run
+(a head dim outside a table) are left out; the split backward kernels are compiled as deterministic calls run them,
+at every causal setting. --window and --softcap compile the sliding-window and soft-capped forms instead.
 """
 
 import argparse
@@ -67,15 +66,15 @@ SMEM_KIB = {80: (164, 163), 86: (100, 99), 89: (100, 99), 90: (228, 227)}
 
 
 def _launch(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: int = 90, window=(None, None),
-            softcap: float = 0.0) -> KernelLaunch:  # fmt: skip
-    """The launch the dispatch builds for `kernel` (a form of KERNELS) from CPU tensors for a GPU of compute
-    capability arch / 10, with config `cfg` (None: the tables'), a sliding window (left, right) and softcap. Raises
-    ValueError where the backend's table does not take the form."""
+            softcap: float = 0.0, dtype: torch.dtype = torch.bfloat16) -> KernelLaunch:  # fmt: skip
+    """The launch the dispatch builds for `kernel` (a form of KERNELS) from CPU tensors of `dtype` for a GPU of
+    compute capability arch / 10, with config `cfg` (None: the tables'), a sliding window (left, right) and softcap.
+    Raises ValueError where the backend's table does not take the form."""
     name, merge = kernel.removesuffix("-merge"), kernel.endswith("-merge")
     backend = name.split(".")[0]
     target = Target(divmod(arch, 10))
-    q, dout = (torch.empty(1, SEQLEN, HEADS, head_dim, dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.empty(1, SEQLEN, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    q, dout = (torch.empty(1, SEQLEN, HEADS, head_dim, dtype=dtype) for _ in range(2))
+    k, v = (torch.empty(1, SEQLEN, kv_heads, head_dim, dtype=dtype) for _ in range(2))
     lse, stats = torch.empty(1, HEADS, SEQLEN, dtype=torch.float64), torch.empty(3, 1, HEADS, SEQLEN)
     scale = head_dim**-0.5
     with override_configs({name: cfg} if cfg is not None else {}):
@@ -177,10 +176,10 @@ def resources(compiled, arch: int) -> dict:
 
 
 def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: int, window=(None, None),
-            softcap: float = 0.0) -> dict:  # fmt: skip
-    """One record: the kernel's launch config and its resources on `arch` (with a window and softcap: their
+            softcap: float = 0.0, dtype: torch.dtype = torch.bfloat16) -> dict:  # fmt: skip
+    """One record: the kernel's launch config and its resources on `arch` (with a window, softcap and dtype: their
     form)."""
-    launch = _launch(kernel, head_dim, kv_heads, causal, cfg, arch, window, softcap)
+    launch = _launch(kernel, head_dim, kv_heads, causal, cfg, arch, window, softcap, dtype)
     kw = launch.kwargs
     host_descriptors = any(isinstance(a, TensorDescriptor) for a in launch.args)  # the Gluon kernels'
     record = dict(
@@ -191,7 +190,7 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
         causal=causal,
         window=list(window),
         softcap=softcap,
-        dtype="bfloat16",
+        dtype=str(dtype).removeprefix("torch."),
         config=[kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw.get("num_stages", kw.get("NUM_BUFFERS"))],
         tma=bool(kw.get("KV_TMA", False)) or launch.scratch or host_descriptors,
     )  # fmt: skip (scratch: descriptors in-kernel)
@@ -202,14 +201,15 @@ def measure(kernel: str, head_dim: int, kv_heads: int, causal: bool, cfg, arch: 
     return dict(record, **resources(compiled, arch))
 
 
-def _taken(kernel: str, head_dim: int, kv_heads: int, causal: bool, arch: int, window, softcap: float) -> bool:
-    """Whether the dispatch runs the form at the head dim and causal setting (the Hopper table does not take every
-    one)."""
+def _taken(kernel: str, head_dim: int, kv_heads: int, causal: bool, arch: int, window, softcap: float,
+           dtype: torch.dtype) -> bool:  # fmt: skip
+    """Whether the dispatch runs the form at the head dim, causal setting and dtype (the Hopper table does not take
+    every one)."""
     name = kernel.removesuffix("-merge")
-    if not name.startswith("portable.") and launch_config(name, head_dim, torch.bfloat16, Target((9, 0))) is None:
+    if not name.startswith("portable.") and launch_config(name, head_dim, dtype, Target((9, 0))) is None:
         return False
     try:
-        _launch(kernel, head_dim, kv_heads, causal, None, arch, window, softcap)
+        _launch(kernel, head_dim, kv_heads, causal, None, arch, window, softcap, dtype)
     except ValueError:
         return False
     return True
@@ -226,8 +226,10 @@ def main() -> None:
                         help="compile the sliding-window form (-1: no limit on that side)")  # fmt: skip
     parser.add_argument("--softcap", type=float, default=0.0, help="compile the soft-capped form")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     window = (None, None) if args.window is None else tuple(None if side < 0 else side for side in args.window)
     given = None if args.configs is None else [LaunchConfig(*map(int, c.split(","))) for c in args.configs]
     records = []
@@ -238,13 +240,12 @@ def main() -> None:
             else:
                 configs = given or [None]
             for kv_heads in args.kv_heads:
-                taken = (
-                    c for c in (False, True) if _taken(kernel, head_dim, kv_heads, c, args.arch, window, args.softcap)
-                )
+                form = (args.arch, window, args.softcap, dtype)
+                taken = (c for c in (False, True) if _taken(kernel, head_dim, kv_heads, c, *form))
                 for causal in taken:
                     for cfg in configs:
                         records.append(
-                            measure(kernel, head_dim, kv_heads, causal, cfg, args.arch, window, args.softcap)
+                            measure(kernel, head_dim, kv_heads, causal, cfg, args.arch, window, args.softcap, dtype)
                         )
                         print(records[-1], file=sys.stderr, flush=True)
     if args.out:

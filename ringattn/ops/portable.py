@@ -24,19 +24,21 @@ CONFIGS_16BIT = {
     "dkdv": ((64, LaunchConfig(64, 64, 4, 3)), (128, LaunchConfig(64, 64, 4, 2)), (256, LaunchConfig(64, 64, 8, 1))),
     "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(64, 32, 4, 1))),
 }
+CONFIGS_FP32 = {
+    "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
+    "dkdv": ((128, LaunchConfig(32, 32, 4, 1)), (256, LaunchConfig(32, 32, 4, 1))),
+    "dq": ((128, LaunchConfig(32, 32, 4, 1)), (256, LaunchConfig(32, 32, 4, 1))),
+}
 # GPUs whose blocks may have at most 99 KiB of shared memory (compute capability 8.6, 8.9 and 12.x: RTX 30, 40 and 50,
-# A10, L4, L40): where a 16-bit config above needs more there (launch/tools/kernel_resources.py --arch 86: the forward
-# and dQ at D = 128, 160 and 128 KiB; dK/dV at D = 256, 136 KiB), these, which fit (88, 80 and 66 KiB; not timed)
+# A10, L4, L40): where a config above needs more there (launch/tools/kernel_resources.py --arch 86 [--dtype float32]:
+# 16 bits, the forward and dQ at D = 128, 160 and 128 KiB, dK/dV at D = 256, 136 KiB; fp32, dK/dV and dQ at D = 256,
+# 132 and 128 KiB), these, which fit (16 bits 88, 80 and 66 KiB; fp32 98 and 96 KiB; not timed)
 SMALL_SMEM_16BIT = {
     "fwd": {128: LaunchConfig(64, 64, 4, 3)},
     "dkdv": {256: LaunchConfig(32, 32, 4, 1)},
     "dq": {128: LaunchConfig(128, 32, 8, 2)},
 }
-CONFIGS_FP32 = {
-    "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
-    "dkdv": ((256, LaunchConfig(32, 32, 4, 1)),),
-    "dq": ((256, LaunchConfig(32, 32, 4, 1)),),
-}
+SMALL_SMEM_FP32 = {"fwd": {}, "dkdv": {256: LaunchConfig(32, 16, 4, 1)}, "dq": {256: LaunchConfig(32, 16, 4, 1)}}
 PREPROCESS_BLOCK_M = 64
 
 
@@ -44,16 +46,17 @@ def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, target: Target
     """The config of the portable kernel `kernel` ("fwd", "dkdv" or "dq") for a head dim, dtype and target."""
     if not target.gpu:
         return INTERPRETER_CONFIG
-    table = (CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT)[kernel]
+    fp32 = dtype == torch.float32
+    table = (CONFIGS_FP32 if fp32 else CONFIGS_16BIT)[kernel]
     block_d = padded_head_dim(head_dim)
     max_block_d, config = next((max_block_d, config) for max_block_d, config in table if block_d <= max_block_d)
-    if dtype != torch.float32 and _small_shared_memory(target):
-        config = SMALL_SMEM_16BIT[kernel].get(max_block_d, config)
+    if _small_shared_memory(target):
+        config = (SMALL_SMEM_FP32 if fp32 else SMALL_SMEM_16BIT)[kernel].get(max_block_d, config)
     return config
 
 
 def _small_shared_memory(target: Target) -> bool:
-    """Whether the target GPU's blocks may have at most 99 KiB of shared memory (SMALL_SMEM_16BIT)."""
+    """Whether the target GPU's blocks may have at most 99 KiB of shared memory (SMALL_SMEM_16BIT, SMALL_SMEM_FP32)."""
     major, minor = target.capability
     return major == 12 or (major, minor) in ((8, 6), (8, 9))
 

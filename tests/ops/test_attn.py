@@ -90,6 +90,25 @@ def test_portable_kernels_at_head_dim_256_match_reference(seqlen_q, seqlen_k, ca
     check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads))
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="GPU launch configs: the GPU suite")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_small_shared_memory_configs_match_reference(head_dim, causal, dtype):
+    """The portable kernels at the configs of GPUs whose blocks get at most 99 KiB of shared memory (compute
+    capability 8.6, 8.9, 12.x: portable.SMALL_SMEM_16BIT and SMALL_SMEM_FP32), run on this GPU, whatever it is, so
+    that those configs are checked against float64 somewhere: GQA, 777 queries, 2049 keys."""
+    small = Target((8, 6))
+    configs = {f"portable.{kernel}": portable.launch_config(kernel, head_dim, dtype, small)
+               for kernel in ("fwd", "dkdv", "dq")}  # fmt: skip
+    q, k, v, dout = make_qkv(1, 777, 2049, 4, 2, head_dim, dtype, seed=head_dim + causal)
+    scale = head_dim**-0.5
+    with override_configs(configs):
+        out, lse = attn_fwd(q, k, v, scale, causal, backend="portable")
+        grads = attn_bwd(dout, q, k, v, out, lse, scale, causal, backend="portable")
+    check_against_reference(q, k, v, dout, scale, causal, (out, lse, *grads))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softmax_scale_is_applied(causal):
     q, k, v, dout = make_qkv(1, 33, 33, 2, 2, 64, DTYPES[0], seed=3)

@@ -98,22 +98,25 @@ def test_split_kernels_partition_without_known_hazards(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_portable_kernels_fit_a_99_kib_gpu(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_portable_kernels_fit_a_99_kib_gpu(tmp_path, dtype):
     """Every portable kernel at D = 64, 128 and 256, causal or not, the forward also as the ring's merging step,
     compiled for compute capability 8.6 (blocks of at most 99 KiB of shared memory, as 8.9 and 12.x): each at its
-    table's config for that GPU fits, one CTA an SM or more (the Hopper-swept configs need up to 160 KiB)."""
+    table's config for that GPU and dtype fits, one CTA an SM or more (the Hopper-swept 16-bit configs need up to
+    160 KiB, the fp32 ones at D = 256 up to 132)."""
     out = tmp_path / "resources.json"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch" / "tools"), str(ROOT)])
     kernels = ["portable.fwd", "portable.fwd-merge", "portable.dkdv", "portable.dq"]
     cmd = [sys.executable, str(ROOT / "launch/tools/kernel_resources.py"), "--kernels", *kernels, "--head-dims", "64",
-           "128", "256", "--arch", "86", "--out", str(out)]  # fmt: skip
+           "128", "256", "--arch", "86", "--dtype", dtype, "--out", str(out)]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-2000:]
     env_record, *records = json.loads(out.read_text())
     assert env_record["arch"] == "sm_86" and len(records) == 4 * 3 * 2
     for r in records:
-        config = launch_config(r["kernel"].removesuffix("-merge"), r["D"], torch.bfloat16, Target((8, 6)))
+        assert r["dtype"] == dtype, r
+        config = launch_config(r["kernel"].removesuffix("-merge"), r["D"], getattr(torch, dtype), Target((8, 6)))
         assert "error" not in r and r["config"] == list(config.__dict__.values()), r
         assert r["smem_bytes"] <= 99 * 1024 and r["ctas_per_sm"] >= 1, r
 
