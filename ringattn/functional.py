@@ -27,6 +27,7 @@ from .ops.validation import (
     check_attn_inputs,
     check_flag,
     check_flash_attn_options,
+    check_gpu,
     check_kernel_device,
     check_sink,
     default_softmax_scale,
@@ -371,6 +372,7 @@ def check_ring_group(q: torch.Tensor, group: dist.ProcessGroup) -> None:
     Raises:
         ValueError: a group that does not contain this rank, a device the group's backend cannot carry, a bad
             $RINGATTN_KERNELS, $RINGATTN_P2P_TIMEOUT_S or $RINGATTN_AGREEMENT.
+        RuntimeError: a GPU the kernels cannot run on (check_gpu: older than compute capability 8.0, or ROCm).
     """
     if dist.get_rank(group) < 0:
         raise ValueError(f"group must contain this process (global rank {dist.get_rank()}); it does not")
@@ -380,6 +382,7 @@ def check_ring_group(q: torch.Tensor, group: dist.ProcessGroup) -> None:
     if not q.is_cuda and backend == "nccl":
         raise ValueError(f"q, k, v are on {q.device} but the group's backend is nccl; move them to the rank's GPU")
     kernel_override()  # the environment's settings, checked before the first collective
+    check_gpu(q)
     p2p_timeout_s()
     agreement_mode()
 

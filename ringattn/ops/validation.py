@@ -1,5 +1,6 @@
 """Input checks shared by the launchers and the public functions: clear errors, raised early."""
 
+import functools
 import math
 import operator
 import os
@@ -14,6 +15,7 @@ from ..kernels.portable.attn_fwd import _attn_fwd_kernel
 from .dispatch import kernel_override
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_CAPABILITY = (8, 0)  # Triton's supported NVIDIA GPUs: Ampere and newer
 MAX_HEAD_DIM = 256
 MAX_GRID_DIM = 65535  # batch and heads are CUDA grid dimensions 2 and 1
 LSE_DTYPE = torch.float64  # the ops' lse, and the running state's: P = exp(s - lse) needs its digits at large |lse|
@@ -114,11 +116,44 @@ def interpreter_hint() -> str:
     )
 
 
+def gpu_problem(capability: tuple[int, int], name: str, rocm: bool) -> str | None:
+    """Why ringattn's kernels cannot run on a GPU of compute capability `capability` named `name` (a ROCm device
+    where `rocm`), or None: they are built for NVIDIA GPUs of compute capability 8.0 or newer, those Triton supports.
+    Compiled for 7.5 (Turing) they issue no tensor-core products, spill kilobytes of registers and need more shared
+    memory than a block gets (launch/tools/kernel_resources.py); a ROCm device reports a capability of its own."""
+    if rocm:
+        return (
+            f"ringattn's kernels run on NVIDIA GPUs (compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
+            f"newer), got {name}, a ROCm device, which they were not built or tested for"
+        )
+    if capability < MIN_CAPABILITY:
+        return (
+            f"ringattn's kernels need an NVIDIA GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
+            f"newer (Ampere and later, as Triton supports), got {name} of compute capability "
+            f"{capability[0]}.{capability[1]}"
+        )
+    return None
+
+
+def check_gpu(t: torch.Tensor) -> None:
+    """Raise RuntimeError where t is a CUDA tensor on a GPU the kernels cannot run on (gpu_problem)."""
+    if t.device.type == "cuda" and (problem := _device_problem(t.device.index)) is not None:
+        raise RuntimeError(problem)
+
+
+@functools.cache
+def _device_problem(index: int) -> str | None:
+    """gpu_problem of CUDA device `index`, asked once."""
+    name = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return gpu_problem(torch.cuda.get_device_capability(index), name, torch.version.hip is not None)
+
+
 def check_runnable_device(t: torch.Tensor) -> None:
     """Raise when the Triton kernels cannot run on t in this process, or the kernels' setting is bad:
-    check_kernel_device, after $RINGATTN_KERNELS (ops/dispatch.py; ValueError for a bad value)."""
+    check_kernel_device and check_gpu, after $RINGATTN_KERNELS (ops/dispatch.py; ValueError for a bad value)."""
     kernel_override()
     check_kernel_device(t)
+    check_gpu(t)
 
 
 def check_kernel_device(t: torch.Tensor) -> None:

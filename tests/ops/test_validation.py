@@ -65,6 +65,36 @@ def test_interpreter_and_numpy_that_cannot_work_together_are_named(triton_versio
         assert problem is None
 
 
+@pytest.mark.parametrize(
+    "capability, rocm, refused",
+    [((7, 0), False, True), ((7, 5), False, True), ((8, 0), False, False), ((8, 6), False, False),
+     ((9, 0), False, False), ((10, 0), False, False), ((12, 0), False, False), ((9, 4), True, True)],
+)  # fmt: skip
+def test_gpus_the_kernels_cannot_run_on_are_named(capability, rocm, refused):
+    """GPUs older than compute capability 8.0 (Volta, Turing: Triton compiles the kernels' products to FMA loops that
+    spill and overflow their shared memory) and ROCm devices are refused with the device and the need, not left to
+    fail inside Triton's compiler or to run Hopper kernels on an MI300 (which reports capability 9.4)."""
+    from ringattn.ops.validation import gpu_problem
+
+    problem = gpu_problem(capability, "cuda:0 (Some GPU)", rocm)
+    if not refused:
+        assert problem is None
+    elif rocm:
+        assert "cuda:0 (Some GPU), a ROCm device" in problem and "NVIDIA GPUs (compute capability 8.0" in problem
+    else:
+        assert f"of compute capability {capability[0]}.{capability[1]}" in problem and "8.0 or newer" in problem
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA tensor's call")
+def test_a_call_on_a_gpu_the_kernels_cannot_run_on_raises_the_problem(monkeypatch):
+    import ringattn
+    from ringattn.ops import validation
+
+    monkeypatch.setattr(validation, "_device_problem", lambda index: f"device {index} cannot run them")
+    with pytest.raises(RuntimeError, match="device 0 cannot run them"):
+        ringattn.flash_attn_func(*(torch.zeros(1, 8, 2, 16, device="cuda", dtype=torch.float16) for _ in range(3)))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU path; GPUs compile the kernels")
 def test_a_call_where_the_interpreter_cannot_run_raises_the_problem(monkeypatch):
     import ringattn
