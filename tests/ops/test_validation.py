@@ -87,6 +87,8 @@ def test_gpus_the_kernels_cannot_run_on_are_named(capability, rocm, refused):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA tensor's call")
 def test_a_call_on_a_gpu_the_kernels_cannot_run_on_raises_the_problem(monkeypatch):
+    """The launchers ask check_gpu before dispatching (this GPU's problem stood in): an old GPU or a ROCm device gets
+    the message, not Triton's compile or launch error."""
     import ringattn
     from ringattn.ops import validation
 
