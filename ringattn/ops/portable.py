@@ -24,21 +24,22 @@ CONFIGS_16BIT = {
     "dkdv": ((64, LaunchConfig(64, 64, 4, 3)), (128, LaunchConfig(64, 64, 4, 2)), (256, LaunchConfig(64, 64, 8, 1))),
     "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(64, 32, 4, 1))),
 }
+# fp32 at D = 256 in narrow tiles: 32 x 32 left ptxas at 32 registers a thread and 33 to 77 KB of spills on sm_90;
+# these take 0.10x to 0.25x its time on an H100 (docs/performance.md, decisions), spill nothing on sm_80, sm_86 and
+# (triton 3.6) sm_90, and fit blocks of 99 KiB (80, 98 and 96 KiB)
 CONFIGS_FP32 = {
-    "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(32, 32, 4, 1))),
-    "dkdv": ((128, LaunchConfig(32, 32, 4, 1)), (256, LaunchConfig(32, 32, 4, 1))),
-    "dq": ((128, LaunchConfig(32, 32, 4, 1)), (256, LaunchConfig(32, 32, 4, 1))),
+    "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(16, 32, 4, 1))),
+    "dkdv": ((128, LaunchConfig(32, 32, 4, 1)), (256, LaunchConfig(16, 32, 4, 1))),
+    "dq": ((128, LaunchConfig(32, 32, 4, 1)), (256, LaunchConfig(32, 16, 4, 1))),
 }
 # GPUs whose blocks may have at most 99 KiB of shared memory (compute capability 8.6, 8.9 and 12.x: RTX 30, 40 and 50,
-# A10, L4, L40): where a config above needs more there (launch/tools/kernel_resources.py --arch 86 [--dtype float32]:
-# 16 bits, the forward and dQ at D = 128, 160 and 128 KiB, dK/dV at D = 256, 136 KiB; fp32, dK/dV and dQ at D = 256,
-# 132 and 128 KiB), these, which fit (16 bits 88, 80 and 66 KiB; fp32 98 and 96 KiB; not timed)
+# A10, L4, L40): where a 16-bit config above needs more there (launch/tools/kernel_resources.py --arch 86: the forward
+# and dQ at D = 128, 160 and 128 KiB, dK/dV at D = 256, 136 KiB), these, which fit (88, 80 and 66 KiB; not timed)
 SMALL_SMEM_16BIT = {
     "fwd": {128: LaunchConfig(64, 64, 4, 3)},
     "dkdv": {256: LaunchConfig(32, 32, 4, 1)},
     "dq": {128: LaunchConfig(128, 32, 8, 2)},
 }
-SMALL_SMEM_FP32 = {"fwd": {}, "dkdv": {256: LaunchConfig(32, 16, 4, 1)}, "dq": {256: LaunchConfig(32, 16, 4, 1)}}
 PREPROCESS_BLOCK_M = 64
 
 
@@ -50,13 +51,13 @@ def launch_config(kernel: str, head_dim: int, dtype: torch.dtype, target: Target
     table = (CONFIGS_FP32 if fp32 else CONFIGS_16BIT)[kernel]
     block_d = padded_head_dim(head_dim)
     max_block_d, config = next((max_block_d, config) for max_block_d, config in table if block_d <= max_block_d)
-    if _small_shared_memory(target):
-        config = (SMALL_SMEM_FP32 if fp32 else SMALL_SMEM_16BIT)[kernel].get(max_block_d, config)
+    if not fp32 and _small_shared_memory(target):
+        config = SMALL_SMEM_16BIT[kernel].get(max_block_d, config)
     return config
 
 
 def _small_shared_memory(target: Target) -> bool:
-    """Whether the target GPU's blocks may have at most 99 KiB of shared memory (SMALL_SMEM_16BIT, SMALL_SMEM_FP32)."""
+    """Whether the target GPU's blocks may have at most 99 KiB of shared memory (SMALL_SMEM_16BIT)."""
     major, minor = target.capability
     return major == 12 or (major, minor) in ((8, 6), (8, 9))
 

@@ -96,7 +96,7 @@ def test_portable_kernels_at_head_dim_256_match_reference(seqlen_q, seqlen_k, ca
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_small_shared_memory_configs_match_reference(head_dim, causal, dtype):
     """The portable kernels at the configs of GPUs whose blocks get at most 99 KiB of shared memory (compute
-    capability 8.6, 8.9, 12.x: portable.SMALL_SMEM_16BIT and SMALL_SMEM_FP32), run on this GPU, whatever it is, so
+    capability 8.6, 8.9, 12.x: portable.SMALL_SMEM_16BIT, and for fp32 the table's), run on this GPU, whatever it is, so
     that those configs are checked against float64 somewhere: GQA, 777 queries, 2049 keys."""
     small = Target((8, 6))
     configs = {f"portable.{kernel}": portable.launch_config(kernel, head_dim, dtype, small)

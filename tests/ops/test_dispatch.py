@@ -250,11 +250,9 @@ def test_configs_come_from_the_tables_and_overrides_restore(no_override):
         assert launch_config("portable.dq", 64, torch.float16, small) == portable.SMALL_SMEM_16BIT["dq"][128]
         assert launch_config("portable.dkdv", 256, torch.bfloat16, small) == portable.SMALL_SMEM_16BIT["dkdv"][256]
         assert launch_config("portable.dkdv", 128, torch.bfloat16, small) == portable.CONFIGS_16BIT["dkdv"][1][1]
-        assert launch_config("portable.fwd", 128, torch.float32, small) == portable.CONFIGS_FP32["fwd"][0][1]
-        for kernel in ("dkdv", "dq"):
-            fp32_256, fp32_128 = portable.SMALL_SMEM_FP32[kernel][256], portable.CONFIGS_FP32[kernel][0][1]
-            assert launch_config(f"portable.{kernel}", 256, torch.float32, small) == fp32_256
-            assert launch_config(f"portable.{kernel}", 128, torch.float32, small) == fp32_128
+        for kernel in ("fwd", "dkdv", "dq"):  # fp32: the table's configs fit
+            for head_dim, (_, config) in zip((128, 256), portable.CONFIGS_FP32[kernel], strict=True):
+                assert launch_config(f"portable.{kernel}", head_dim, torch.float32, small) == config
     for large in (Target((8, 0)), HOPPER):
         assert launch_config("portable.fwd", 128, torch.bfloat16, large) == portable.CONFIGS_16BIT["fwd"][1][1]
         assert launch_config("portable.dkdv", 256, torch.float32, large) == portable.CONFIGS_FP32["dkdv"][1][1]
