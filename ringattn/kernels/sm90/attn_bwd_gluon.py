@@ -129,6 +129,38 @@ def _probabilities(s, lse2_hi, offs_n, band, LOWER: gl.constexpr, UPPER: gl.cons
 
 
 @gluon.jit
+def _scores_and_dp(q_tile, do_tile, k_keys, v_keys, s_zero, hi_bufs, slot, offs_n, band, LOWER: gl.constexpr,
+                   UPPER: gl.constexpr, SOFTCAP: gl.constexpr, KEYS_DIM: gl.constexpr):  # fmt: skip
+    """A step's (P, t, dP) for keys k_keys, v_keys (KEYS, BLOCK_D) against rows q_tile, do_tile (BLOCK_M, BLOCK_D),
+    keys along dim KEYS_DIM of each (0: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ; 1: S = Q Kᵀ and dP = dO Vᵀ): the two products
+    issued together, P and t of the scores as _probabilities gives them, dP still in flight (warpgroup_mma_wait).
+    hi_bufs, slot: the lse2_hi ring and the step's slot; s_zero: zeros in the scores' shape and layout; band as
+    _probabilities's."""
+    if KEYS_DIM == 0:
+        s = warpgroup_mma(k_keys, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(v_keys, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    else:
+        s = warpgroup_mma(q_tile, k_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    # rows past seqlen_q load stats 0 (and add nothing: their Q and dO rows are zeros); rows that see no key have
+    # lse2_hi = +inf, so that their P is 0
+    lse2_hi = hi_bufs.index(slot).reshape([hi_bufs.type.shape[3]]).load(gl.SliceLayout(KEYS_DIM, s_zero.type.layout))
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    p, t = _probabilities(s, lse2_hi, offs_n, band, LOWER, UPPER, SOFTCAP, KEYS_DIM)
+    return p, t, dp
+
+
+@gluon.jit
+def _hand_dq(dq, dq_smem, sm_scale, HALF: gl.constexpr):
+    """Consumer HALF's share of a step's dQ, times sm_scale, into its buffer dq_smem for the writer, once the writer
+    has read the last one."""
+    _named_barrier(DQ_FREE + 2 * HALF, 160, False)
+    dq_smem.store(dq * sm_scale)
+    fence_async_shared()
+    _named_barrier(DQ_FULL + 2 * HALF, 160, True)
+
+
+@gluon.jit
 def _load_partition(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.constexpr, ADD_DKDV: gl.constexpr,
                     SPLIT_COLS: gl.constexpr):  # fmt: skip
     """The producer: K and V once, then step i's Q and dO tiles into slot i % NUM_BUFFERS once both consumers freed
@@ -199,14 +231,9 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     mbarrier.wait(kv_bar, 0)
     for i in range(num_steps):
         hq, m0, slot, q_tile, do_tile = _step_tiles(i, num_m, start_m, first_hq, q_bufs, do_bufs, qdo_bars)
-        st = warpgroup_mma(k_rows, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_rows, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # rows past seqlen_q load stats 0 (and add nothing: their Q and dO rows are zeros); rows that see no key
-        # have lse2_hi = +inf, so that their P is 0
-        lse2_hi = hi_bufs.index(slot).reshape([BLOCK_M]).load(col_layout)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
         band = (m0, full_lo, full_hi, lower, upper, qk_scale, cap_scale)
-        pt, st = _probabilities(st, lse2_hi, offs_n, band, LOWER, UPPER, SOFTCAP, 0)
+        pt, st, dpt = _scores_and_dp(q_tile, do_tile, k_rows, v_rows, s_zero, hi_bufs, slot, offs_n, band, LOWER, UPPER,
+                                     SOFTCAP, 0)  # fmt: skip
         pt16 = gl.convert_layout(pt.to(dtype), op_layout)
         if SOFTCAP:  # dS's factors but dP - delta, so that only one (KEYS, BLOCK_M) tile stays live till dP is in
             pt = pt * (1.0 - st * st)
@@ -229,11 +256,7 @@ def _grad_rows(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv,))
         dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_tile, dk, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))
-        # this half of the step's dQ to the writer, once it has read the last one
-        _named_barrier(DQ_FREE + 2 * HALF, 160, False)
-        dq_smem.store(dq * sm_scale)
-        fence_async_shared()
-        _named_barrier(DQ_FULL + 2 * HALF, 160, True)
+        _hand_dq(dq, dq_smem, sm_scale, HALF)
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
         _arrive(qdo_bars.index(2 * slot + 1))
 
@@ -295,12 +318,9 @@ def _grad_cols(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
     mbarrier.wait(kv_bar, 0)
     for i in range(num_steps):
         hq, m0, slot, q_tile, do_tile = _step_tiles(i, num_m, start_m, first_hq, q_bufs, do_bufs, qdo_bars)
-        s = warpgroup_mma(q_tile, k_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_tile, v_keys.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        lse2_hi = hi_bufs.index(slot).reshape([BLOCK_M]).load(row_layout)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         band = (m0, full_lo, full_hi, lower, upper, qk_scale, cap_scale)
-        p, s = _probabilities(s, lse2_hi, offs_n, band, LOWER, UPPER, SOFTCAP, 1)
+        p, s, dp = _scores_and_dp(q_tile, do_tile, k_keys, v_keys, s_zero, hi_bufs, slot, offs_n, band, LOWER, UPPER,
+                                  SOFTCAP, 1)  # fmt: skip
         # the buffers of two steps ago are free, as _grad_rows's dS buffer
         p_tile = p_bufs.index(i % 2)
         ds_tile = ds_bufs.index(i % 2)
@@ -316,10 +336,7 @@ def _grad_cols(args, LOWER: gl.constexpr, UPPER: gl.constexpr, SOFTCAP: gl.const
         dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile.slice(HALF * COLS, COLS, dim=1), dv, is_async=True)
         dk = warpgroup_mma(ds_tile.permute((1, 0)), q_tile.slice(HALF * COLS, COLS, dim=1), dk, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
-        _named_barrier(DQ_FREE + 2 * HALF, 160, False)
-        dq_smem.store(dq * sm_scale)
-        fence_async_shared()
-        _named_barrier(DQ_FULL + 2 * HALF, 160, True)
+        _hand_dq(dq, dq_smem, sm_scale, HALF)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
         _arrive(qdo_bars.index(2 * slot + 1))
 
