@@ -25,7 +25,7 @@ CONFIGS_16BIT = {
     "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(64, 32, 4, 1))),
 }
 # fp32 at D = 256 in narrow tiles: 32 x 32 left ptxas at 32 registers a thread and 33 to 77 KB of spills on sm_90;
-# these take 0.10x to 0.25x its time on an H100 (docs/performance.md, decisions), spill nothing on sm_80, sm_86 and
+# these take 0.10x to 0.67x its time on an H100 (docs/performance.md, decisions), spill nothing on sm_80, sm_86 and
 # (triton 3.6) sm_90, and fit blocks of 99 KiB (80, 98 and 96 KiB)
 CONFIGS_FP32 = {
     "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(16, 32, 4, 1))),

@@ -77,12 +77,13 @@ def test_long_ragged_lengths_at_head_dim_96_match_reference(seqlen_q, seqlen_k, 
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="D = 256 at these lengths: the GPU suite")
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32], ids=dtype_id)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", LONG_SEQLENS[1:], ids=[f"Sq{a}-Sk{b}" for a, b in LONG_SEQLENS[1:]])
 def test_portable_kernels_at_head_dim_256_match_reference(seqlen_q, seqlen_k, causal, dtype):
-    """The portable kernels at D = 256 (their own launch configs; on a GPU they run documents and deterministic
-    calls there), GQA, Sq != Sk both ways: out, lse and the gradients against float64 under the tolerance rule."""
+    """The portable kernels at D = 256 (their own launch configs, the 16-bit ones and fp32's; on a GPU they run
+    documents and deterministic calls there, and every fp32 call), GQA, Sq != Sk both ways: out, lse and the
+    gradients against float64 under the tolerance rule."""
     q, k, v, dout = make_qkv(1, seqlen_q, seqlen_k, 4, 2, 256, dtype, seed=seqlen_q + seqlen_k)
     scale = 256**-0.5
     out, lse = attn_fwd(q, k, v, scale, causal, backend="portable")
