@@ -24,9 +24,9 @@ CONFIGS_16BIT = {
     "dkdv": ((64, LaunchConfig(64, 64, 4, 3)), (128, LaunchConfig(64, 64, 4, 2)), (256, LaunchConfig(64, 64, 8, 1))),
     "dq": ((128, LaunchConfig(128, 64, 8, 3)), (256, LaunchConfig(64, 32, 4, 1))),
 }
-# fp32 at D = 256 in narrow tiles: 32 x 32 left ptxas at 32 registers a thread and 33 to 77 KB of spills on sm_90;
-# these take 0.10x to 0.67x its time on an H100 (docs/performance.md, decisions), spill nothing on sm_80, sm_86 and
-# (triton 3.6) sm_90, and fit blocks of 99 KiB (80, 98 and 96 KiB)
+# fp32 at D = 256 in narrow tiles: at 32 x 32 ptxas left most forms for sm_90 at 32 registers a thread and 33 to 77
+# KB of spills; these take 0.10x to 0.67x its time on an H100 (docs/performance.md, decisions), spill nothing on
+# sm_80, sm_86 and (triton 3.6) sm_90, and fit blocks of 99 KiB (80, 98 and 96 KiB)
 CONFIGS_FP32 = {
     "fwd": ((128, LaunchConfig(64, 32, 4, 2)), (256, LaunchConfig(16, 32, 4, 1))),
     "dkdv": ((128, LaunchConfig(32, 32, 4, 1)), (256, LaunchConfig(16, 32, 4, 1))),
